@@ -1,0 +1,1 @@
+"""Environments: Docker sandboxes and the gymnasium environments that act in them."""

@@ -1,0 +1,1 @@
+"""Docker sandboxes: one hardened container per episode, labelled with the run id."""

@@ -1,0 +1,1 @@
+"""Policies: the built-in MoE decoder, its tokenizer and chat format, and batched generation."""

@@ -1,0 +1,1 @@
+"""Rollout: the inference engine, the multi-turn agent loop and rollout workers (Ray actors)."""

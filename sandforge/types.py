@@ -1,0 +1,134 @@
+"""Plain data exchanged between the parts of sandforge.
+
+Environments, the rollout, verifiers and the trainer talk only through these dataclasses, never through each other's
+objects. Every type round-trips through ``to_dict``/``from_dict`` so it can cross Ray and be written as JSON lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+@dataclass
+class ToolCall:
+    """One call the policy asked for: a tool name and its JSON arguments."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+
+@dataclass
+class Message:
+    """One chat message. Assistant messages keep their reasoning; tool messages name the tool they answer."""
+
+    role: Role
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    name: str = ""  # for role == "tool": which tool produced this observation
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Message:
+        calls = [ToolCall(**c) for c in d.get("tool_calls", [])]
+        return cls(**{**d, "tool_calls": calls})
+
+
+@dataclass
+class Reward:
+    """What a verifier concluded. ``value`` is the scalar the trainer uses; ``breakdown`` explains it."""
+
+    value: float
+    success: bool
+    breakdown: dict[str, float] = field(default_factory=dict)
+    reason: str = ""
+
+
+@dataclass
+class Task:
+    """One task instance, as plain data: what the policy is told, how the sandbox is prepared, how it is graded.
+
+    ``setup`` is environment-specific (e.g. files to create before the episode). ``checks`` lists verifier calls as
+    ``{"verifier": name, **arguments}``; verifiers run them after the episode, from outside the policy's reach.
+    ``solution`` is a reference sequence of tool calls that solves the task.
+    """
+
+    id: str
+    env: str
+    family: str
+    seed: int
+    instruction: str
+    setup: dict[str, Any] = field(default_factory=dict)
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    solution: list[ToolCall] = field(default_factory=list)
+    split: Literal["train", "heldout"] = "train"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Task:
+        return cls(**{**d, "solution": [ToolCall(**c) for c in d.get("solution", [])]})
+
+
+@dataclass
+class Turn:
+    """What happened in one policy turn. Token spans index into ``Trajectory.token_ids``."""
+
+    index: int
+    prompt_tokens: int  # length of the sequence before this turn's generation
+    generated_tokens: int
+    observation_tokens: int  # tokens appended after generation (tool results, next assistant header)
+    finish_reason: str  # "stop" | "length" | "context"
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    observations: list[str] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)
+    executed: int = 0  # tool calls that ran in the sandbox
+    seconds_generate: float = 0.0
+    seconds_tools: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Turn:
+        return cls(**{**d, "tool_calls": [ToolCall(**c) for c in d.get("tool_calls", [])]})
+
+
+@dataclass
+class Trajectory:
+    """One episode, token for token.
+
+    ``token_ids`` is exactly the sequence the engine consumed and produced. ``loss_mask[i]`` is 1 only where the policy
+    generated token i; ``logprobs[i]`` is the engine's log-probability for that token (0.0 elsewhere). A failed episode
+    (broken sandbox, verifier error) keeps ``failed=True`` and its reason, and is excluded from the gradient.
+    """
+
+    task: Task
+    group: str
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: Reward | None = None
+    failed: bool = False
+    failure: str = ""
+    policy_version: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Trajectory:
+        return cls(
+            **{
+                **d,
+                "task": Task.from_dict(d["task"]),
+                "messages": [Message.from_dict(m) for m in d.get("messages", [])],
+                "turns": [Turn.from_dict(t) for t in d.get("turns", [])],
+                "reward": Reward(**d["reward"]) if d.get("reward") else None,
+            }
+        )

@@ -1,0 +1,1 @@
+"""Trainer: DeepSpeed ranks on Ray and the policy-gradient algorithms."""

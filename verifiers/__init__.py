@@ -1,0 +1,1 @@
+"""Verifiers: score an episode from outside the policy's reach."""
