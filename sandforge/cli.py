@@ -1,0 +1,87 @@
+"""The ``sandforge`` command line.
+
+Config errors are found before anything heavy is imported (torch, Ray, DeepSpeed, Docker), so a typo costs a second, not a
+cluster start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sandforge.config import ConfigError, JobConfig, load_config
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL post-training on real sandboxes.")
+images_app = typer.Typer(no_args_is_help=True, help="Build the sandbox images (no registry needed).")
+sandbox_app = typer.Typer(no_args_is_help=True, help="Inspect and clean up sandbox containers.")
+app.add_typer(images_app, name="images")
+app.add_typer(sandbox_app, name="sandbox")
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def validate_job(cfg: JobConfig) -> None:
+    """Checks that need the registry (environment names, task families); still no heavy imports."""
+    from sandforge.rollout.tasks import TaskSampler
+
+    try:
+        TaskSampler(cfg.environments, cfg.run.seed)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(str(e).strip("'\"")) from None
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(..., help="Job YAML, e.g. configs/quickstart.yaml"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. trainer.steps=2"),
+) -> None:
+    """Run an RL job: rollouts in Docker sandboxes, verifier rewards, DeepSpeed policy-gradient steps."""
+    try:
+        cfg = load_config(config, overrides or [])
+        validate_job(cfg)
+    except ConfigError as e:
+        fail(str(e))
+    from sandforge.trainer.loop import run
+
+    try:
+        run(cfg)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+
+
+@images_app.command("build")
+def images_build(
+    env: Optional[list[str]] = typer.Option(None, "--env", help="Only these environments (repeatable)"),
+    base_image: Optional[str] = typer.Option(None, help="Base image reference to pull instead of bootstrapping"),
+) -> None:
+    """Build the base image (debootstrap when nothing can be pulled) and each environment's image."""
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError
+    from sandforge.environments.sandbox.images import build_images
+
+    try:
+        tags = build_images(env or None, base_image=base_image)
+    except SandboxError as e:
+        fail(str(e), 1)
+    for name, tag in tags.items():
+        typer.echo(f"{name}: {tag}")
+
+
+@sandbox_app.command("reap")
+def sandbox_reap(run_id: str = typer.Argument(..., help="Run id whose containers to remove (see <output_dir>/run_id)")) -> None:
+    """Remove every container labelled with a run id."""
+    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
+
+    typer.echo(f"removed {remove_run_containers(run_id)} container(s)")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The job schema: one YAML file, validated before any Ray actor or container starts.
+
+Every section forbids unknown keys, so a typo fails fast with the dotted key and the file it came from. Dotted
+``key=value`` overrides from the command line are applied to the raw YAML before validation and are reported the same way.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message is one line that names the file and the dotted key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "sandforge"
+    output_dir: Path = Path("runs/default")
+    seed: int = 0
+
+
+class RayConfig(Section):
+    address: str | None = None  # None starts a local Ray; "auto" or "ray://host:port" joins a cluster
+    num_cpus: int | None = None
+
+
+class SandboxConfig(Section):
+    base_image: str | None = None  # pulled when a registry answers; otherwise a Debian base is bootstrapped locally
+    mirror: str = "http://deb.debian.org/debian"
+    memory: str = "512m"
+    cpus: float = Field(0.5, gt=0)
+    pids_limit: int = Field(128, ge=16)
+    network: bool = False
+    runtime: str | None = None
+    exec_timeout: float = Field(10.0, gt=0)
+
+
+class EnvironmentConfig(Section):
+    name: str = "terminal"
+    families: list[str] = Field(default_factory=list)  # empty: every family the environment has
+    weight: float = Field(1.0, gt=0)
+
+
+class ModelConfig(Section):
+    init_from: Path | None = None  # a directory written by save_pretrained (config.json + model.safetensors)
+    d_model: int = Field(128, ge=8)
+    n_layers: int = Field(2, ge=1)
+    n_heads: int = Field(4, ge=1)
+    d_ff: int = Field(256, ge=8)
+    n_experts: int = Field(4, ge=1)
+    top_k: int = Field(2, ge=1)
+    max_seq_len: int = Field(4096, ge=64)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
+        return self
+
+
+class RolloutConfig(Section):
+    workers: int = Field(2, ge=1)  # rollout worker actors
+    concurrency: int = Field(4, ge=1)  # episodes each worker runs at once
+    tasks_per_step: int = Field(2, ge=1)
+    group_size: int = Field(4, ge=1)  # samples per task (GRPO group)
+    max_turns: int = Field(4, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    max_context: int = Field(2048, ge=64)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+
+
+class EngineConfig(Section):
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_ms: float = Field(5.0, ge=0)
+
+
+class WarmupConfig(Section):
+    """Supervised warm start on verified reference-solution episodes, so RL starts from a policy that calls tools."""
+
+    steps: int = Field(0, ge=0)
+    episodes: int = Field(16, ge=1)
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+
+class TrainerConfig(Section):
+    steps: int = Field(10, ge=0)  # RL steps
+    algorithm: Literal["grpo"] = "grpo"
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    kl_coef: float = Field(0.0, ge=0)
+    world_size: int = Field(1, ge=1)
+    zero_stage: Literal[0, 1, 2] = 2
+    grad_accum_steps: int = Field(2, ge=1)
+    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+
+
+class WandbConfig(Section):
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "sandforge"
+    entity: str | None = None
+    tags: list[str] = Field(default_factory=list)
+
+
+class LoggingConfig(Section):
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    sample_trajectories: int = Field(4, ge=0)  # per step, into wandb's table
+
+
+class JobConfig(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    environments: list[EnvironmentConfig] = Field(default_factory=lambda: [EnvironmentConfig()], min_length=1)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Set ``a.b.c=value`` in the raw config; the value is parsed as YAML (``2``, ``true``, ``[a, b]``, ``null``)."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {assignment!r}: expected KEY=VALUE with a dotted key, e.g. trainer.steps=2")
+    node = raw
+    parts = key.strip().split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part) if isinstance(node, dict) else None
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+
+
+def _dotted(loc: tuple) -> str:
+    return ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[")
+
+
+def _section_keys(loc: tuple) -> list[str]:
+    model: Any = JobConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        model = getattr(ann, "__args__", [ann])[0] if getattr(ann, "__origin__", None) is list else ann
+    return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
+
+
+def _describe(err: dict, source: str) -> str:
+    key = _dotted(err["loc"])
+    if err["type"] == "extra_forbidden":
+        leaf = str(err["loc"][-1])
+        close = difflib.get_close_matches(leaf, _section_keys(err["loc"]), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"{source}: unknown key '{key}'{hint}"
+    got = err.get("input")
+    got_text = f", got {got!r}" if not isinstance(got, dict) else ""
+    return f"{source}: invalid value for '{key}': {err['msg']}{got_text}"
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read, override and validate a job. Raises ConfigError with one readable line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (run:, trainer:, ...)")
+    for assignment in overrides or []:
+        apply_override(raw, assignment)
+    source = f"{path}" + (" (with command-line overrides)" if overrides else "")
+    try:
+        cfg = JobConfig.model_validate(raw)
+    except ValidationError as e:
+        errors = e.errors()
+        first = _describe(errors[0], source)
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(first + more) from None
+    check_paths(cfg, source)
+    return cfg
+
+
+def check_paths(cfg: JobConfig, source: str) -> None:
+    """Files a config points at must exist before any work starts."""
+    init = cfg.model.init_from
+    if init is not None and not (Path(init) / "config.json").is_file():
+        raise ConfigError(f"{source}: 'model.init_from' = {str(init)!r}: no checkpoint there (expected config.json)")
+
+
+def dump_config(cfg: JobConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

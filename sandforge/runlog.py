@@ -1,0 +1,78 @@
+"""What a run leaves behind: metrics.jsonl, trajectories.jsonl and a wandb run (offline unless configured otherwise)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from sandforge.config import JobConfig
+from sandforge.types import Trajectory
+
+
+def render_messages(traj: Trajectory) -> str:
+    """A plain-text transcript of an episode: reasoning, tool calls and observations, for tables and quick reading."""
+    lines = []
+    for m in traj.messages:
+        if m.role == "assistant":
+            if m.reasoning:
+                lines.append(f"[think] {m.reasoning}")
+            if m.content:
+                lines.append(f"[assistant] {m.content}")
+            lines += [f"[call] {c.name}({json.dumps(c.arguments)})" for c in m.tool_calls]
+        else:
+            lines.append(f"[{m.role}{':' + m.name if m.name else ''}] {m.content}")
+    return "\n".join(lines)
+
+
+class RunLogger:
+    def __init__(self, output_dir: Path, cfg: JobConfig, run_id: str):
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.trajectories_path = self.output_dir / "trajectories.jsonl"
+        self.samples = cfg.logging.sample_trajectories
+        self.run = None
+        wb = cfg.logging.wandb
+        if wb.mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.run = wandb.init(
+                project=wb.project,
+                entity=wb.entity,
+                name=run_id,
+                id=run_id,
+                dir=str(self.output_dir),
+                mode=wb.mode,
+                tags=wb.tags,
+                config=cfg.model_dump(mode="json"),
+                settings=wandb.Settings(console="off"),
+            )
+
+    def log(self, phase: str, metrics: dict[str, float]) -> None:
+        """One row: to metrics.jsonl (with its phase, "warmup" or "rl") and to wandb."""
+        row = {"phase": phase, "time": time.time(), **metrics}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.run is not None:
+            self.run.log(metrics)
+
+    def log_trajectories(self, step: int, phase: str, trajectories: list[Trajectory]) -> None:
+        with self.trajectories_path.open("a") as f:
+            for t in trajectories:
+                f.write(json.dumps({"step": step, "phase": phase, **t.to_dict()}) + "\n")
+        if self.run is not None and self.samples and trajectories:
+            import wandb
+
+            table = wandb.Table(columns=["step", "task", "reward", "failed", "turns", "transcript"])
+            for t in trajectories[: self.samples]:
+                reward = t.reward.value if t.reward else None
+                table.add_data(step, t.task.id, reward, t.failure or "", len(t.turns), render_messages(t))
+            self.run.log({f"samples/{phase}": table})
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
