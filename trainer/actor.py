@@ -1,0 +1,154 @@
+"""One trainer rank: a Ray actor that owns a DeepSpeed engine over the policy.
+
+N ranks form one torch.distributed group (gloo on CPU). Each rank receives its shard of the step's sequences, splits it
+into exactly ``grad_accum_steps`` micro-batches (empty ones run a zero-weighted dummy so every rank does the same number
+of backward passes), and DeepSpeed averages gradients across ranks and steps the optimizer at the boundary.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+from sandforge.trainer.grpo import grpo_token_losses, sft_token_losses
+
+
+def pad_right(rows: list[list], value, dtype) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+def split_micro_batches(rows: list[dict], n: int) -> list[list[dict]]:
+    """Deal sequences longest-first into n micro-batches so their padded sizes stay close."""
+    order = sorted(rows, key=lambda r: len(r["token_ids"]), reverse=True)
+    return [order[i::n] for i in range(n)]
+
+
+class TrainerRank:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_cfg: dict,
+        trainer_cfg: dict,
+        init_from: str | None,
+        seed: int,
+        num_threads: int = 1,
+    ):
+        os.environ.update(
+            DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        torch.set_num_threads(num_threads)
+        import deepspeed
+
+        from sandforge.models.moe_lm import MoEConfig, MoETransformer, load_pretrained
+
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        self.rank, self.world_size = rank, world_size
+        self.cfg = trainer_cfg
+        torch.manual_seed(seed)  # identical initial weights on every rank
+        model = load_pretrained(init_from) if init_from else MoETransformer(MoEConfig(**model_cfg))
+        self.model_config = model.config
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
+        optimizer = torch.optim.AdamW(model.parameters(), lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1,  # sequences are packed by us; DeepSpeed counts micro-steps only
+            "gradient_accumulation_steps": trainer_cfg["grad_accum_steps"],
+            "gradient_clipping": trainer_cfg["grad_clip"],
+            "zero_optimization": {"stage": trainer_cfg["zero_stage"]},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.steps = 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_step(self, rows: list[dict], total_tokens: int, mode: str = "rl") -> dict[str, float]:
+        """One optimizer step over this rank's rows; ``total_tokens`` counts loss tokens over all ranks."""
+        from sandforge.models.generate import token_logprobs
+
+        gas = self.cfg["grad_accum_steps"]
+        scale = gas * self.world_size / max(total_tokens, 1)  # undo DeepSpeed's 1/gas and 1/world averaging
+        sums: dict[str, torch.Tensor] = {}
+        self.engine.train()
+        for micro in split_micro_batches(rows, gas):
+            weight = scale
+            if not micro:  # keep every rank's backward count equal
+                micro, weight = [{"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "advantage": 0.0}], 0.0
+            ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
+            attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
+            mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
+            logprobs, aux = token_logprobs(self.engine, ids, attn, temperature=self.cfg.get("temperature", 1.0))
+            if mode == "sft":
+                loss, stats = sft_token_losses(logprobs, mask)
+            else:
+                old = pad_right([r["logprobs"] for r in micro], 0.0, torch.float32)
+                adv = torch.tensor([r["advantage"] for r in micro], dtype=torch.float32)
+                with torch.no_grad():
+                    ref, _ = token_logprobs(self.reference, ids, attn, temperature=self.cfg.get("temperature", 1.0))
+                loss, stats = grpo_token_losses(
+                    logprobs, old, adv, mask, self.cfg["clip_eps"], ref_logprobs=ref, kl_coef=self.cfg["kl_coef"]
+                )
+            stats["aux_loss"] = aux.detach() * (1.0 if weight else 0.0)
+            self.engine.backward(loss * weight + aux * (1.0 if weight else 0.0))
+            self.engine.step()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+        self.steps += 1
+        return self._reduce(sums, total_tokens, gas)
+
+    def _reduce(self, sums: dict[str, torch.Tensor], total_tokens: int, gas: int) -> dict[str, float]:
+        import torch.distributed as dist
+
+        keys = sorted(sums)
+        vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
+        if self.world_size > 1:
+            dist.all_reduce(vec)
+        out = {}
+        for k, v in zip(keys, vec.tolist()):
+            if k == "aux_loss":
+                out["moe/aux_loss"] = v / (gas * self.world_size)
+            elif k == "clipped":
+                out["clip_frac"] = v / max(total_tokens, 1)
+            elif k == "ratio":
+                out["ratio/mean"] = v / max(total_tokens, 1)
+            elif k in ("pg_loss", "nll"):
+                out["loss"] = v / max(total_tokens, 1)
+            else:
+                out[k] = v / max(total_tokens, 1)
+        norm = self.engine.get_global_grad_norm()
+        out["grad_norm"] = float(norm) if norm is not None else 0.0
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
+
+    def model_config_dict(self) -> dict:
+        return self.model_config.to_dict()
+
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
+        """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors)."""
+        from sandforge.models.moe_lm import save_pretrained
+        from sandforge.models.tokenizer import ByteTokenizer
+
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
+        policy_dir = Path(directory) / tag / "policy"
+        if self.rank == 0:
+            save_pretrained(self.engine.module, policy_dir)
+            ByteTokenizer().save(policy_dir / "tokenizer.json")
+        return str(policy_dir)
