@@ -1,0 +1,137 @@
+"""Batched sampling with a KV cache, and the per-token log-probabilities the trainer recomputes.
+
+The RL ratio compares ``Generation.logprobs`` with ``token_logprobs`` on the same tokens, so both use the same
+definition: log_softmax(logits / temperature) at the chosen token, before any top-k / top-p truncation (temperature 0,
+greedy, counts as temperature 1). ``models/naive.py`` holds the one-prompt-at-a-time reference these are tested against.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # includes the stop id when finish_reason == "stop"
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+def _scale(temperature: float) -> float:
+    return temperature if temperature > 0 else 1.0
+
+
+def sample_next(
+    logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """logits [N, V] float32 -> (token ids [N], their log-probabilities [N], taken before truncation)."""
+    logprobs = F.log_softmax(logits / _scale(params.temperature), dim=-1)
+    if params.temperature <= 0:
+        tokens = logits.argmax(dim=-1)
+    else:
+        keep = torch.ones_like(logprobs, dtype=torch.bool)
+        if 0 < params.top_k < logits.shape[-1]:
+            keep = torch.zeros_like(keep).scatter_(-1, logprobs.topk(params.top_k, dim=-1).indices, True)
+        if params.top_p < 1.0:
+            # Smallest set of most likely tokens whose mass reaches top_p: keep a token if the mass before it < top_p.
+            sorted_lp, order = logprobs.masked_fill(~keep, -torch.inf).sort(dim=-1, descending=True)
+            probs = sorted_lp.exp()
+            before = probs.cumsum(-1) - probs
+            in_nucleus = before < params.top_p * probs.sum(-1, keepdim=True)
+            in_nucleus[:, 0] = True
+            keep = torch.zeros_like(keep).scatter_(-1, order, in_nucleus) & keep
+        probs = logprobs.exp().masked_fill(~keep, 0.0)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _budgets(model: nn.Module, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+    """New tokens each prompt may get: max_new_tokens, capped by the model's context length (``config.max_seq_len``)."""
+    max_len = getattr(getattr(model, "config", None), "max_seq_len", None) or float("inf")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; render it with ChatFormat.render_prompt (it starts with <|bos|>)")
+        if len(p) >= max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; the model's max_seq_len is {max_len}")
+    return [int(min(params.max_new_tokens, max_len - len(p))) for p in prompts]
+
+
+@contextmanager
+def _eval_mode(model: nn.Module):
+    """Run in eval mode and restore the caller's train/eval state afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def generate(
+    model: nn.Module, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
+) -> list[Generation]:
+    """Sample a completion for every prompt: left-padded batch, one prefill, then one cached decode step per token."""
+    budgets = _budgets(model, prompts, params)
+    out = [Generation([], [], "length") for _ in prompts]
+    if not prompts or max(budgets) <= 0:
+        return out
+    device = next(model.parameters()).device
+    stop = torch.tensor(list(params.stop_ids), dtype=torch.long, device=device)
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+
+    with torch.inference_mode(), _eval_mode(model):
+        res = model(ids, attention_mask=mask, use_cache=True)
+        logits, cache = res.logits[:, -1], res.cache  # left padding: the last column is every row's last token
+        rows = torch.arange(len(prompts), device=device)  # batch row -> prompt index, unfinished rows only
+        while True:
+            tokens, logprobs = sample_next(logits, params, generator)
+            done = torch.isin(tokens, stop)
+            for r, (i, t, lp, d) in enumerate(zip(rows.tolist(), tokens.tolist(), logprobs.tolist(), done.tolist())):
+                out[i].token_ids.append(t)
+                out[i].logprobs.append(lp)
+                if d:
+                    out[i].finish_reason = "stop"
+                elif len(out[i].token_ids) >= budgets[i]:
+                    done[r] = True
+            if done.all():
+                return out
+            if done.any():
+                keep = (~done).nonzero().squeeze(-1)
+                rows, tokens, cache = rows[keep], tokens[keep], cache.select(keep)
+            res = model(tokens[:, None], attention_mask=torch.ones_like(tokens[:, None]), cache=cache, use_cache=True)
+            logits, cache = res.logits[:, -1], res.cache
+
+
+def token_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """log p(input_ids[:, t] | input_ids[:, <t]) under logits / temperature, with grad; [B, T], column 0 and pads are 0.
+
+    ``input_ids`` are right-padded. Returns (logprobs, aux_loss) so the trainer can add the MoE balance loss.
+    """
+    res = model(input_ids, attention_mask=attention_mask)
+    logits = res.logits[:, :-1] / _scale(temperature)
+    targets = input_ids[:, 1:]
+    lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view_as(targets)
+    lp = lp * attention_mask[:, 1:].to(lp.dtype)
+    return F.pad(lp, (1, 0)), res.aux_loss
