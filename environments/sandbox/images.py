@@ -1,0 +1,302 @@
+"""Sandbox images built locally, without a registry.
+
+Two layers: a Debian base (pulled when a registry answers, otherwise bootstrapped with ``debootstrap`` and ``docker
+import``-ed as ``sandforge/base:bookworm``), and one image per environment built from ``environments/<env>/Dockerfile``
+on top of it. An env image is tagged with a hash of what it is built from (its Dockerfile, the files its COPY/ADD lines
+name, and the base image id), so unchanged sources never rebuild and a changed source can never reuse a stale image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterator
+
+import docker
+import docker.errors
+
+from sandforge.environments.sandbox.docker_sandbox import docker_client
+
+BASE_TAG = "sandforge/base:bookworm"
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent  # the installed `sandforge.environments` folder
+_LOCK_PATH = Path(tempfile.gettempdir()) / "sandforge-images.lock"
+
+Progress = Callable[[str], None]
+
+
+class ImageError(RuntimeError):
+    """An image could not be found, pulled, bootstrapped or built; the message says what to run."""
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def _image_id(client: docker.DockerClient, ref: str) -> str | None:
+    try:
+        return client.images.get(ref).id
+    except docker.errors.ImageNotFound:
+        return None
+
+
+@contextlib.contextmanager
+def _build_lock() -> Iterator[None]:
+    # Several test workers or drivers may ask for the same image at once: build it once.
+    with open(_LOCK_PATH, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# --- base image -------------------------------------------------------------------------------------------------
+
+
+def ensure_base_image(
+    client: docker.DockerClient,
+    base_image: str | None = None,
+    mirror: str = DEFAULT_MIRROR,
+    progress: Progress | None = None,
+) -> str:
+    """Return a local base image tag: ``base_image`` if present or pullable, else a bootstrapped Debian bookworm."""
+    progress = progress or _noop
+    if base_image:
+        if _image_id(client, base_image):
+            return base_image
+        try:
+            progress(f"pulling {base_image}")
+            client.images.pull(base_image)
+            return base_image
+        except Exception as e:  # no registry here is the normal case: fall back to bootstrapping
+            progress(f"cannot pull {base_image} ({type(e).__name__}); bootstrapping {BASE_TAG} instead")
+    if _image_id(client, BASE_TAG):
+        return BASE_TAG
+    return _bootstrap_base(client, mirror, progress)
+
+
+def _bootstrap_base(client: docker.DockerClient, mirror: str, progress: Progress) -> str:
+    if shutil.which("debootstrap") is None:
+        raise ImageError(
+            f"no base image and debootstrap is not installed: `apt-get install debootstrap`, "
+            f"or pass a base image that is present locally (it becomes the base instead of {BASE_TAG})"
+        )
+    if os.geteuid() != 0:
+        raise ImageError("bootstrapping the base image runs debootstrap, which needs root: run this step as root")
+    with tempfile.TemporaryDirectory(prefix="sandforge-base-") as tmp:
+        rootfs, tar_path = Path(tmp) / "rootfs", Path(tmp) / "rootfs.tar"
+        _run_streaming(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), mirror], progress)
+        # Downloaded .debs and apt lists are dead weight in every image; env Dockerfiles run apt-get update anyway.
+        for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            for p in (rootfs / junk).glob("*"):
+                if p.is_file():
+                    p.unlink()
+        progress("packing the root filesystem")
+        _run_streaming(["tar", "--numeric-owner", "--xattrs", "-C", str(rootfs), "-cf", str(tar_path), "."], progress)
+        progress(f"importing {BASE_TAG}")
+        repo, tag = BASE_TAG.split(":")
+        client.api.import_image(
+            src=str(tar_path),
+            repository=repo,
+            tag=tag,
+            changes=[
+                "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "ENV LANG=C.UTF-8",
+                'CMD ["bash"]',
+            ],
+        )
+    if not _image_id(client, BASE_TAG):
+        raise ImageError(f"docker import finished but {BASE_TAG} is not present; check `docker images`")
+    return BASE_TAG
+
+
+def _run_streaming(cmd: list[str], progress: Progress) -> None:
+    tail: deque[str] = deque(maxlen=20)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip()
+        if line:
+            tail.append(line)
+            progress(line)
+    if proc.wait() != 0:
+        raise ImageError(f"`{shlex.join(cmd)}` failed (exit {proc.returncode}):\n" + "\n".join(tail))
+
+
+# --- environment images -----------------------------------------------------------------------------------------
+
+
+def env_build_context(env_name: str) -> Path:
+    """The folder ``environments/<env_name>/`` that holds the env's Dockerfile."""
+    ctx = ENVIRONMENTS_DIR / env_name
+    if not (ctx / "Dockerfile").is_file():
+        known = ", ".join(available_envs()) or "none"
+        raise ImageError(f"no Dockerfile for env '{env_name}' at {ctx / 'Dockerfile'} (envs with images: {known})")
+    return ctx
+
+
+def available_envs() -> list[str]:
+    """Every env folder under environments/ that holds a Dockerfile."""
+    return sorted(p.parent.name for p in ENVIRONMENTS_DIR.glob("*/Dockerfile"))
+
+
+def _copy_sources(dockerfile: str) -> Iterator[str]:
+    """Source patterns of the Dockerfile's COPY/ADD instructions (those reading the build context)."""
+    logical, buf = [], ""
+    for raw in dockerfile.splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        logical.append(buf + line)
+        buf = ""
+    for line in logical:
+        instr, _, rest = line.partition(" ")
+        if instr.upper() not in ("COPY", "ADD"):
+            continue
+        rest = rest.strip()
+        flags = []
+        while rest.startswith("--"):
+            flag, _, rest = rest.partition(" ")
+            flags.append(flag)
+            rest = rest.strip()
+        if any(f.startswith("--from") for f in flags):
+            continue  # copies from another stage or image, not from the context
+        args = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
+        yield from args[:-1]
+
+
+def _context_files(ctx: Path) -> list[Path]:
+    """What an env image is built from: its Dockerfile plus the files COPY/ADD take from the folder.
+
+    The folder also holds the env's Python code, which runs on the driver, not in the image; leaving it out keeps an
+    edit to env.py from rebuilding the image.
+    """
+    files = {ctx / "Dockerfile"}
+    for pattern in _copy_sources((ctx / "Dockerfile").read_text()):
+        if "://" in pattern:
+            continue  # ADD <url>: not part of the context
+        matches = [ctx] if pattern.strip("/") in ("", ".") else sorted(ctx.glob(pattern.lstrip("/")))
+        if not matches:
+            raise ImageError(f"{ctx / 'Dockerfile'}: COPY/ADD source '{pattern}' matches nothing in {ctx}")
+        for m in matches:
+            files.update([m] if m.is_file() else (p for p in m.rglob("*") if p.is_file()))
+    return sorted(f for f in files if "__pycache__" not in f.parts and f.suffix != ".pyc")
+
+
+def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient) -> str:
+    """``sandforge/<env>:<12 hex>``, the hash of the build inputs and the base image id."""
+    ctx = env_build_context(env_name)
+    base_id = _image_id(client, base_tag)
+    if base_id is None:
+        raise ImageError(f"base image {base_tag} is not present: run `sandforge images build`")
+    h = hashlib.sha256(base_id.encode())
+    for f in _context_files(ctx):
+        h.update(b"\0" + f.relative_to(ctx).as_posix().encode() + b"\0" + str(f.stat().st_mode & 0o111).encode())
+        h.update(b"\0" + f.read_bytes())
+    return f"sandforge/{env_name}:{h.hexdigest()[:12]}"
+
+
+def _context_tar(ctx: Path) -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for f in _context_files(ctx):
+            tar.add(f, arcname=f.relative_to(ctx).as_posix(), recursive=False)
+    buf.seek(0)
+    return buf
+
+
+def build_env_image(
+    client: docker.DockerClient, env_name: str, base_tag: str, progress: Progress | None = None
+) -> str:
+    """Build ``environments/<env_name>/Dockerfile`` on ``base_tag`` (build arg BASE); a no-op if the tag exists."""
+    progress = progress or _noop
+    tag = env_image_tag(env_name, base_tag, client)
+    if _image_id(client, tag):
+        return tag
+    tail: deque[str] = deque(maxlen=30)
+    stream = client.api.build(
+        fileobj=_context_tar(env_build_context(env_name)),
+        custom_context=True,
+        tag=tag,
+        buildargs={"BASE": base_tag},
+        labels={"sandforge.env": env_name},
+        rm=True,
+        forcerm=True,
+        pull=False,
+        decode=True,
+        timeout=1800,
+    )
+    for chunk in stream:
+        if "error" in chunk:
+            raise ImageError(
+                f"building the '{env_name}' image failed: {chunk['error'].strip()}\n" + "".join(tail)
+            )
+        text = chunk.get("stream", "")
+        if text.strip():
+            tail.append(text if text.endswith("\n") else text + "\n")
+            progress(text.strip())
+    if not _image_id(client, tag):
+        raise ImageError(f"docker build of '{env_name}' ended without producing {tag}:\n" + "".join(tail))
+    return tag
+
+
+def build_images(
+    envs: list[str] | None = None,
+    base_image: str | None = None,
+    client: docker.DockerClient | None = None,
+    show_progress: bool = True,
+) -> dict[str, str]:
+    """Ensure the base image and build every requested env image (default: all); returns env name -> image tag."""
+    from rich.console import Console
+
+    client = client or docker_client()
+    envs = available_envs() if envs is None else list(envs)
+    for env in envs:
+        env_build_context(env)  # fail on a typo before bootstrapping anything
+    console = Console(stderr=True, quiet=not show_progress)
+    tags: dict[str, str] = {}
+    with _build_lock(), console.status("images") as status:
+
+        def stage(name: str) -> Progress:
+            return lambda msg: status.update(f"[bold]{name}[/bold] {msg[-120:]}")
+
+        t0 = time.perf_counter()
+        had_base = _image_id(client, base_image or BASE_TAG) is not None
+        base = ensure_base_image(client, base_image, progress=stage("base"))
+        console.log(f"base {base}: {'present' if had_base else 'ready'} ({time.perf_counter() - t0:.1f}s)")
+        for env in envs:
+            t0 = time.perf_counter()
+            existed = _image_id(client, env_image_tag(env, base, client)) is not None
+            tags[env] = build_env_image(client, env, base, progress=stage(env))
+            done = "up to date" if existed else "built"
+            console.log(f"{env} {tags[env]}: {done} ({time.perf_counter() - t0:.1f}s)")
+    return tags
+
+
+def image_for(env_name: str, client: docker.DockerClient | None = None, base_image: str | None = None) -> str:
+    """The tag the current sources of ``env_name`` produce; raises ImageError if that image was not built."""
+    client = client or docker_client()
+    base = base_image if base_image and _image_id(client, base_image) else BASE_TAG
+    missing = ImageError(f"image for env '{env_name}' not built: run `sandforge images build`")
+    if _image_id(client, base) is None:
+        raise missing
+    tag = env_image_tag(env_name, base, client)
+    if _image_id(client, tag) is None:
+        raise missing
+    return tag

@@ -1,0 +1,101 @@
+"""A bash terminal in a fresh sandbox per episode: run commands, read and write files, submit."""
+
+from __future__ import annotations
+
+import posixpath
+
+import docker
+
+from sandforge.environments.base import ToolEnv
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec, docker_client
+from sandforge.environments.tools import ToolError, tool
+from sandforge.types import Task
+
+
+class TerminalEnv(ToolEnv):
+    """One task, one container per episode (``reset`` never reuses a sandbox). Close it to remove the container."""
+
+    def __init__(
+        self,
+        task: Task,
+        spec: SandboxSpec,
+        run_id: str,
+        exec_timeout: float = 10.0,
+        client: docker.DockerClient | None = None,
+    ) -> None:
+        super().__init__()
+        self.task = task
+        self.spec = spec
+        self.run_id = run_id
+        self.exec_timeout = exec_timeout
+        self._client = client
+        self._sandbox: Sandbox | None = None
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """The live sandbox of the current episode (verifiers read it after the episode)."""
+        if self._sandbox is None:
+            raise RuntimeError("TerminalEnv has no sandbox: call reset() first")
+        return self._sandbox
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed, options=options)
+        self.close()
+        self._client = self._client or docker_client()  # one client for all of this env's episodes
+        self._sandbox = Sandbox.create(self.spec, self.run_id, client=self._client)
+        try:
+            for path, content in self.task.setup.get("files", {}).items():
+                self._sandbox.write_file(posixpath.join(self.spec.workdir, path), content)
+        except (OSError, ValueError) as e:
+            self.close()
+            raise SandboxError(f"task {self.task.id}: setup could not write its files: {e}") from e
+        return self.task.instruction, {"task_id": self.task.id, "sandbox": self._sandbox.name}
+
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None
+
+    def _truncate(self, text: str) -> str:
+        limit = self.spec.max_output_bytes
+        return text if len(text) <= limit else text[:limit] + f"\n[... truncated {len(text) - limit} chars]"
+
+    @tool
+    def bash(self, command: str) -> str:
+        """Run a bash command in /workspace; returns output and exit code."""
+        try:
+            result = self.sandbox.exec(command, timeout=self.exec_timeout)
+        except ValueError as e:
+            raise ToolError(f"bash: {e}") from e
+        output = result.output if not result.output or result.output.endswith("\n") else result.output + "\n"
+        if result.timed_out:
+            return f"{output}[timed out after {self.exec_timeout:g}s; killed]"
+        return f"{output}[exit code {result.exit_code}]"
+
+    @tool
+    def read_file(self, path: str) -> str:
+        """Read a text file."""
+        try:
+            content = self.sandbox.read_file(path)
+        except ValueError as e:
+            raise ToolError(f"read_file: {e}") from e
+        except OSError as e:
+            return f"Error: {e}"
+        return f"Error: no such file: {path}" if content is None else self._truncate(content)
+
+    @tool
+    def write_file(self, path: str, content: str) -> str:
+        """Write a text file, replacing it."""
+        try:
+            self.sandbox.write_file(path, content)
+        except ValueError as e:  # a NUL in the path, text that is not valid Unicode
+            raise ToolError(f"write_file: {e}") from e
+        except OSError as e:
+            return f"Error: {e}"
+        return f"wrote {len(content.encode())} bytes to {path}"
+
+    @tool
+    def submit(self) -> str:
+        """Finish the task."""
+        self.end_episode()
+        return "submitted"

@@ -1,0 +1,45 @@
+"""Shared fixtures. Tests that start containers take ``docker_client`` (skipped when no daemon answers) and are
+marked ``@pytest.mark.docker``; the terminal image is built once per session (a no-op when it is up to date)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from sandforge.environments.sandbox import docker_sandbox
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec, remove_run_containers
+from sandforge.environments.sandbox.images import build_images
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    try:
+        return docker_sandbox.docker_client()
+    except SandboxError as e:
+        pytest.skip(f"container tests need Docker: {e}")
+
+
+@pytest.fixture(scope="session")
+def terminal_image(docker_client) -> str:
+    """Tag of the terminal env image; bootstraps the base (~30 s) and builds the image (~5 s) the first time."""
+    return build_images(["terminal"], client=docker_client, show_progress=False)["terminal"]
+
+
+@pytest.fixture
+def terminal_spec(terminal_image) -> SandboxSpec:
+    return SandboxSpec(image=terminal_image)
+
+
+@pytest.fixture
+def run_id(docker_client):
+    """A run id unique to the test; every container labelled with it is removed afterwards."""
+    rid = f"test-{uuid.uuid4().hex[:12]}"
+    yield rid
+    remove_run_containers(rid, docker_client)
+
+
+@pytest.fixture
+def sandbox(terminal_spec, run_id, docker_client):
+    with Sandbox.create(terminal_spec, run_id, client=docker_client) as sb:
+        yield sb
