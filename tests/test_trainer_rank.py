@@ -8,7 +8,7 @@ import torch
 from sandforge.trainer.loop import free_port
 
 MODEL = dict(d_model=32, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, max_seq_len=256)
-TRAINER = dict(lr=1e-2, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, kl_coef=0.0, zero_stage=2, grad_accum_steps=2)
+TRAINER = dict(lr=1e-2, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, kl_coef=0.0, zero_stage=2, grad_accum_steps=2, temperature=1.0)
 
 
 @pytest.fixture(scope="module")

@@ -73,6 +73,10 @@ class TrainerRank:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.steps = 0
 
+    def reset_reference(self) -> None:
+        """Make the current policy the KL reference (after a warm start, RL is measured from there)."""
+        self.reference.load_state_dict(self.engine.module.state_dict())
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -84,6 +88,7 @@ class TrainerRank:
         gas = self.cfg["grad_accum_steps"]
         scale = gas * self.world_size / max(total_tokens, 1)  # undo DeepSpeed's 1/gas and 1/world averaging
         sums: dict[str, torch.Tensor] = {}
+        temperature = 1.0 if mode == "sft" else self.cfg["temperature"]  # RL scores tokens as the engine sampled them
         self.engine.train()
         for micro in split_micro_batches(rows, gas):
             weight = scale
@@ -92,14 +97,14 @@ class TrainerRank:
             ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
             attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
             mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
-            logprobs, aux = token_logprobs(self.engine, ids, attn, temperature=self.cfg.get("temperature", 1.0))
+            logprobs, aux = token_logprobs(self.engine, ids, attn, temperature=temperature)
             if mode == "sft":
                 loss, stats = sft_token_losses(logprobs, mask)
             else:
                 old = pad_right([r["logprobs"] for r in micro], 0.0, torch.float32)
                 adv = torch.tensor([r["advantage"] for r in micro], dtype=torch.float32)
                 with torch.no_grad():
-                    ref, _ = token_logprobs(self.reference, ids, attn, temperature=self.cfg.get("temperature", 1.0))
+                    ref, _ = token_logprobs(self.reference, ids, attn, temperature=temperature)
                 loss, stats = grpo_token_losses(
                     logprobs, old, adv, mask, self.cfg["clip_eps"], ref_logprobs=ref, kl_coef=self.cfg["kl_coef"]
                 )

@@ -1,0 +1,240 @@
+"""The RL loop: the one place that drives both the rollout and the trainer.
+
+Each step: sample tasks → rollout workers run G episodes per task in fresh sandboxes → verifiers score them → group
+advantages → one DeepSpeed step over all ranks → new weights to the engine. An optional supervised warm start on verified
+reference-solution episodes comes first, so RL starts from a policy that already calls tools.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import asdict
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from sandforge.config import JobConfig, dump_config
+from sandforge.rollout.metrics import rollout_metrics
+from sandforge.rollout.tasks import TaskSampler
+from sandforge.runlog import RunLogger
+from sandforge.trainer.grpo import group_advantages
+from sandforge.types import Task, Trajectory
+
+console = Console(stderr=True)
+
+
+def make_run_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False)
+
+
+def training_rows(trajs: list[Trajectory], advantages: list[float] | None) -> list[dict]:
+    return [
+        {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
+         "advantage": advantages[i] if advantages else 0.0}
+        for i, t in enumerate(trajs)
+    ]
+
+
+class RLJob:
+    """Owns the actors of one run: trainer ranks, the inference engine and the rollout workers."""
+
+    def __init__(self, cfg: JobConfig, run_id: str, images: dict[str, str], logger: RunLogger):
+        import ray
+
+        from sandforge.rollout.engine import InferenceEngine
+        from sandforge.rollout.worker import RolloutWorker
+        from sandforge.trainer.actor import TrainerRank
+
+        self.cfg, self.run_id, self.logger = cfg, run_id, logger
+        self.rng = random.Random(cfg.run.seed)
+        self.sampler = TaskSampler(cfg.environments, cfg.run.seed)
+        self.output_dir = Path(cfg.run.output_dir).resolve()
+        threads = max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
+        model_cfg = cfg.model.model_dump(exclude={"init_from"})
+        init_from = str(cfg.model.init_from) if cfg.model.init_from else None
+        # the trainer scores tokens under the same temperature the engine sampled them with, or the ratio is off
+        trainer_cfg = cfg.trainer.model_dump() | {"temperature": cfg.rollout.temperature}
+        port = free_port()
+        rank_actor = ray.remote(num_cpus=0)(TrainerRank)
+        self.ranks = [
+            rank_actor.remote(r, cfg.trainer.world_size, "127.0.0.1", port, model_cfg, trainer_cfg, init_from,
+                              cfg.run.seed, threads)
+            for r in range(cfg.trainer.world_size)
+        ]
+        policy_cfg = ray.get(self.ranks[0].model_config_dict.remote())
+        self.engine = ray.remote(num_cpus=0)(InferenceEngine).remote(
+            policy_cfg, cfg.engine.max_batch_size, cfg.engine.batch_wait_ms, cfg.run.seed, os.cpu_count() or 1
+        )
+        job = cfg.model_dump(mode="json")
+        worker_actor = ray.remote(num_cpus=0)(RolloutWorker)
+        self.workers = [worker_actor.remote(i, job, run_id, self.engine, images) for i in range(cfg.rollout.workers)]
+        self.version = 0
+        self.push_weights()
+
+    def push_weights(self) -> None:
+        import ray
+
+        ray.get(self.engine.load_weights.remote(self.ranks[0].get_weights.remote(), self.version))
+
+    def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
+        """Spread episodes over the workers and gather them all, failed ones included."""
+        import ray
+
+        shards = [([], []) for _ in self.workers]
+        for i, (task, group) in enumerate(zip(tasks, groups)):
+            shards[i % len(self.workers)][0].append(asdict(task))
+            shards[i % len(self.workers)][1].append(group)
+        pending = {
+            w.run_episodes.remote(ts, gs, self.version, scripted): len(ts)
+            for w, (ts, gs) in zip(self.workers, shards) if ts
+        }
+        out: list[Trajectory] = []
+        with progress() as bar:
+            job = bar.add_task(label, total=len(tasks))
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
+                bar.advance(job, pending.pop(done[0]))
+        return out
+
+    def train(self, rows: list[dict], mode: str) -> dict[str, float]:
+        import ray
+
+        total = sum(sum(r["loss_mask"]) for r in rows)
+        world = len(self.ranks)
+        results = ray.get([rank.train_step.remote(rows[i::world], total, mode) for i, rank in enumerate(self.ranks)])
+        return results[0]
+
+    def warmup(self) -> None:
+        w = self.cfg.warmup
+        tasks = self.sampler.sample(w.episodes)
+        trajs = self.collect(tasks, [t.id for t in tasks], scripted=True, label="warm start: reference episodes")
+        self.logger.log_trajectories(0, "warmup", trajs)
+        demos = [t for t in trajs if not t.failed and t.reward and t.reward.success]
+        if not demos:
+            reasons = {t.failure or (t.reward.reason if t.reward else "") for t in trajs}
+            raise RuntimeError(f"warm start: no reference episode passed its verifier ({'; '.join(sorted(reasons))})")
+        import ray
+
+        ray.get([rank.set_lr.remote(w.lr) for rank in self.ranks])
+        with progress() as bar:
+            job = bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
+            for step in range(w.steps):
+                batch = self.rng.sample(demos, min(w.batch_size, len(demos)))
+                m = self.train(training_rows(batch, None), mode="sft")
+                self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
+                bar.update(job, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
+        ray.get([rank.set_lr.remote(self.cfg.trainer.lr) for rank in self.ranks])
+        ray.get([rank.reset_reference.remote() for rank in self.ranks])
+        self.version += 1
+        self.push_weights()
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        r = self.cfg.rollout
+        t0 = time.perf_counter()
+        tasks = self.sampler.sample(r.tasks_per_step)
+        episodes = [(task, f"{step}/{task.id}") for task in tasks for _ in range(r.group_size)]
+        trajs = self.collect([e[0] for e in episodes], [e[1] for e in episodes], scripted=False,
+                             label=f"step {step + 1}: rollouts")
+        t1 = time.perf_counter()
+        ok = [t for t in trajs if not t.failed]  # failed episodes never reach the gradient
+        metrics = rollout_metrics(trajs)
+        if ok:
+            adv = group_advantages([t.reward.value for t in ok], [t.group for t in ok])
+            metrics |= self.train(training_rows(ok, adv), mode="rl")
+        else:
+            console.print(f"[yellow]step {step + 1}: every episode failed; no update this step[/]")
+        t2 = time.perf_counter()
+        self.version += 1
+        self.push_weights()
+        t3 = time.perf_counter()
+        self.logger.log_trajectories(step, "rl", trajs)
+        metrics |= {"step": step, "policy/version": self.version, "time/rollout": t1 - t0, "time/train": t2 - t1,
+                    "time/weight_sync": t3 - t2, "time/step": t3 - t0}
+        return metrics
+
+    def checkpoint(self, step: int) -> str:
+        import ray
+
+        directory = str(self.output_dir / "checkpoints")
+        state = {"step": step, "policy_version": self.version, "run_id": self.run_id}
+        paths = ray.get([rank.save_checkpoint.remote(directory, f"step_{step}", state) for rank in self.ranks])
+        (self.output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
+        return paths[0]
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run(cfg: JobConfig) -> Path:
+    """Run a whole job; returns the run directory. Ctrl-C (or SIGTERM) stops cleanly and removes the run's containers."""
+    import ray
+
+    from sandforge.environments.sandbox.docker_sandbox import docker_client, remove_run_containers
+    from sandforge.environments.sandbox.images import build_images
+
+    out = Path(cfg.run.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = make_run_id(cfg.run.name)
+    dump_config(cfg, out / "config.yaml")
+    (out / "run_id").write_text(run_id + "\n")
+    console.print(f"[bold]sandforge[/] run [cyan]{run_id}[/] → {out}")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    logger = None
+    try:
+        client = docker_client()
+        images = build_images(sorted({e.name for e in cfg.environments}), base_image=cfg.sandbox.base_image,
+                              client=client)
+        ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=None if cfg.ray.address else 256 * 1024**2)
+        logger = RunLogger(out, cfg, run_id)
+        job = RLJob(cfg, run_id, images, logger)
+        if cfg.warmup.steps:
+            job.warmup()
+        job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
+        with progress() as bar:
+            steps = bar.add_task("RL steps", total=cfg.trainer.steps)
+            for step in range(cfg.trainer.steps):
+                metrics = job.rl_step(step)
+                logger.log("rl", metrics)
+                bar.update(steps, advance=1, description=f"RL steps (reward {metrics.get('reward/mean', 0):.2f})")
+                every = cfg.trainer.checkpoint_every
+                if every and (step + 1) % every == 0 and step + 1 < cfg.trainer.steps:
+                    job.checkpoint(step + 1)
+        policy = job.checkpoint(cfg.trainer.steps)
+        console.print(f"[green]done[/]: metrics in {out / 'metrics.jsonl'}, policy in {policy}")
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping actors and removing this run's containers[/]")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if logger is not None:
+            logger.close()
+        if ray.is_initialized():
+            ray.shutdown()
+        try:
+            removed = remove_run_containers(run_id)
+        except Exception as e:  # the daemon itself is gone: say so, the reaper of the next start takes over
+            console.print(f"[red]could not remove containers of {run_id}: {e}[/]")
+        else:
+            if removed:
+                console.print(f"removed {removed} leftover container(s) of {run_id}")
+    return out
