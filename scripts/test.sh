@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One command from a fresh machine to the full test suite, Docker tests included.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not docker"` or `bash scripts/test.sh tests/test_config.py`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/sandforge images build
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+exec .venv/bin/python -m pytest -q "$@"
