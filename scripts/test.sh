@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/sandforge images build
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+export SANDFORGE_REQUIRE_DOCKER=1  # setup.sh started the daemon: container tests must run, not skip
 exec .venv/bin/python -m pytest -q "$@"

@@ -3,6 +3,7 @@ marked ``@pytest.mark.docker``; the terminal image is built once per session (a 
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -17,6 +18,8 @@ def docker_client():
     try:
         return docker_sandbox.docker_client()
     except SandboxError as e:
+        if os.environ.get("SANDFORGE_REQUIRE_DOCKER") == "1":  # scripts/test.sh: a missing daemon is a failure there
+            pytest.fail(f"container tests need Docker: {e}")
         pytest.skip(f"container tests need Docker: {e}")
 
 
