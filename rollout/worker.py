@@ -8,7 +8,7 @@ from sandforge.config import JobConfig
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.models.chat import ChatFormat
 from sandforge.models.generate import Generation, SamplingParams
-from sandforge.models.tokenizer import ByteTokenizer
+from sandforge.models.bpe import load_tokenizer
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode, scripted_policy
 from sandforge.types import Reward, Task, Trajectory
@@ -21,7 +21,7 @@ class RolloutWorker:
         self.run_id = run_id
         self.engine = engine
         self.images = images
-        self.chat = ChatFormat(ByteTokenizer())
+        self.chat = ChatFormat(load_tokenizer(self.cfg.model.tokenizer_source()))
         r = self.cfg.rollout
         self.limits = EpisodeLimits(
             max_turns=r.max_turns,

@@ -52,6 +52,7 @@ class EnvironmentConfig(Section):
 
 class ModelConfig(Section):
     init_from: Path | None = None  # a directory written by save_pretrained (config.json + model.safetensors)
+    tokenizer: str = "bpe"  # "bpe" (shipped, trained on task text), "bytes", or a tokenizer.json path; ignored with init_from
     d_model: int = Field(128, ge=8)
     n_layers: int = Field(2, ge=1)
     n_heads: int = Field(4, ge=1)
@@ -59,6 +60,10 @@ class ModelConfig(Section):
     n_experts: int = Field(4, ge=1)
     top_k: int = Field(2, ge=1)
     max_seq_len: int = Field(4096, ge=64)
+
+    def tokenizer_source(self) -> str:
+        """A checkpoint carries its own tokenizer; a fresh model uses ``tokenizer``."""
+        return str(self.init_from) if self.init_from else self.tokenizer
 
     @model_validator(mode="after")
     def _shapes(self) -> ModelConfig:

@@ -16,7 +16,7 @@ def rank():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from sandforge.trainer.actor import TrainerRank
 
-    return TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER, None, seed=0, num_threads=2)
+    return TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER, None, "bytes", seed=0, num_threads=2)
 
 
 def masked_logprobs(rank, rows):

@@ -37,6 +37,7 @@ class TrainerRank:
         model_cfg: dict,
         trainer_cfg: dict,
         init_from: str | None,
+        tokenizer: str,
         seed: int,
         num_threads: int = 1,
     ):
@@ -51,13 +52,21 @@ class TrainerRank:
         torch.set_num_threads(num_threads)
         import deepspeed
 
+        from sandforge.models.bpe import load_tokenizer
         from sandforge.models.moe_lm import MoEConfig, MoETransformer, load_pretrained
 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         self.rank, self.world_size = rank, world_size
         self.cfg = trainer_cfg
         torch.manual_seed(seed)  # identical initial weights on every rank
-        model = load_pretrained(init_from) if init_from else MoETransformer(MoEConfig(**model_cfg))
+        self.tokenizer = load_tokenizer(tokenizer)
+        if init_from:
+            model = load_pretrained(init_from)
+        else:
+            model = MoETransformer(MoEConfig(**model_cfg, vocab_size=self.tokenizer.vocab_size))
+        if model.config.vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"tokenizer {tokenizer!r} has {self.tokenizer.vocab_size} ids but the model only "
+                             f"{model.config.vocab_size}")
         self.model_config = model.config
         self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
         optimizer = torch.optim.AdamW(model.parameters(), lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
@@ -149,11 +158,9 @@ class TrainerRank:
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
         """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors)."""
         from sandforge.models.moe_lm import save_pretrained
-        from sandforge.models.tokenizer import ByteTokenizer
 
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
         policy_dir = Path(directory) / tag / "policy"
         if self.rank == 0:
-            save_pretrained(self.engine.module, policy_dir)
-            ByteTokenizer().save(policy_dir / "tokenizer.json")
+            save_pretrained(self.engine.module, policy_dir, tokenizer=self.tokenizer)
         return str(policy_dir)

@@ -67,7 +67,7 @@ class RLJob:
         self.sampler = TaskSampler(cfg.environments, cfg.run.seed)
         self.output_dir = Path(cfg.run.output_dir).resolve()
         threads = max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
-        model_cfg = cfg.model.model_dump(exclude={"init_from"})
+        model_cfg = cfg.model.model_dump(exclude={"init_from", "tokenizer"})
         init_from = str(cfg.model.init_from) if cfg.model.init_from else None
         # the trainer scores tokens under the same temperature the engine sampled them with, or the ratio is off
         trainer_cfg = cfg.trainer.model_dump() | {"temperature": cfg.rollout.temperature}
@@ -75,7 +75,7 @@ class RLJob:
         rank_actor = ray.remote(num_cpus=0)(TrainerRank)
         self.ranks = [
             rank_actor.remote(r, cfg.trainer.world_size, "127.0.0.1", port, model_cfg, trainer_cfg, init_from,
-                              cfg.run.seed, threads)
+                              cfg.model.tokenizer_source(), cfg.run.seed, threads)
             for r in range(cfg.trainer.world_size)
         ]
         policy_cfg = ray.get(self.ranks[0].model_config_dict.remote())
