@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .tokenizer import _REPLACEMENT, FILE_NAME, SPECIAL_TOKENS, ByteTokenizer, _utf8
+from .tokenizer import FILE_NAME, SPECIAL_TOKENS, ByteTokenizer, ControlTokens, _utf8
 
 KIND = "bpe"
 SHIPPED = Path(__file__).parent / "assets" / FILE_NAME
@@ -53,7 +53,7 @@ def _new_hf_tokenizer() -> Tokenizer:
     return hf
 
 
-class BPETokenizer:
+class BPETokenizer(ControlTokens):
     """``n_text`` BPE ids, then the control tokens of ``SPECIAL_TOKENS``; the vocabulary is padded to a multiple of 16.
 
     Build one with ``train_bpe`` or ``BPETokenizer.load``; ``load_tokenizer()`` gives the shipped one.
@@ -88,25 +88,7 @@ class BPETokenizer:
         hf.no_truncation()
         hf.no_padding()
         self._hf = hf
-        self.n_text = n
-        self.special: dict[str, int] = {name: n + i for i, name in enumerate(SPECIAL_TOKENS)}
-        self._names = {i: name for name, i in self.special.items()}
-        self.vocab_size = _padded(n + len(SPECIAL_TOKENS))  # ids past the last control token are unused padding
-        self.pad_id = self.special["<|pad|>"]
-        self.bos_id = self.special["<|bos|>"]
-        self.eos_id = self.special["<|eos|>"]
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def id_of(self, name: str) -> int:
-        """Id of a control token, e.g. ``id_of("<|end|>")``."""
-        try:
-            return self.special[name]
-        except KeyError:
-            raise KeyError(f"unknown special token {name!r}; known: {', '.join(self.special)}") from None
-
-    encode_special = id_of
+        self._init_control_tokens(n)
 
     def encode(self, text: str) -> list[int]:
         """BPE ids of ``text``. Never produces a control token, whatever the text says."""
@@ -122,28 +104,8 @@ class BPETokenizer:
                 ids += self._hf.encode(part, add_special_tokens=False).ids
         return ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``: control tokens as their names, unknown ids and broken UTF-8 as U+FFFD. Never raises."""
-        parts: list[str] = []
-        run = bytearray()
-        for i in ids:
-            try:
-                i = int(i)
-            except (TypeError, ValueError, OverflowError):
-                i = -1
-            if 0 <= i < self.n_text:
-                run += self._bytes[i]
-                continue
-            if run:
-                parts.append(run.decode("utf-8", errors="replace"))
-                run.clear()
-            parts.append(self._names.get(i, _REPLACEMENT))
-        if run:
-            parts.append(run.decode("utf-8", errors="replace"))
-        return "".join(parts)
-
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._names
+    def _text_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
 
     def to_dict(self) -> dict:
         return {

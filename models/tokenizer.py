@@ -40,19 +40,21 @@ def _utf8(text: str) -> bytes:
             return text.encode("utf-8", errors="replace")
 
 
-class ByteTokenizer:
-    """256 byte ids, then the control tokens of ``SPECIAL_TOKENS``; the vocabulary is padded to a multiple of 16."""
+class ControlTokens:
+    """What the byte and BPE tokenizers share: ``n_text`` ids of text come first, then the control tokens of
+    ``SPECIAL_TOKENS``, and the vocabulary is padded to a multiple of 16. Subclasses say which bytes a text id spells."""
 
-    n_bytes = 256
-
-    def __init__(self) -> None:
-        self.special: dict[str, int] = {name: self.n_bytes + i for i, name in enumerate(SPECIAL_TOKENS)}
+    def _init_control_tokens(self, n_text: int) -> None:
+        self.n_text = n_text
+        self.special: dict[str, int] = {name: n_text + i for i, name in enumerate(SPECIAL_TOKENS)}
         self._names = {i: name for name, i in self.special.items()}
-        n = self.n_bytes + len(SPECIAL_TOKENS)
-        self.vocab_size = (n + 15) // 16 * 16  # 272; ids 268..271 are unused padding
+        self.vocab_size = (n_text + len(SPECIAL_TOKENS) + 15) // 16 * 16  # ids past the last control token: padding
         self.pad_id = self.special["<|pad|>"]
         self.bos_id = self.special["<|bos|>"]
         self.eos_id = self.special["<|eos|>"]
+
+    def _text_bytes(self, token_id: int) -> bytes:
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -66,10 +68,6 @@ class ByteTokenizer:
 
     encode_special = id_of
 
-    def encode(self, text: str) -> list[int]:
-        """Byte ids of ``text``. Never produces a control token, whatever the text says."""
-        return list(_utf8(text))
-
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``: control tokens as their names, unknown ids and broken UTF-8 as U+FFFD. Never raises."""
         parts: list[str] = []
@@ -79,8 +77,8 @@ class ByteTokenizer:
                 i = int(i)
             except (TypeError, ValueError, OverflowError):
                 i = -1
-            if 0 <= i < self.n_bytes:
-                run.append(i)
+            if 0 <= i < self.n_text:
+                run += self._text_bytes(i)
                 continue
             if run:
                 parts.append(run.decode("utf-8", errors="replace"))
@@ -92,6 +90,22 @@ class ByteTokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._names
+
+
+class ByteTokenizer(ControlTokens):
+    """256 byte ids, then the control tokens (vocabulary 272: ids 268..271 are unused padding)."""
+
+    n_bytes = 256
+
+    def __init__(self) -> None:
+        self._init_control_tokens(self.n_bytes)
+
+    def encode(self, text: str) -> list[int]:
+        """Byte ids of ``text``. Never produces a control token, whatever the text says."""
+        return list(_utf8(text))
+
+    def _text_bytes(self, token_id: int) -> bytes:
+        return bytes((token_id,))
 
     # A checkpoint directory holds tokenizer.json next to config.json, so it can be loaded without this source tree.
     def save(self, path: str | Path) -> Path:
