@@ -158,3 +158,20 @@ def test_ctrl_c_stops_the_run_and_removes_its_containers(tmp_path, docker_client
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted" in output
     assert list_run_containers(run_id, client=docker_client) == []
+
+
+def test_two_trainer_ranks_shard_the_optimizer(tmp_path, terminal_image):
+    """trainer.world_size=2: two DeepSpeed ranks (ZeRO-2 over gloo) step together and each saves its optimizer shard."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        sandforge("train", "configs/quickstart.yaml", "trainer.steps=1", f"run.output_dir={out}", "trainer.world_size=2",
+                  "warmup.steps=4", "warmup.episodes=4", "rollout.tasks_per_step=1", "rollout.group_size=2",
+                  "rollout.max_turns=2", "logging.wandb.mode=disabled"),
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "rl"] == [0]
+    assert all(r["warmup/grad_norm"] > 0 for r in rows if r["phase"] == "warmup")
+    shards = sorted(p.name for p in (out / "checkpoints" / "step_1").glob("*optim_states.pt"))
+    assert len(shards) == 2 and "rank_0" in shards[0] and "rank_1" in shards[1], shards

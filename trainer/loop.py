@@ -55,14 +55,14 @@ def training_rows(trajs: list[Trajectory], advantages: list[float] | None) -> li
 class RLJob:
     """Owns the actors of one run: trainer ranks, the inference engine and the rollout workers."""
 
-    def __init__(self, cfg: JobConfig, run_id: str, images: dict[str, str], logger: RunLogger):
+    def __init__(self, cfg: JobConfig, run_id: str, images: dict[str, str], logger: RunLogger, bar: Progress):
         import ray
 
         from sandforge.rollout.engine import InferenceEngine
         from sandforge.rollout.worker import RolloutWorker
         from sandforge.trainer.actor import TrainerRank
 
-        self.cfg, self.run_id, self.logger = cfg, run_id, logger
+        self.cfg, self.run_id, self.logger, self.bar = cfg, run_id, logger, bar
         self.rng = random.Random(cfg.run.seed)
         self.sampler = TaskSampler(cfg.environments, cfg.run.seed)
         self.output_dir = Path(cfg.run.output_dir).resolve()
@@ -106,12 +106,12 @@ class RLJob:
             for w, (ts, gs) in zip(self.workers, shards) if ts
         }
         out: list[Trajectory] = []
-        with progress() as bar:
-            job = bar.add_task(label, total=len(tasks))
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1)
-                out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
-                bar.advance(job, pending.pop(done[0]))
+        job = self.bar.add_task(label, total=len(tasks))
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
+            self.bar.advance(job, pending.pop(done[0]))
+        self.bar.remove_task(job)
         return out
 
     def train(self, rows: list[dict], mode: str) -> dict[str, float]:
@@ -134,13 +134,12 @@ class RLJob:
         import ray
 
         ray.get([rank.set_lr.remote(w.lr) for rank in self.ranks])
-        with progress() as bar:
-            job = bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
-            for step in range(w.steps):
-                batch = self.rng.sample(demos, min(w.batch_size, len(demos)))
-                m = self.train(training_rows(batch, None), mode="sft")
-                self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
-                bar.update(job, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
+        job = self.bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
+        for step in range(w.steps):
+            batch = self.rng.sample(demos, min(w.batch_size, len(demos)))
+            m = self.train(training_rows(batch, None), mode="sft")
+            self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
+            self.bar.update(job, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
         ray.get([rank.set_lr.remote(self.cfg.trainer.lr) for rank in self.ranks])
         ray.get([rank.reset_reference.remote() for rank in self.ranks])
         self.version += 1
@@ -206,21 +205,21 @@ def run(cfg: JobConfig) -> Path:
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
         logger = RunLogger(out, cfg, run_id)
-        job = RLJob(cfg, run_id, images, logger)
-        if cfg.warmup.steps:
-            job.warmup()
-        job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
         with progress() as bar:
+            job = RLJob(cfg, run_id, images, logger, bar)
+            if cfg.warmup.steps:
+                job.warmup()
+            job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
             steps = bar.add_task("RL steps", total=cfg.trainer.steps)
             for step in range(cfg.trainer.steps):
                 metrics = job.rl_step(step)
                 logger.log("rl", metrics)
-                bar.update(steps, advance=1, description=f"RL steps (reward {metrics.get('reward/mean', 0):.2f})")
+                bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
                 every = cfg.trainer.checkpoint_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.trainer.steps:
                     job.checkpoint(step + 1)
-        policy = job.checkpoint(cfg.trainer.steps)
-        console.print(f"[green]done[/]: metrics in {out / 'metrics.jsonl'}, policy in {policy}")
+            policy = job.checkpoint(cfg.trainer.steps)
+        console.print(f"[green]done[/]: metrics in {out / 'metrics.jsonl'}, policy in {policy}", soft_wrap=True)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping actors and removing this run's containers[/]")
         raise
