@@ -46,12 +46,16 @@ def train(
         validate_job(cfg)
     except ConfigError as e:
         fail(str(e))
-    from sandforge.trainer.loop import run
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError
+    from sandforge.environments.sandbox.images import ImageError
+    from sandforge.trainer.loop import JobError, run
 
     try:
         run(cfg)
     except KeyboardInterrupt:
         raise typer.Exit(130)
+    except (JobError, SandboxError, ImageError) as e:
+        fail(str(e), 1)
 
 
 @images_app.command("build")
@@ -61,11 +65,11 @@ def images_build(
 ) -> None:
     """Build the base image (debootstrap when nothing can be pulled) and each environment's image."""
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
-    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.images import ImageError, build_images
 
     try:
         tags = build_images(env or None, base_image=base_image)
-    except SandboxError as e:
+    except (SandboxError, ImageError) as e:
         fail(str(e), 1)
     for name, tag in tags.items():
         typer.echo(f"{name}: {tag}")

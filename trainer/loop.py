@@ -29,6 +29,10 @@ from sandforge.types import Task, Trajectory
 console = Console(stderr=True)
 
 
+class JobError(RuntimeError):
+    """The job cannot go on for a reason the user can act on (no verified demonstrations, ...): one line, no traceback."""
+
+
 def make_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
 
@@ -50,6 +54,12 @@ def training_rows(trajs: list[Trajectory], advantages: list[float] | None) -> li
          "advantage": advantages[i] if advantages else 0.0}
         for i, t in enumerate(trajs)
     ]
+
+
+def step_line(step: int, total: int, m: dict[str, float]) -> str:
+    return (f"step {step + 1}/{total}  reward {m['reward/mean']:.3f}  success {m['success/rate']:.2f}  "
+            f"turns {m.get('turns/mean', 0):.1f}  failed {int(m['episodes/failed'])}  loss {m.get('loss', 0):.4f}  "
+            f"kl {m.get('kl', 0):.4f}  {m['time/step']:.1f}s")
 
 
 class RLJob:
@@ -130,16 +140,20 @@ class RLJob:
         demos = [t for t in trajs if not t.failed and t.reward and t.reward.success]
         if not demos:
             reasons = {t.failure or (t.reward.reason if t.reward else "") for t in trajs}
-            raise RuntimeError(f"warm start: no reference episode passed its verifier ({'; '.join(sorted(reasons))})")
+            raise JobError(f"warm start: no reference episode passed its verifier ({'; '.join(sorted(reasons))})")
         import ray
 
         ray.get([rank.set_lr.remote(w.lr) for rank in self.ranks])
         job = self.bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
+        losses = []
         for step in range(w.steps):
             batch = self.rng.sample(demos, min(w.batch_size, len(demos)))
             m = self.train(training_rows(batch, None), mode="sft")
+            losses.append(m["loss"])
             self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
             self.bar.update(job, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
+        self.bar.console.print(f"warm start: {len(demos)}/{len(trajs)} reference episodes verified; "
+                               f"SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} in {w.steps} steps")
         ray.get([rank.set_lr.remote(self.cfg.trainer.lr) for rank in self.ranks])
         ray.get([rank.reset_reference.remote() for rank in self.ranks])
         self.version += 1
@@ -215,6 +229,7 @@ def run(cfg: JobConfig) -> Path:
                 metrics = job.rl_step(step)
                 logger.log("rl", metrics)
                 bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
+                bar.console.print(step_line(step, cfg.trainer.steps, metrics))  # a log line per step, above the bars
                 every = cfg.trainer.checkpoint_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.trainer.steps:
                     job.checkpoint(step + 1)
