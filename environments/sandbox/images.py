@@ -4,6 +4,21 @@ Two layers: a Debian base (pulled when a registry answers, otherwise bootstrappe
 import``-ed as ``sandforge/base:bookworm``), and one image per environment built from ``environments/<env>/Dockerfile``
 on top of it. An env image is tagged with a hash of what it is built from (its Dockerfile, the files its COPY/ADD lines
 name, and the base image id), so unchanged sources never rebuild and a changed source can never reuse a stale image.
+
+Python packages inside an image come from a wheelhouse, because pip inside ``docker build`` cannot verify TLS on these
+machines (apt over http works). An env folder that holds ``requirements.txt`` gets one: the host runs ``pip download
+--only-binary=:all:`` for the image's Python (Debian bookworm: CPython 3.11, manylinux x86_64; pure-Python wheels fit
+any) into a cache keyed by the requirements, and the build context carries the wheels as ``wheels/``. The image hash
+covers ``requirements.txt``, not the downloaded files, so a re-download never rebuilds an image. The env's Dockerfile
+installs from the wheelhouse without an index::
+
+    RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip
+    COPY wheels/ /wheels/
+    COPY requirements.txt /wheels/requirements.txt
+    RUN pip install --no-index --find-links /wheels --break-system-packages -r /wheels/requirements.txt
+
+(``--break-system-packages``: bookworm marks its Python as externally managed; a venv in the image works as well.)
+Env folders live under ``environments/`` by default; ``envs_dir`` points the pipeline at another folder (a plugin's).
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -33,6 +49,13 @@ BASE_TAG = "sandforge/base:bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent  # the installed `sandforge.environments` folder
 _LOCK_PATH = Path(tempfile.gettempdir()) / "sandforge-images.lock"
+REQUIREMENTS = "requirements.txt"
+WHEELS = "wheels"  # the wheelhouse's folder in the build context
+# The interpreter wheels are fetched for: the python3 of the Debian release the base is bootstrapped from (bookworm:
+# CPython 3.11, glibc 2.36). pip does not widen manylinux_2_X to older glibcs itself, so every one is named; it does
+# widen manylinux2014 to manylinux2010 and manylinux1. Pure-Python wheels fit any platform.
+WHEEL_PYTHON = "3.11"
+WHEEL_PLATFORMS = tuple(f"manylinux_2_{v}_x86_64" for v in range(36, 16, -1)) + ("manylinux2014_x86_64",)
 
 Progress = Callable[[str], None]
 
@@ -139,18 +162,18 @@ def _run_streaming(cmd: list[str], progress: Progress) -> None:
 # --- environment images -----------------------------------------------------------------------------------------
 
 
-def env_build_context(env_name: str) -> Path:
-    """The folder ``environments/<env_name>/`` that holds the env's Dockerfile."""
-    ctx = ENVIRONMENTS_DIR / env_name
+def env_build_context(env_name: str, envs_dir: Path | None = None) -> Path:
+    """The folder ``<envs_dir>/<env_name>/`` (default: ``environments/<env_name>/``) that holds the env's Dockerfile."""
+    ctx = Path(envs_dir or ENVIRONMENTS_DIR) / env_name
     if not (ctx / "Dockerfile").is_file():
-        known = ", ".join(available_envs()) or "none"
+        known = ", ".join(available_envs(envs_dir)) or "none"
         raise ImageError(f"no Dockerfile for env '{env_name}' at {ctx / 'Dockerfile'} (envs with images: {known})")
     return ctx
 
 
-def available_envs() -> list[str]:
-    """Every env folder under environments/ that holds a Dockerfile."""
-    return sorted(p.parent.name for p in ENVIRONMENTS_DIR.glob("*/Dockerfile"))
+def available_envs(envs_dir: Path | None = None) -> list[str]:
+    """Every env folder under ``envs_dir`` (default: environments/) that holds a Dockerfile."""
+    return sorted(p.parent.name for p in Path(envs_dir or ENVIRONMENTS_DIR).glob("*/Dockerfile"))
 
 
 def _copy_sources(dockerfile: str) -> Iterator[str]:
@@ -185,23 +208,72 @@ def _context_files(ctx: Path) -> list[Path]:
     """What an env image is built from: its Dockerfile plus the files COPY/ADD take from the folder.
 
     The folder also holds the env's Python code, which runs on the driver, not in the image; leaving it out keeps an
-    edit to env.py from rebuilding the image.
+    edit to env.py from rebuilding the image. With a requirements.txt, it counts whether COPY names it or not (it
+    decides the wheelhouse), and ``wheels/`` is the generated wheelhouse, never a source.
     """
     files = {ctx / "Dockerfile"}
+    has_wheelhouse = (ctx / REQUIREMENTS).is_file()
+    if has_wheelhouse:
+        files.add(ctx / REQUIREMENTS)
     for pattern in _copy_sources((ctx / "Dockerfile").read_text()):
         if "://" in pattern:
             continue  # ADD <url>: not part of the context
+        if has_wheelhouse and Path(pattern.lstrip("/")).parts[:1] == (WHEELS,):
+            continue
         matches = [ctx] if pattern.strip("/") in ("", ".") else sorted(ctx.glob(pattern.lstrip("/")))
         if not matches:
             raise ImageError(f"{ctx / 'Dockerfile'}: COPY/ADD source '{pattern}' matches nothing in {ctx}")
         for m in matches:
             files.update([m] if m.is_file() else (p for p in m.rglob("*") if p.is_file()))
-    return sorted(f for f in files if "__pycache__" not in f.parts and f.suffix != ".pyc")
+    generated = ctx / WHEELS
+    return sorted(
+        f
+        for f in files
+        if "__pycache__" not in f.parts and f.suffix != ".pyc" and not (has_wheelhouse and f.is_relative_to(generated))
+    )
 
 
-def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient) -> str:
+def wheelhouse(ctx: Path, progress: Progress | None = None) -> Path | None:
+    """The wheels ``ctx/requirements.txt`` needs, downloaded once into a cache; None without a requirements.txt.
+
+    The cache key is the requirements' text plus the target Python and platform, so a second build (or an unchanged
+    image) never touches the network.
+    """
+    progress = progress or _noop
+    req = ctx / REQUIREMENTS
+    if not req.is_file():
+        return None
+    key = hashlib.sha256(f"{WHEEL_PYTHON}\0{WHEEL_PLATFORMS}\0".encode() + req.read_bytes()).hexdigest()[:16]
+    cache = Path(os.environ.get("SANDFORGE_CACHE") or Path.home() / ".cache" / "sandforge") / "wheelhouse"
+    dest = cache / key
+    if dest.is_dir():
+        return dest
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))  # renamed into place only when complete
+    tmp.chmod(0o755)  # mkdtemp's 0700 would follow the wheels into the image
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:"]
+    cmd += ["--python-version", WHEEL_PYTHON, "--implementation", "cp"]
+    cmd += [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
+    cmd += ["--dest", str(tmp), "-r", str(req)]
+    try:
+        progress(f"downloading wheels for {req}")
+        _run_streaming(cmd, progress)
+    except ImageError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ImageError(
+            f"could not build the wheelhouse for {req}: every requirement needs a wheel for CPython {WHEEL_PYTHON} "
+            f"on manylinux x86_64 (glibc <= 2.36) or a pure-Python one (sdists cannot be built offline in the image)\n{e}"
+        ) from e
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process finished the same wheelhouse first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient, envs_dir: Path | None = None) -> str:
     """``sandforge/<env>:<12 hex>``, the hash of the build inputs and the base image id."""
-    ctx = env_build_context(env_name)
+    ctx = env_build_context(env_name, envs_dir)
     base_id = _image_id(client, base_tag)
     if base_id is None:
         raise ImageError(f"base image {base_tag} is not present: run `sandforge images build`")
@@ -212,26 +284,35 @@ def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient) -> 
     return f"sandforge/{env_name}:{h.hexdigest()[:12]}"
 
 
-def _context_tar(ctx: Path) -> io.BytesIO:
+def _context_tar(ctx: Path, wheels: Path | None = None) -> io.BytesIO:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for f in _context_files(ctx):
             tar.add(f, arcname=f.relative_to(ctx).as_posix(), recursive=False)
+        if wheels is not None:
+            tar.add(wheels, arcname=WHEELS, recursive=False)
+            for f in sorted(wheels.iterdir()):
+                tar.add(f, arcname=f"{WHEELS}/{f.name}", recursive=False)
     buf.seek(0)
     return buf
 
 
 def build_env_image(
-    client: docker.DockerClient, env_name: str, base_tag: str, progress: Progress | None = None
+    client: docker.DockerClient,
+    env_name: str,
+    base_tag: str,
+    progress: Progress | None = None,
+    envs_dir: Path | None = None,
 ) -> str:
-    """Build ``environments/<env_name>/Dockerfile`` on ``base_tag`` (build arg BASE); a no-op if the tag exists."""
+    """Build ``<envs_dir>/<env_name>/Dockerfile`` on ``base_tag`` (build arg BASE); a no-op if the tag exists."""
     progress = progress or _noop
-    tag = env_image_tag(env_name, base_tag, client)
+    tag = env_image_tag(env_name, base_tag, client, envs_dir)
     if _image_id(client, tag):
         return tag
+    ctx = env_build_context(env_name, envs_dir)
     tail: deque[str] = deque(maxlen=30)
     stream = client.api.build(
-        fileobj=_context_tar(env_build_context(env_name)),
+        fileobj=_context_tar(ctx, wheelhouse(ctx, progress)),
         custom_context=True,
         tag=tag,
         buildargs={"BASE": base_tag},
@@ -261,14 +342,18 @@ def build_images(
     base_image: str | None = None,
     client: docker.DockerClient | None = None,
     show_progress: bool = True,
+    envs_dir: Path | None = None,
 ) -> dict[str, str]:
-    """Ensure the base image and build every requested env image (default: all); returns env name -> image tag."""
+    """Ensure the base image and build every requested env image (default: all); returns env name -> image tag.
+
+    ``envs_dir`` is the folder holding the env folders (default: the installed ``environments/``).
+    """
     from rich.console import Console
 
     client = client or docker_client()
-    envs = available_envs() if envs is None else list(envs)
+    envs = available_envs(envs_dir) if envs is None else list(envs)
     for env in envs:
-        env_build_context(env)  # fail on a typo before bootstrapping anything
+        env_build_context(env, envs_dir)  # fail on a typo before bootstrapping anything
     console = Console(stderr=True, quiet=not show_progress)
     tags: dict[str, str] = {}
     with _build_lock(), console.status("images") as status:
@@ -282,21 +367,26 @@ def build_images(
         console.log(f"base {base}: {'present' if had_base else 'ready'} ({time.perf_counter() - t0:.1f}s)")
         for env in envs:
             t0 = time.perf_counter()
-            existed = _image_id(client, env_image_tag(env, base, client)) is not None
-            tags[env] = build_env_image(client, env, base, progress=stage(env))
+            existed = _image_id(client, env_image_tag(env, base, client, envs_dir)) is not None
+            tags[env] = build_env_image(client, env, base, progress=stage(env), envs_dir=envs_dir)
             done = "up to date" if existed else "built"
             console.log(f"{env} {tags[env]}: {done} ({time.perf_counter() - t0:.1f}s)")
     return tags
 
 
-def image_for(env_name: str, client: docker.DockerClient | None = None, base_image: str | None = None) -> str:
+def image_for(
+    env_name: str,
+    client: docker.DockerClient | None = None,
+    base_image: str | None = None,
+    envs_dir: Path | None = None,
+) -> str:
     """The tag the current sources of ``env_name`` produce; raises ImageError if that image was not built."""
     client = client or docker_client()
     base = base_image if base_image and _image_id(client, base_image) else BASE_TAG
     missing = ImageError(f"image for env '{env_name}' not built: run `sandforge images build`")
     if _image_id(client, base) is None:
         raise missing
-    tag = env_image_tag(env_name, base, client)
+    tag = env_image_tag(env_name, base, client, envs_dir)
     if _image_id(client, tag) is None:
         raise missing
     return tag
