@@ -262,7 +262,7 @@ def wheelhouse(ctx: Path, progress: Progress | None = None) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ImageError(
             f"could not build the wheelhouse for {req}: every requirement needs a wheel for CPython {WHEEL_PYTHON} "
-            f"on manylinux x86_64 (glibc <= 2.36) or a pure-Python one (sdists cannot be built offline in the image)\n{e}"
+            f"on manylinux x86_64 (glibc <= 2.36) or a pure-Python one (sdists are not built for images)\n{e}"
         ) from e
     try:
         tmp.rename(dest)
