@@ -142,7 +142,7 @@ def test_terminal_tools_and_bad_calls(terminal_spec, run_id, docker_client):
         assert obs == "wrote 10 bytes to sub/a.txt"
         assert env.sandbox.read_file("/workspace/sub/a.txt") == "it's \"ok\"\n"
         obs, _, _, _, info = env.step(ToolCall("write_file", {"path": "/etc/motd", "content": "x"}))
-        assert obs.startswith("Error: cannot write /etc/motd") and "Permission denied" in obs and info["executed"]
+        assert obs.startswith("Error: cannot write /etc/motd") and "Read-only file system" in obs and info["executed"]
 
         for bad, fragment in [
             (ToolCall("python", {"code": "1"}), "unknown tool 'python'"),

@@ -1,14 +1,18 @@
-"""One Docker container per episode: non-root, no network, cpu/memory/pids limits, every exec bounded in time.
+"""One Docker container per episode, with persistent shell sessions and binary-safe files.
 
-Timeouts are enforced inside the container (coreutils ``timeout`` kills the command's whole process group), and the
-client gives up a few seconds later still, so neither a runaway command nor a stuck stream can hold a rollout worker.
-Output is capped inside the container too: a command that prints gigabytes costs the sandbox its cpu, not the driver.
+How a sandbox is confined is in ``spec.py``; how sessions work, and why, in ``shell.py``. Files: ``put_file`` and
+``get_file`` stream a tar archive / the raw bytes through an exec run as the given user. That works on every mount
+(Docker's archive API does not reach tmpfs mounts of a read-only container) and keeps the user's permissions: the
+policy's ``write_file`` cannot write where its shell could not, nor its ``read_file`` read what its shell could not.
 """
 
 from __future__ import annotations
 
-import base64
+import io
+import posixpath
 import re
+import tarfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,53 +21,38 @@ import docker
 import docker.errors
 import requests
 
+from sandforge.environments.sandbox.shell import (
+    KILL_AFTER,
+    Request,
+    Response,
+    ShellLost,
+    Stream,
+    dispatcher_exec_args,
+    read_ready,
+    read_response,
+)
+from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxError, SandboxSpec, ROOT_CAPS: public here too
+    ROOT_CAPS,
+    SPOOL_SIZE,
+    SandboxError,
+    SandboxSpec,
+    container_options,
+    parse_size,
+)
+
 LABEL_RUN = "sandforge.run"
 LABEL_EPISODE = "sandforge.episode"
-KILL_AFTER = 2.0  # seconds between TERM and KILL when a command outlives its timeout
+LABEL_CREATED = "sandforge.created"  # unix time of creation
 CLIENT_GRACE = 10.0  # extra seconds the client waits beyond the in-container timeout before giving up
-FILE_TIMEOUT = 30.0  # read_file / write_file
-MAX_READ_BYTES = 64 << 20
-_WRITE_CHUNK = 64 << 10  # raw bytes per exec: base64 of it stays under Linux's 128 KiB limit for one argument
-# Root inside the sandbox keeps just enough to manage files the policy made (0600 answers, read-only test folders),
-# so verifiers and setup can act as root. Docker grants a container's capabilities to execs as root only if the
-# container's own user is root, so PID 1 (`sleep`) runs as root and every exec defaults to the unprivileged spec.user,
-# whose processes have no capabilities at all (non-root, and no-new-privileges blocks setuid and file capabilities).
-ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
+FILE_TIMEOUT = 60.0  # put_file / get_file / read_file / write_file
+MAX_READ_BYTES = 64 << 20  # read_file
 
-# The policy's command runs under `timeout`, which kills its whole process group when time is up. Background jobs it
-# starts may outlive the call (`server > log 2>&1 &`), but those that still hold the call's output pipe would keep it
-# open, so they are killed when the command returns: the scan finds write ends of this pipe in /proc/*/fd.
-# Output passes through `head` + `dd | tail`: only the first and last bytes leave the container, and dd counts the rest.
-# $1 command, $2 timeout, $3 kill-after, $4 head bytes, $5 tail bytes.
-_EXEC_WRAPPER = r"""
-( timeout --kill-after="$3" "$2" bash -c "$1" </dev/null 2>&1 & wait "$!"; rc=$?
-  self=$BASHPID; me=$(readlink "/proc/$self/fd/1"); pat=${me//\[/\\[}; pat=${pat//\]/\\]}
-  for round in 1 2 3; do
-    killed=0
-    for f in $(find /proc/[0-9]*/fd -lname "$pat" 2>/dev/null); do
-      pid=${f#/proc/}; pid=${pid%%/*}
-      [ "$pid" = "$self" ] && continue
-      while read -r key value; do
-        [ "$key" = flags: ] && (( 8#$value & 3 )) && kill -KILL "$pid" 2>/dev/null && killed=1
-      done < "/proc/$pid/fdinfo/${f##*/}" 2>/dev/null
-    done
-    [ "$killed" = 1 ] || break
-  done
-  exit "$rc" ) | { head -c "$4"; LC_ALL=C dd bs=64K 2>&2 | tail -c "$5"; }
-exit "${PIPESTATUS[0]}"
-"""
-# $1 path. Exit 3 means "no such file" (read_file returns None).
-_READ_SCRIPT = r"""[ -e "$1" ] || exit 3; exec cat -- "$1" """
-# $1 base64 chunk, $2 path, $3 "1" for the first chunk (create parents, truncate) else append.
-_WRITE_SCRIPT = r"""
-if [ "$3" = 1 ]; then mkdir -p -- "$(dirname -- "$2")" && printf %s "$1" | base64 -d > "$2"
-else printf %s "$1" | base64 -d >> "$2"; fi
-"""
-_DD_BYTES = re.compile(rb"^(\d+) bytes", re.MULTILINE)
-
-
-class SandboxError(RuntimeError):
-    """The sandbox is broken, dead or unreachable: the episode using it has failed."""
+# $1 path. Exit code on stderr's last line, so no exec_inspect round trip is needed; 3 means "no such file".
+_GET_SCRIPT = r"""[ -e "$1" ] || { printf '\0SFRC 3\n' >&2; exit 3; }; cat -- "$1"; printf '\0SFRC %d\n' "$?" >&2"""
+# A one-member tar archive on stdin; -p keeps its mode exactly, -m stamps the current time, and the file is owned by
+# whoever runs this. -U: an existing file (or symlink) at the path is unlinked and replaced, never written through.
+_PUT_SCRIPT = r"""tar -x -f - -C / -p -m -U --no-same-owner; printf '\0SFRC %d\n' "$?" """
+_RC = re.compile(rb"\0SFRC (\d+)\n")
 
 
 def docker_client(timeout: int = 120, max_pool_size: int = 32) -> docker.DockerClient:
@@ -80,30 +69,19 @@ def docker_client(timeout: int = 120, max_pool_size: int = 32) -> docker.DockerC
 
 
 @dataclass
-class SandboxSpec:
-    """How to start a sandbox. ``memory`` uses Docker's units ("512m"); it caps memory+swap together."""
-
-    image: str
-    memory: str = "512m"
-    cpus: float = 1.0
-    pids_limit: int = 256
-    network: bool = False
-    user: str = "sandbox"
-    workdir: str = "/workspace"
-    runtime: str | None = None  # e.g. "runsc" for gVisor where installed
-    max_output_bytes: int = 16384
-
-
-@dataclass
 class ExecResult:
     exit_code: int
-    output: str  # stdout and stderr merged, truncated to SandboxSpec.max_output_bytes
+    output: str  # stdout and stderr merged, head + tail kept within SandboxSpec.max_output_bytes, plus markers
     timed_out: bool
     seconds: float
+    oom_killed: bool = False  # the memory limit killed a process during the command
 
 
 class Sandbox:
-    """A running container that belongs to one episode. Create with ``Sandbox.create``; always ``close()``."""
+    """A running container that belongs to one episode. Create with ``Sandbox.create``; always ``close()``.
+
+    ``reuse_shell=False`` makes every command a fresh ``docker exec`` (the plain reference path; same results).
+    """
 
     def __init__(self, container, spec: SandboxSpec, run_id: str, client: docker.DockerClient):
         self._container = container
@@ -112,33 +90,29 @@ class Sandbox:
         self.name: str = container.name
         self.run_id = run_id
         self.spec = spec
+        self.reuse_shell = True
+        self._shells: dict[str, _Shell] = {}  # user -> its live dispatcher
+        self._shells_lock = threading.Lock()
         self._closed = False
 
     @classmethod
-    def create(cls, spec: SandboxSpec, run_id: str, client: docker.DockerClient | None = None) -> Sandbox:
+    def create(
+        cls,
+        spec: SandboxSpec,
+        run_id: str,
+        client: docker.DockerClient | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> Sandbox:
+        """Start a container for one episode, labelled with the run, a new episode id, the time and ``labels``."""
         client = client or docker_client()
         episode = uuid.uuid4().hex
         name = f"sandforge-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run_id)[:40]}-{episode[:12]}"
+        ours = {LABEL_RUN: run_id, LABEL_EPISODE: episode, LABEL_CREATED: str(int(time.time()))}
+        all_labels = {**(labels or {}), **ours}
         try:
+            options = container_options(client, spec, ours)
             # create + start, not run: run would try to pull a missing image from a registry
-            container = client.containers.create(
-                spec.image,
-                command=["sleep", "infinity"],
-                name=name,
-                init=True,  # tini as PID 1 reaps the zombies a policy's commands leave behind
-                network_mode="bridge" if spec.network else "none",
-                user="root",  # see ROOT_CAPS; the policy's commands run as spec.user
-                working_dir=spec.workdir,
-                mem_limit=spec.memory,
-                memswap_limit=spec.memory,
-                nano_cpus=int(spec.cpus * 1e9),
-                pids_limit=spec.pids_limit,
-                cap_drop=["ALL"],
-                cap_add=ROOT_CAPS,
-                security_opt=["no-new-privileges"],
-                labels={LABEL_RUN: run_id, LABEL_EPISODE: episode},
-                runtime=spec.runtime,
-            )
+            container = client.containers.create(spec.image, name=name, labels=all_labels, **options)
             container.start()
         except docker.errors.ImageNotFound as e:
             raise SandboxError(f"sandbox image {spec.image} is not present: run `sandforge images build`") from e
@@ -150,110 +124,202 @@ class Sandbox:
     # --- commands -------------------------------------------------------------------------------------------------
 
     def exec(
-        self, command: str, timeout: float = 10.0, user: str | None = None, workdir: str | None = None
+        self,
+        command: str,
+        timeout: float = 10.0,
+        user: str | None = None,
+        workdir: str | None = None,
+        session: bool = True,
     ) -> ExecResult:
-        """Run ``bash -c command`` as ``user`` (default spec.user) in ``workdir`` (default spec.workdir).
+        """Run ``command`` with bash as ``user`` (default spec.user); returns its merged, capped output and exit code.
 
-        After ``timeout`` seconds the command's process group is killed inside the container (TERM, then KILL
-        KILL_AFTER seconds later) and the result has ``timed_out=True``. Each call is a fresh shell: no state but the
-        filesystem carries over; background jobs survive only if they do not hold the call's output.
-        Raises SandboxError if the container is dead or unreachable.
+        With ``session`` (the default) the command runs in ``user``'s persistent session: it starts in the directory
+        and with the variables, functions and aliases the previous command left, and background jobs keep running.
+        ``session=False`` is a one-off fresh shell in ``workdir`` (default spec.workdir) that neither sees nor changes
+        the session (verifiers use it). ``workdir`` given with a session acts as a ``cd`` before the command.
+
+        After ``timeout`` seconds the command's whole process group is killed inside the container (TERM, then KILL
+        KILL_AFTER seconds later) and the result has ``timed_out=True``; the session keeps its state. Raises
+        SandboxError if the container is dead or unreachable, ValueError for a NUL byte in the command.
         """
         if "\0" in command:
             raise ValueError("command contains a NUL byte")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if workdir is not None and ("\n" in workdir or "\0" in workdir or not workdir):
+            raise ValueError(f"invalid workdir {workdir!r}")
         limit = max(2, self.spec.max_output_bytes)
-        head = limit // 2
-        argv = ["bash", "-c", _EXEC_WRAPPER, "sandforge-exec", command]
-        argv += [f"{timeout:g}", f"{KILL_AFTER:g}", str(head), str(limit - head)]
+        request = Request(command.encode(), timeout, limit // 2, limit - limit // 2, workdir or "", keep=session)
+        user = user or self.spec.user
         start = time.monotonic()
-        code, out, err, finished = self._run(
-            argv, user=user, workdir=workdir, wait=timeout + KILL_AFTER + CLIENT_GRACE, max_bytes=limit + 1
-        )
-        seconds = time.monotonic() - start
-        counted = _DD_BYTES.search(err)
-        dropped = int(counted.group(1)) - (limit - head) if counted else 0
-        if dropped > 0:
-            out = out[:head] + f"\n[... truncated {dropped} bytes]\n".encode() + out[head:]
-        if not finished:  # something inside kept the output open past the deadline (e.g. a setsid'd process)
-            return ExecResult(124, out.decode(errors="replace") + "\n[timed out]", True, seconds)
-        timed_out = code in (124, 137) and seconds >= timeout
-        return ExecResult(code, out.decode(errors="replace"), timed_out, seconds)
+        deadline = start + timeout + KILL_AFTER + CLIENT_GRACE
+        if session and self.reuse_shell:
+            response, note = self._session_call(user, request, deadline)
+        else:
+            response, note = self._one_off(user, request, deadline, workdir or self.spec.workdir)
+        return _result(response, note, time.monotonic() - start)
+
+    def start_session(self, user: str | None = None) -> None:
+        """Start ``user``'s session shell now (one docker exec), so that the first ``exec`` costs no more than the
+        rest; a pool can call it on sandboxes it keeps warm. ``exec`` starts it on first use otherwise."""
+        self._shell(user or self.spec.user, time.monotonic() + 30)
+
+    def _session_call(self, user: str, request: Request, deadline: float) -> tuple[Response, str]:
+        for attempt in range(2):
+            shell = self._shell(user, deadline)
+            with shell.lock:
+                try:
+                    try:
+                        shell.stream.send(request.encode(), deadline)
+                    except OSError as e:
+                        raise ShellLost(f"cannot send to the sandbox shell: {e}", sent=False) from e
+                    return read_response(shell.stream, request, deadline), shell.take_stderr()
+                except (ShellLost, OSError) as e:
+                    lost = e if isinstance(e, ShellLost) else ShellLost(str(e), sent=True)
+                    stderr = shell.take_stderr()
+                    self._drop_shell(user, shell)
+            if not self.alive():
+                raise self._broken(lost)
+            if lost.sent or attempt == 1:
+                return _lost(lost), stderr
+        raise AssertionError("unreachable")
+
+    def _one_off(self, user: str, request: Request, deadline: float, workdir: str) -> tuple[Response, str]:
+        argv, environment = dispatcher_exec_args(user)
+        stream = self._start_exec(argv, user, workdir, environment, stdin=True)
+        try:
+            stream.send(request.encode(), deadline)
+            stream.close_stdin()
+            read_ready(stream, deadline)
+            response = read_response(stream, request, deadline)
+            return response, _text(stream.err)
+        except (ShellLost, OSError) as e:
+            if not self.alive():
+                raise self._broken(e) from e
+            lost = e if isinstance(e, ShellLost) else ShellLost(str(e), sent=True)
+            return _lost(lost), _text(stream.err)
+        finally:
+            stream.close()
+
+    def _shell(self, user: str, deadline: float) -> _Shell:
+        with self._shells_lock:
+            shell = self._shells.get(user)
+            if shell is None:
+                if self._closed:
+                    raise SandboxError(f"sandbox {self.name} is closed")
+                argv, environment = dispatcher_exec_args(user)
+                stream = self._start_exec(argv, user, self.spec.workdir, environment, stdin=True)
+                try:
+                    read_ready(stream, min(deadline, time.monotonic() + 30))
+                except (ShellLost, OSError) as e:
+                    stream.close()
+                    raise self._broken(e) from e
+                shell = self._shells[user] = _Shell(stream)
+            return shell
+
+    def _drop_shell(self, user: str, shell: _Shell) -> None:
+        with self._shells_lock:
+            if self._shells.get(user) is shell:
+                del self._shells[user]
+        shell.stream.close()  # the dispatcher reads EOF and exits once its current command is over
+
+    def _start_exec(
+        self, argv: list[str], user: str, workdir: str, environment: dict[str, str] | None, stdin: bool
+    ) -> Stream:
+        api = self._client.api
+        try:
+            exec_id = api.exec_create(
+                self.id, argv, stdin=stdin, user=user, workdir=workdir, environment=environment
+            )["Id"]
+            return Stream(api.exec_start(exec_id, socket=True))
+        except (docker.errors.DockerException, requests.RequestException) as e:
+            raise self._broken(e) from e
+
+    # --- files ----------------------------------------------------------------------------------------------------
+
+    def put_file(self, path: str, data: bytes, user: str | None = None, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` as ``user`` (default spec.user, who then owns it), creating parent folders.
+
+        Any size, any bytes: a tar archive streams into ``tar -x`` run by that user, so the user's permissions apply.
+        Relative paths are under the spec's workdir. Raises OSError if the user may not write there.
+        """
+        target = self._abspath(path)
+        member = tarfile.TarInfo(target.lstrip("/"))
+        member.size, member.mode, member.mtime = len(data), mode, int(time.time())
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            tar.addfile(member, io.BytesIO(data))
+        deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE
+        argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", _PUT_SCRIPT]
+        stream = self._start_exec(argv, user or self.spec.user, "/", None, stdin=True)
+        try:
+            try:
+                stream.send(archive.getvalue(), deadline)
+                stream.close_stdin()
+            except OSError:
+                pass  # tar stopped reading (it failed early): its message says why
+            finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
+        except OSError as e:
+            raise self._broken(e) from e
+        finally:
+            stream.close()
+        code = _exit_code(stream.out)
+        if code != 0 or not finished:
+            if not self.alive():
+                raise self._broken(OSError(f"cannot write {path}"))
+            reason = _text(stream.err).replace(f"tar: {member.name}: ", "").splitlines()
+            raise OSError(f"cannot write {path}: {_reason(code, reason, finished)}")
+
+    def get_file(self, path: str, user: str | None = None, max_bytes: int | None = None) -> bytes | None:
+        """The bytes of the file at ``path`` read as ``user`` (default spec.user), or None if it does not exist.
+
+        Relative paths are under the spec's workdir. Raises OSError if it cannot be read (permissions, a directory,
+        more than ``max_bytes``).
+        """
+        _check_path(path)
+        argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", _GET_SCRIPT, "sandforge-get", path]
+        stream = self._start_exec(argv, user or self.spec.user, self.spec.workdir, None, stdin=False)
+        try:
+            finished = stream.read_to_eof(time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE, max_bytes)
+        except OSError as e:
+            raise self._broken(e) from e
+        finally:
+            stream.close()
+        if max_bytes is not None and len(stream.out) > max_bytes:
+            raise OSError(f"cannot read {path}: larger than {max_bytes} bytes")
+        code = _exit_code(stream.err)
+        if code == 3 and finished:
+            return None
+        if code != 0 or not finished:
+            if not self.alive():
+                raise self._broken(OSError(f"cannot read {path}"))
+            reason = _RC.sub(b"", stream.err).decode(errors="replace").strip().splitlines()
+            raise OSError(f"cannot read {path}: {_reason(code, reason, finished)}")
+        return bytes(stream.out)
 
     def write_file(self, path: str, content: str, user: str | None = None) -> None:
         """Write ``content`` (UTF-8) to ``path``, creating parent folders, with ``user``'s permissions.
 
         Relative paths are under the spec's workdir. Raises OSError if the user may not write there.
         """
-        _check_path(path)
-        data = content.encode()
-        chunks = [data[i : i + _WRITE_CHUNK] for i in range(0, len(data), _WRITE_CHUNK)] or [b""]
-        for i, chunk in enumerate(chunks):
-            encoded = base64.b64encode(chunk).decode()
-            script = ["bash", "-c", _WRITE_SCRIPT, "sandforge-write", encoded, path, str(int(i == 0))]
-            argv = _bounded(FILE_TIMEOUT) + script
-            code, _, err, finished = self._run(argv, user=user, wait=FILE_TIMEOUT + CLIENT_GRACE, max_bytes=4096)
-            if code != 0 or not finished:
-                raise OSError(f"cannot write {path}: {_reason(code, err, finished)}")
+        self.put_file(path, content.encode(), user=user)
 
     def read_file(self, path: str, user: str | None = None) -> str | None:
         """The file's text (UTF-8, undecodable bytes replaced), or None if it does not exist.
 
         Raises OSError if it cannot be read (permissions, a directory, larger than MAX_READ_BYTES).
         """
+        data = self.get_file(path, user=user, max_bytes=MAX_READ_BYTES)
+        return None if data is None else data.decode(errors="replace")
+
+    def _abspath(self, path: str) -> str:
         _check_path(path)
-        argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", _READ_SCRIPT, "sandforge-read", path]
-        wait = FILE_TIMEOUT + CLIENT_GRACE
-        code, out, err, finished = self._run(argv, user=user, wait=wait, max_bytes=MAX_READ_BYTES)
-        if code == 3 and finished:
-            return None
-        if code != 0 or not finished:
-            raise OSError(f"cannot read {path}: {_reason(code, err, finished)}")
-        if len(out) > MAX_READ_BYTES:
-            raise OSError(f"cannot read {path}: larger than {MAX_READ_BYTES} bytes")
-        return out.decode(errors="replace")
-
-    def _run(
-        self,
-        argv: list[str],
-        *,
-        user: str | None,
-        wait: float,
-        max_bytes: int,
-        workdir: str | None = None,
-    ) -> tuple[int, bytes, bytes, bool]:
-        """Run argv as a fresh exec; returns (exit code, stdout, stderr, finished before ``wait`` seconds)."""
-        api = self._client.api
-        try:
-            user, workdir = user or self.spec.user, workdir or self.spec.workdir
-            exec_id = api.exec_create(self.id, argv, stdout=True, stderr=True, user=user, workdir=workdir)["Id"]
-            sock = api.exec_start(exec_id, socket=True)
-        except (docker.errors.DockerException, requests.RequestException) as e:
-            raise self._broken(e) from e
-        try:
-            out, err, finished = _read_frames(sock, time.monotonic() + wait, max_bytes)
-        except OSError as e:
-            raise self._broken(e) from e
-        finally:
-            _close_stream(sock)
-        if not finished:
-            return -1, bytes(out), bytes(err), False
-        code = self._exit_code(exec_id)
-        return (-1 if code is None else code), bytes(out), bytes(err), True
-
-    def _exit_code(self, exec_id: str) -> int | None:
-        # The stream can close a moment before Docker records the exit code: poll briefly. Still None after that
-        # means the process runs on, which happens only when max_bytes cut the read short.
-        for _ in range(100):
-            try:
-                info = self._client.api.exec_inspect(exec_id)
-            except (docker.errors.DockerException, requests.RequestException) as e:
-                raise self._broken(e) from e
-            if not info["Running"] and info["ExitCode"] is not None:
-                return info["ExitCode"]
-            time.sleep(0.02)
-        return None
+        target = posixpath.normpath(posixpath.join(self.spec.workdir, path))
+        if target.startswith("//"):
+            target = target[1:]
+        if target == "/" or path.endswith("/"):
+            raise ValueError(f"not a file path: {path!r}")
+        return target
 
     def _broken(self, cause: Exception) -> SandboxError:
         state = "running" if self.alive() else "not running (exited, killed or removed)"
@@ -269,9 +335,13 @@ class Sandbox:
         return self._container.status == "running"
 
     def close(self) -> None:
-        """Remove the container (force). Idempotent; never raises."""
+        """Remove the container and its workspace volume (force). Idempotent; never raises."""
         if not self._closed:
             self._closed = True
+            with self._shells_lock:
+                shells, self._shells = list(self._shells.values()), {}
+            for shell in shells:
+                shell.stream.close()
             _force_remove(self._client, self.id)
 
     def __enter__(self) -> Sandbox:
@@ -284,6 +354,19 @@ class Sandbox:
         return f"Sandbox({self.name}, image={self.spec.image})"
 
 
+class _Shell:
+    """One user's dispatcher in one sandbox: its exec stream, and a lock so requests go one at a time."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.lock = threading.Lock()
+
+    def take_stderr(self) -> str:
+        text = _text(self.stream.err)
+        self.stream.err.clear()
+        return text
+
+
 def list_run_containers(run_id: str, client: docker.DockerClient | None = None) -> list[str]:
     """Ids of every container (running or not) labelled with this run."""
     client = client or docker_client()
@@ -291,9 +374,19 @@ def list_run_containers(run_id: str, client: docker.DockerClient | None = None) 
 
 
 def remove_run_containers(run_id: str, client: docker.DockerClient | None = None) -> int:
-    """Force-remove every container of this run (e.g. a crashed driver's); returns how many were removed."""
+    """Force-remove every container of this run (e.g. a crashed driver's) and their volumes; returns how many
+    containers were removed."""
     client = client or docker_client()
-    return sum(_force_remove(client, cid) for cid in list_run_containers(run_id, client))
+    removed = sum(_force_remove(client, cid) for cid in list_run_containers(run_id, client))
+    try:  # volumes whose container was removed without v=True
+        for volume in client.api.volumes(filters={"label": f"{LABEL_RUN}={run_id}"}).get("Volumes") or []:
+            try:
+                client.api.remove_volume(volume["Name"], force=True)
+            except docker.errors.APIError:
+                pass  # still in use by a container being removed
+    except (docker.errors.DockerException, requests.RequestException):
+        pass
+    return removed
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------
@@ -301,10 +394,46 @@ def remove_run_containers(run_id: str, client: docker.DockerClient | None = None
 
 def _force_remove(client: docker.DockerClient, ref: str) -> bool:
     try:
-        client.api.remove_container(ref, force=True)
+        client.api.remove_container(ref, force=True, v=True)
         return True
     except Exception:  # already gone, or the daemon is down: nothing left for us to do
         return False
+
+
+def _result(response: Response, note: str, seconds: float) -> ExecResult:
+    out = response.output
+    if response.timed_out and out.endswith(b"Terminated\n"):
+        out = out[: -len(b"Terminated\n")]  # bash reporting the foreground job our TERM ended: `timed_out` says it
+    if response.dropped > 0:
+        cut = response.head_len
+        out = out[:cut] + f"\n[... truncated {response.dropped} bytes]\n".encode() + out[cut:]
+    notes = []
+    if len(response.output) + response.dropped >= 0.95 * parse_size(SPOOL_SIZE):
+        notes.append(f"[output spool full: past {SPOOL_SIZE} lost]")
+    if response.oom_killed:
+        notes.append("[killed: the sandbox ran out of memory]")
+    if note:  # the session shell's own complaints, e.g. that it cannot fork
+        notes.append(note if len(note) <= 1000 else "..." + note[-1000:])
+    text = out.decode(errors="replace")
+    if notes:
+        text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes)
+    return ExecResult(response.exit_code, text, response.timed_out, seconds, response.oom_killed)
+
+
+def _lost(lost: ShellLost) -> Response:
+    """What a command whose answer never came reports: a timeout, or the shell killed under it."""
+    if lost.timed_out:
+        return Response(124, b"[timed out]", True, False, 0, 0)
+    return Response(137, b"[the shell was killed during this command; its session continues]", False, False, 0, 0)
+
+
+def _text(data: bytes | bytearray) -> str:
+    return bytes(data).decode(errors="replace").strip()
+
+
+def _exit_code(data: bytes | bytearray) -> int | None:
+    found = _RC.findall(bytes(data))
+    return int(found[-1]) if found else None
 
 
 def _bounded(seconds: float) -> list[str]:
@@ -316,49 +445,8 @@ def _check_path(path: str) -> None:
         raise ValueError(f"invalid path {path!r}")
 
 
-def _reason(code: int, err: bytes, finished: bool) -> str:
+def _reason(code: int | None, lines: list[str], finished: bool) -> str:
     if not finished or code in (124, 137):
         return "timed out"
-    return err.decode(errors="replace").strip() or f"exit code {code}"
-
-
-def _read_frames(sock, deadline: float, max_bytes: int) -> tuple[bytearray, bytearray, bool]:
-    """Demultiplex Docker's attach stream (8-byte header: stream id, 3 zero bytes, big-endian size) until EOF.
-
-    Reads through the HTTP response's buffered reader, because the headers' read may already hold the first frames.
-    Returns (stdout, stderr, reached EOF before the deadline); stops early once stdout exceeds max_bytes.
-    """
-    response = getattr(sock, "_response", None)
-    reader = response.raw._fp.fp if response is not None else sock
-    raw_sock = getattr(sock, "_sock", sock)
-    streams = {1: bytearray(), 2: bytearray()}
-    buf = bytearray()
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return streams[1], streams[2], False
-        raw_sock.settimeout(remaining)
-        try:
-            data = reader.read1(65536) if hasattr(reader, "read1") else reader.recv(65536)
-        except TimeoutError:
-            return streams[1], streams[2], False
-        if not data:
-            return streams[1], streams[2], True
-        buf += data
-        while len(buf) >= 8:
-            size = int.from_bytes(buf[4:8], "big")
-            if len(buf) < 8 + size:
-                break
-            streams.setdefault(buf[0], bytearray()).extend(buf[8 : 8 + size])
-            del buf[: 8 + size]
-        if len(streams[1]) > max_bytes:
-            return streams[1], streams[2], True
-
-
-def _close_stream(sock) -> None:
-    for closeable in (sock, getattr(sock, "_response", None)):
-        try:
-            if closeable is not None:
-                closeable.close()
-        except Exception:
-            pass
+    lines = [line for line in lines if line and not line.startswith("tar: Exiting")]
+    return "; ".join(lines) or f"exit code {code}"

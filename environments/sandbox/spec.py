@@ -1,0 +1,165 @@
+"""What a sandbox container is allowed: the spec, and the Docker options that enforce it.
+
+Hardening (every SandboxSpec default): no network (or only an ``internal`` Docker network a task names), a read-only
+root filesystem, a size-capped workspace at ``workdir`` owned by the sandbox user (who is also HOME), tmpfs ``/tmp``,
+cpu/memory (swap = memory)/pids limits, nofile and fsize ulimits, ``init`` as PID 1, no capabilities for the user and
+``no-new-privileges``, the runtime (runc, runsc, ...) chosen by the spec.
+
+The workspace is an anonymous volume backed by tmpfs, not a tmpfs mount: Docker's archive API (``put_archive``,
+``get_archive``, ``docker cp``) refuses tmpfs mounts of a read-only container ("container rootfs is marked read-only")
+and reads the image's folder hidden beneath them, but it does see volumes. Such a volume needs the user's numeric ids
+(tmpfs ``uid=``), read once per image from its /etc/passwd; and it must be removed with its container (``v=True``).
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+from dataclasses import dataclass
+
+import docker
+import docker.errors
+import requests
+from docker.types import DriverConfig, Mount, Ulimit
+
+from sandforge.environments.sandbox.shell import ROOT_SESSION_DIR, SESSION_DIR
+
+SPOOL_SIZE = "64m"  # tmpfs for session state and command output: a command printing more gets "No space left"
+LABEL_PROBE = "sandforge.probe"  # a never-started container that reads an image's /etc/passwd
+
+# Root inside the sandbox keeps just enough to manage files the policy made (0600 answers, read-only test folders),
+# so verifiers and setup can act as root. Docker grants a container's capabilities to execs as root only if the
+# container's own user is root, so PID 1 (`sleep`) runs as root and every exec defaults to the unprivileged spec.user,
+# whose processes have no capabilities at all (non-root, and no-new-privileges blocks setuid and file capabilities).
+ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
+
+
+class SandboxError(RuntimeError):
+    """The sandbox is broken, dead or unreachable: the episode using it has failed."""
+
+
+@dataclass
+class SandboxSpec:
+    """How to start a sandbox. Sizes use Docker's units ("512m").
+
+    Everything on tmpfs (the workspace, /tmp, the output spool) is memory and counts towards ``memory``.
+    """
+
+    image: str
+    memory: str = "512m"  # memory limit; memory+swap is the same, so no swap
+    cpus: float = 1.0
+    pids_limit: int = 256
+    network: str | bool | None = None  # name of an `internal` Docker network to join; None/False: no network at all
+    user: str = "sandbox"  # runs every command; a name from the image's /etc/passwd, or "uid[:gid]"
+    workdir: str = "/workspace"
+    runtime: str | None = None  # e.g. "runsc" for gVisor where installed
+    max_output_bytes: int = 16384
+    read_only: bool = True  # read-only root filesystem
+    workspace_size: str | None = "256m"  # tmpfs at workdir; None: a disk volume, image content copied in, no cap
+    tmp_size: str = "128m"  # tmpfs at /tmp
+    home: str | None = None  # HOME of every command; None: the workdir
+    nofile: int = 4096  # open files per process
+    max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ
+
+
+def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str]) -> dict:
+    """Keyword arguments of ``containers.create`` for a sandbox of ``spec`` (the volume gets ``labels`` too).
+
+    Raises SandboxError for a network that is not internal or a user the image lacks.
+    """
+    fsize = parse_size(spec.max_file_size)
+    return dict(
+        command=["sleep", "infinity"],
+        init=True,  # tini as PID 1 reaps the zombies a policy's commands leave behind
+        network_mode=_network_mode(client, spec.network),
+        user="root",  # see ROOT_CAPS; the policy's commands run as spec.user
+        working_dir=spec.workdir,
+        environment={"HOME": spec.home or spec.workdir},
+        read_only=spec.read_only,
+        mounts=[_workspace_mount(client, spec, labels)],
+        tmpfs={
+            "/tmp": f"size={spec.tmp_size},mode=1777",
+            SESSION_DIR: f"size={SPOOL_SIZE},mode=1777",
+            ROOT_SESSION_DIR: f"size={SPOOL_SIZE},mode=0700",  # verifiers' spool: the policy cannot fill it
+        },
+        ulimits=[
+            Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile),
+            Ulimit(name="fsize", soft=fsize, hard=fsize),
+        ],
+        mem_limit=spec.memory,
+        memswap_limit=spec.memory,
+        nano_cpus=int(spec.cpus * 1e9),
+        pids_limit=spec.pids_limit,
+        cap_drop=["ALL"],
+        cap_add=ROOT_CAPS,
+        security_opt=["no-new-privileges"],
+        runtime=spec.runtime,
+    )
+
+
+def _network_mode(client: docker.DockerClient, network: str | bool | None) -> str:
+    if network is None or network is False or network == "":
+        return "none"
+    if network is True:
+        raise SandboxError(
+            "SandboxSpec.network=True would join Docker's default bridge, which reaches the internet: name a network "
+            "made with `docker network create --internal NAME` instead"
+        )
+    try:
+        info = client.api.inspect_network(network)
+    except docker.errors.NotFound as e:
+        raise SandboxError(
+            f"network {network!r} does not exist: create it with `docker network create --internal {network}`"
+        ) from e
+    except (docker.errors.DockerException, requests.RequestException) as e:
+        raise SandboxError(f"cannot inspect network {network!r}: {e}") from e
+    if not info.get("Internal"):
+        raise SandboxError(
+            f"network {network!r} is not internal, so it may reach the internet; sandboxes only join networks made "
+            f"with `docker network create --internal NAME`"
+        )
+    return network
+
+
+_user_ids: dict[tuple[str, str], tuple[int, int]] = {}
+_user_ids_lock = threading.Lock()
+
+
+def _ids_of(client: docker.DockerClient, image: str, user: str) -> tuple[int, int]:
+    """(uid, gid) of ``user`` in ``image``: read once per image from its /etc/passwd by a container never started."""
+    uid, _, gid = user.partition(":")
+    if uid.isdigit():
+        return int(uid), int(gid) if gid.isdigit() else int(uid)
+    key = (client.api.inspect_image(image)["Id"], user)
+    with _user_ids_lock:
+        if key not in _user_ids:
+            probe = client.api.create_container(
+                image, command=["true"], network_disabled=True, labels={LABEL_PROBE: "user"}
+            )["Id"]
+            try:
+                chunks, _ = client.api.get_archive(probe, "/etc/passwd")
+                with tarfile.open(fileobj=io.BytesIO(b"".join(chunks))) as tar:
+                    passwd = tar.extractfile(tar.getmembers()[0]).read().decode(errors="replace")
+            finally:
+                client.api.remove_container(probe, force=True, v=True)
+            for line in passwd.splitlines():
+                fields = line.split(":")
+                if len(fields) > 3 and fields[0] == user:
+                    _user_ids[key] = (int(fields[2]), int(fields[3]))
+            if key not in _user_ids:
+                raise SandboxError(f"user {user!r} does not exist in image {image} (its /etc/passwd)")
+        return _user_ids[key]
+
+
+def _workspace_mount(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str]) -> Mount:
+    if spec.workspace_size is None:  # a plain anonymous volume: Docker copies the image's workdir into it
+        return Mount(spec.workdir, None, type="volume", labels=labels)
+    uid, gid = _ids_of(client, spec.image, spec.user)
+    options = f"size={parse_size(spec.workspace_size)},uid={uid},gid={gid},mode=0755"
+    tmpfs = DriverConfig("local", {"type": "tmpfs", "device": "tmpfs", "o": options})
+    return Mount(spec.workdir, None, type="volume", labels=labels, driver_config=tmpfs)
+
+
+def parse_size(size: str | int) -> int:
+    return docker.utils.parse_bytes(size) if isinstance(size, str) else int(size)
