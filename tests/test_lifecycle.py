@@ -1,0 +1,113 @@
+"""Container ownership and the reaper: a SIGKILLed driver's containers are removed, a live driver's survive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN, list_run_containers, remove_run_containers
+from sandforge.environments.sandbox.lifecycle import (
+    LABEL_HOST,
+    LABEL_PID,
+    LABEL_STARTED,
+    _start_time,
+    driver_alive,
+    driver_labels,
+    reap_dead_runs,
+)
+
+# --- ownership, no Docker -----------------------------------------------------------------------------------------
+
+
+def test_driver_labels_name_this_live_process():
+    labels = driver_labels("run-1")
+    assert labels[LABEL_RUN] == "run-1" and labels[LABEL_PID] == str(os.getpid())
+    assert driver_alive(labels) is True
+    assert driver_alive({**labels, LABEL_STARTED: str(int(labels[LABEL_STARTED]) + 1)}) is False  # a reused pid
+    assert driver_alive({**labels, LABEL_HOST: "some-other-host"}) is None  # cannot tell: leave it alone
+    assert driver_alive({LABEL_RUN: "run-1"}) is False  # no owner at all
+    assert driver_alive({**labels, LABEL_PID: "not-a-pid"}) is False
+
+
+def test_a_dead_or_zombie_driver_is_not_alive():
+    proc = subprocess.Popen(["sleep", "30"])
+    labels = {**driver_labels("r"), LABEL_PID: str(proc.pid), LABEL_STARTED: str(_start_time(proc.pid))}
+    assert driver_alive(labels) is True
+    proc.kill()
+    deadline = time.monotonic() + 10
+    while _state(proc.pid) != "Z" and time.monotonic() < deadline:  # not waited for yet: a zombie
+        time.sleep(0.01)
+    assert _state(proc.pid) == "Z" and driver_alive(labels) is False
+    proc.wait()
+    assert driver_alive(labels) is False
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+# --- the reaper against real containers ---------------------------------------------------------------------------
+
+# A driver that fills a pool of its own, hands one sandbox out, and waits to be killed.
+DRIVER = """
+import sys, time
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
+from sandforge.environments.sandbox.pool import SandboxPool
+pool = SandboxPool(SandboxSpec(image=sys.argv[1]), sys.argv[2], size=2)
+held = pool.acquire(timeout=120)
+assert pool.wait_ready(120)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def run_ids(docker_client):
+    """Fresh run ids; every container labelled with one of them is removed afterwards."""
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(f"test-{uuid.uuid4().hex[:12]}")
+        return made[-1]
+
+    yield make
+    for rid in made:
+        remove_run_containers(rid, docker_client)
+
+
+def _container(client, image: str, labels: dict[str, str]) -> str:
+    """A created (never started) container: the reaper judges it by its labels alone."""
+    return client.api.create_container(image, command=["true"], labels=labels, network_disabled=True)["Id"]
+
+
+@pytest.mark.docker
+def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(terminal_image, docker_client, run_ids):
+    dead, live, elsewhere, unowned, reused = (run_ids() for _ in range(5))
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, terminal_image, dead], stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready", "the driver subprocess did not start its sandboxes"
+    finally:
+        driver.send_signal(signal.SIGKILL)  # no cleanup runs: its containers are orphans now
+        driver.wait()
+    assert len(list_run_containers(dead, docker_client)) == 3  # one handed out + two warm
+
+    mine = driver_labels(live)
+    live_box = _container(docker_client, terminal_image, mine)
+    other_host = _container(docker_client, terminal_image, {**driver_labels(elsewhere), LABEL_HOST: "another-host"})
+    _container(docker_client, terminal_image, {LABEL_RUN: unowned})
+    stale = {**driver_labels(reused), LABEL_STARTED: str(int(mine[LABEL_STARTED]) - 1)}  # our pid, an older process
+    _container(docker_client, terminal_image, stale)
+
+    reaped = reap_dead_runs(docker_client, runs=[dead, live, elsewhere, unowned, reused])
+    assert reaped == {dead: 3, unowned: 1, reused: 1}
+    assert list_run_containers(dead, docker_client) == []
+    assert list_run_containers(live, docker_client) == [live_box]
+    assert list_run_containers(elsewhere, docker_client) == [other_host]
+    assert reap_dead_runs(docker_client, runs=[dead, live, elsewhere, unowned, reused]) == {}
