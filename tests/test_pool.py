@@ -17,6 +17,10 @@ from sandforge.environments.sandbox.docker_sandbox import SandboxError, list_run
 from sandforge.environments.sandbox.lifecycle import LABEL_PID, is_transient, retry_daemon
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
+from sandforge.environments.terminal.env import TerminalEnv
+from sandforge.environments.terminal.tasks import make_task
+from sandforge.types import ToolCall
+from sandforge.verifiers.base import score_task
 
 FAST_RETRY = {"attempts": 3, "backoff_s": 0.01}
 
@@ -378,3 +382,28 @@ def test_close_removes_warm_containers_and_later_acquires_fail(terminal_spec, ru
         pool.acquire(timeout=1)
     pool.close()  # idempotent
 
+
+@pytest.mark.docker
+def test_terminal_env_takes_warm_sandboxes_from_a_pool_and_records_exec_latency(terminal_spec, run_id, docker_client):
+    task = make_task("count_words", 7)
+    with SandboxPool(terminal_spec, run_id, size=1, client=docker_client) as pool:
+        assert pool.wait_ready(120)
+        warm = set(list_run_containers(run_id, docker_client))
+        env = TerminalEnv(task, terminal_spec, run_id, exec_timeout=1, pool=pool)
+        try:
+            env.reset()
+            first = env.sandbox.id
+            assert first in warm
+            env.step(ToolCall("bash", {"command": "sleep 5"}))  # a timeout, counted as one
+            for call in task.solution:
+                env.step(call)
+            assert score_task(env.sandbox, task).success
+            env.reset()  # the solved episode's container is removed, the next comes from the pool
+            assert env.sandbox.id != first and gone(docker_client, first)
+        finally:
+            env.close()
+        snap = pool.stats.snapshot()
+        bash_calls = sum(c.name == "bash" for c in task.solution) + 1
+        assert snap["sandbox/exec_count"] == bash_calls and snap["sandbox/failures/timeout"] == 1
+        assert snap["sandbox/acquire_count"] == 2
+    assert list_run_containers(run_id, docker_client) == []
