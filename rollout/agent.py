@@ -36,7 +36,8 @@ async def run_episode(task: Task, env, policy: Policy, chat: ChatFormat, limits:
     """Run ``task`` in ``env`` (a ToolEnv, not yet reset) with ``policy``; always returns a Trajectory, never raises."""
     traj = Trajectory(task=task, group=group, policy_version=version)
     try:
-        observation, _ = await asyncio.to_thread(env.reset)
+        observation, info = await asyncio.to_thread(env.reset)
+        traj.metadata["sandbox"] = info.get("sandbox", "")
         user = Message(role="user", content=observation)
         traj.messages.append(user)
         _extend(traj, chat.render_prompt(env.tools, [user]), policy_tokens=False)

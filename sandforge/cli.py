@@ -62,13 +62,14 @@ def train(
 def images_build(
     env: Optional[list[str]] = typer.Option(None, "--env", help="Only these environments (repeatable)"),
     base_image: Optional[str] = typer.Option(None, help="Base image reference to pull instead of bootstrapping"),
+    mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror for the bootstrapped base"),
 ) -> None:
     """Build the base image (debootstrap when nothing can be pulled) and each environment's image."""
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError, build_images
 
     try:
-        tags = build_images(env or None, base_image=base_image)
+        tags = build_images(env or None, base_image=base_image, mirror=mirror)
     except (SandboxError, ImageError) as e:
         fail(str(e), 1)
     for name, tag in tags.items():
@@ -76,11 +77,24 @@ def images_build(
 
 
 @sandbox_app.command("reap")
-def sandbox_reap(run_id: str = typer.Argument(..., help="Run id whose containers to remove (see <output_dir>/run_id)")) -> None:
-    """Remove every container labelled with a run id."""
-    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
+def sandbox_reap(
+    run_id: Optional[str] = typer.Argument(None, help="Remove every container of this run (see <output_dir>/run_id)"),
+) -> None:
+    """Remove the containers of runs whose driver is dead (or, given a run id, every container of that run)."""
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError, remove_run_containers
+    from sandforge.environments.sandbox.lifecycle import reap_dead_runs
 
-    typer.echo(f"removed {remove_run_containers(run_id)} container(s)")
+    try:
+        if run_id:
+            typer.echo(f"removed {remove_run_containers(run_id)} container(s) of {run_id}")
+            return
+        reaped = reap_dead_runs()
+    except SandboxError as e:
+        fail(str(e), 1)
+    for run, n in sorted(reaped.items()):
+        typer.echo(f"removed {n} container(s) of dead run {run}")
+    if not reaped:
+        typer.echo("no containers of dead runs")
 
 
 def main() -> None:

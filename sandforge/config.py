@@ -36,12 +36,27 @@ class RayConfig(Section):
 class SandboxConfig(Section):
     base_image: str | None = None  # pulled when a registry answers; otherwise a Debian base is bootstrapped locally
     mirror: str = "http://deb.debian.org/debian"
-    memory: str = "512m"
+    memory: str = "512m"  # memory+swap; the tmpfs workspace, /tmp and output spool count towards it
     cpus: float = Field(0.5, gt=0)
     pids_limit: int = Field(128, ge=16)
-    network: bool = False
-    runtime: str | None = None
+    network: str | None = None  # name of an `internal` Docker network to join; None: no network at all
+    runtime: str | None = None  # e.g. runsc where gVisor is installed
+    read_only: bool = True  # read-only root filesystem
+    workspace_size: str | None = "256m"
+    tmp_size: str = "128m"
+    nofile: int = Field(4096, ge=64)
+    max_file_size: str = "256m"
     exec_timeout: float = Field(10.0, gt=0)
+    warm_pool: int = Field(4, ge=0)  # started sandboxes each rollout worker keeps ready, per environment
+    max_live: int = Field(32, ge=1)  # containers one rollout worker may hold at once (ready + in use + starting)
+    creates_per_second: float = Field(8.0, gt=0)  # per rollout worker, so the daemon is never flooded
+
+
+    @model_validator(mode="after")
+    def _pool_fits(self) -> SandboxConfig:
+        if self.warm_pool > self.max_live:
+            raise ValueError(f"warm_pool ({self.warm_pool}) cannot exceed max_live ({self.max_live})")
+        return self
 
 
 class EnvironmentConfig(Section):

@@ -46,3 +46,26 @@ def run_id(docker_client):
 def sandbox(terminal_spec, run_id, docker_client):
     with Sandbox.create(terminal_spec, run_id, client=docker_client) as sb:
         yield sb
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No test may leave a sandforge container behind: fail the session if one is left (and remove it).
+
+    Containers whose driver is another live process (a training run beside the tests) are none of our business.
+    """
+    from sandforge.environments.sandbox.lifecycle import LABEL_PID, driver_alive
+
+    try:
+        client = docker_sandbox.docker_client()
+    except SandboxError:
+        return
+    left = [
+        c for c in client.containers.list(all=True, filters={"label": docker_sandbox.LABEL_RUN})
+        if driver_alive(c.labels) is False or c.labels.get(LABEL_PID) == str(os.getpid())
+    ]
+    if left:
+        names = ", ".join(f"{c.name} ({c.labels.get(docker_sandbox.LABEL_RUN)})" for c in left)
+        print(f"\nsandforge containers left behind by the tests: {names}")
+        for c in left:
+            c.remove(force=True, v=True)
+        session.exitstatus = 1

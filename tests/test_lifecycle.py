@@ -111,3 +111,19 @@ def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(term
     assert list_run_containers(live, docker_client) == [live_box]
     assert list_run_containers(elsewhere, docker_client) == [other_host]
     assert reap_dead_runs(docker_client, runs=[dead, live, elsewhere, unowned, reused]) == {}
+
+
+@pytest.mark.docker
+def test_sandbox_reap_command_removes_a_sigkilled_drivers_containers(terminal_image, docker_client, run_ids):
+    dead = run_ids()
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, terminal_image, dead], stdout=subprocess.PIPE, text=True)
+    try:
+        assert driver.stdout.readline().strip() == "ready"
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    assert list_run_containers(dead, docker_client)
+    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "sandbox", "reap"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert f"of dead run {dead}" in proc.stdout
+    assert list_run_containers(dead, docker_client) == []

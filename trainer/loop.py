@@ -12,6 +12,7 @@ import random
 from dataclasses import asdict
 import signal
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -65,7 +66,8 @@ def step_line(step: int, total: int, m: dict[str, float]) -> str:
 class RLJob:
     """Owns the actors of one run: trainer ranks, the inference engine and the rollout workers."""
 
-    def __init__(self, cfg: JobConfig, run_id: str, images: dict[str, str], logger: RunLogger, bar: Progress):
+    def __init__(self, cfg: JobConfig, run_id: str, images: dict[str, str], logger: RunLogger, bar: Progress,
+                 sandbox_labels: dict[str, str]):
         import ray
 
         from sandforge.rollout.engine import InferenceEngine
@@ -93,8 +95,10 @@ class RLJob:
             policy_cfg, cfg.engine.max_batch_size, cfg.engine.batch_wait_ms, cfg.run.seed, os.cpu_count() or 1
         )
         job = cfg.model_dump(mode="json")
-        worker_actor = ray.remote(num_cpus=0)(RolloutWorker)
-        self.workers = [worker_actor.remote(i, job, run_id, self.engine, images) for i in range(cfg.rollout.workers)]
+        # SPREAD: on a cluster, workers (and so their sandboxes, on each node's own Docker daemon) go to every node
+        worker_actor = ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(RolloutWorker)
+        self.workers = [worker_actor.remote(i, job, run_id, self.engine, images, sandbox_labels)
+                        for i in range(cfg.rollout.workers)]
         self.version = 0
         self.push_weights()
 
@@ -123,6 +127,26 @@ class RLJob:
             self.bar.advance(job, pending.pop(done[0]))
         self.bar.remove_task(job)
         return out
+
+    def sandbox_metrics(self) -> dict[str, float]:
+        """Acquire/exec latency percentiles over every worker's samples, live sandboxes, failures by kind."""
+        import ray
+
+        from sandforge.environments.sandbox.stats import SandboxStats
+
+        stats = SandboxStats()
+        for exported in ray.get([w.sandbox_stats.remote() for w in self.workers]):
+            stats.absorb(exported)
+        return stats.snapshot()
+
+    def close(self) -> None:
+        """Ask the workers to remove their warm sandboxes (best effort: the run's label sweep follows anyway)."""
+        import ray
+
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=30)
+        except Exception as e:
+            console.print(f"[yellow]workers did not close cleanly: {e}[/]")
 
     def train(self, rows: list[dict], mode: str) -> dict[str, float]:
         import ray
@@ -153,7 +177,7 @@ class RLJob:
             self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
             self.bar.update(job, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
         self.bar.console.print(f"warm start: {len(demos)}/{len(trajs)} reference episodes verified; "
-                               f"SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} in {w.steps} steps")
+                               f"SFT loss {losses[0]:.3f} -> {losses[-1]:.3f} in {w.steps} steps", soft_wrap=True)
         ray.get([rank.set_lr.remote(self.cfg.trainer.lr) for rank in self.ranks])
         ray.get([rank.reset_reference.remote() for rank in self.ranks])
         self.version += 1
@@ -168,7 +192,7 @@ class RLJob:
                              label=f"step {step + 1}: rollouts")
         t1 = time.perf_counter()
         ok = [t for t in trajs if not t.failed]  # failed episodes never reach the gradient
-        metrics = rollout_metrics(trajs)
+        metrics = rollout_metrics(trajs) | self.sandbox_metrics()
         if ok:
             adv = group_advantages([t.reward.value for t in ok], [t.group for t in ok])
             metrics |= self.train(training_rows(ok, adv), mode="rl")
@@ -203,6 +227,7 @@ def run(cfg: JobConfig) -> Path:
 
     from sandforge.environments.sandbox.docker_sandbox import docker_client, remove_run_containers
     from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.lifecycle import driver_labels, reap_dead_runs
 
     out = Path(cfg.run.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -211,16 +236,19 @@ def run(cfg: JobConfig) -> Path:
     (out / "run_id").write_text(run_id + "\n")
     console.print(f"[bold]sandforge[/] run [cyan]{run_id}[/] → {out}")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    logger = None
+    logger = job = None
     try:
         client = docker_client()
+        reaped = reap_dead_runs(client)  # containers of drivers that died on this host (crash, SIGKILL)
+        if reaped:
+            console.print(f"reaped {sum(reaped.values())} container(s) of dead run(s): {', '.join(sorted(reaped))}")
         images = build_images(sorted({e.name for e in cfg.environments}), base_image=cfg.sandbox.base_image,
-                              client=client)
+                              client=client, mirror=cfg.sandbox.mirror)
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
         logger = RunLogger(out, cfg, run_id)
         with progress() as bar:
-            job = RLJob(cfg, run_id, images, logger, bar)
+            job = RLJob(cfg, run_id, images, logger, bar, driver_labels(run_id))
             if cfg.warmup.steps:
                 job.warmup()
             job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
@@ -229,7 +257,7 @@ def run(cfg: JobConfig) -> Path:
                 metrics = job.rl_step(step)
                 logger.log("rl", metrics)
                 bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
-                bar.console.print(step_line(step, cfg.trainer.steps, metrics))  # a log line per step, above the bars
+                bar.console.print(step_line(step, cfg.trainer.steps, metrics), soft_wrap=True)  # stays above the bars
                 every = cfg.trainer.checkpoint_every
                 if every and (step + 1) % every == 0 and step + 1 < cfg.trainer.steps:
                     job.checkpoint(step + 1)
@@ -242,6 +270,8 @@ def run(cfg: JobConfig) -> Path:
         signal.signal(signal.SIGTERM, previous)
         if logger is not None:
             logger.close()
+        if job is not None and sys.exc_info()[0] is None:  # interrupted or failed: the label sweep below suffices
+            job.close()
         if ray.is_initialized():
             ray.shutdown()
         try:

@@ -103,7 +103,15 @@ class Sandbox:
         client: docker.DockerClient | None = None,
         labels: dict[str, str] | None = None,
     ) -> Sandbox:
-        """Start a container for one episode, labelled with the run, a new episode id, the time and ``labels``."""
+        """Start a container for one episode, labelled with the run, a new episode id, the time and ``labels``.
+
+        Without ``labels`` the container names this process as its driver, so the reaper leaves it alone while this
+        process lives (a driver passes its own ``driver_labels`` to workers in other processes).
+        """
+        if labels is None:
+            from sandforge.environments.sandbox.lifecycle import driver_labels  # lifecycle imports this module
+
+            labels = driver_labels(run_id)
         client = client or docker_client()
         episode = uuid.uuid4().hex
         name = f"sandforge-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run_id)[:40]}-{episode[:12]}"

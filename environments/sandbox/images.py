@@ -343,6 +343,7 @@ def build_images(
     client: docker.DockerClient | None = None,
     show_progress: bool = True,
     envs_dir: Path | None = None,
+    mirror: str = DEFAULT_MIRROR,
 ) -> dict[str, str]:
     """Ensure the base image and build every requested env image (default: all); returns env name -> image tag.
 
@@ -363,7 +364,7 @@ def build_images(
 
         t0 = time.perf_counter()
         had_base = _image_id(client, base_image or BASE_TAG) is not None
-        base = ensure_base_image(client, base_image, progress=stage("base"))
+        base = ensure_base_image(client, base_image, mirror=mirror, progress=stage("base"))
         console.log(f"base {base}: {'present' if had_base else 'ready'} ({time.perf_counter() - t0:.1f}s)")
         for env in envs:
             t0 = time.perf_counter()
