@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from .tokenizer import FILE_NAME, SPECIAL_TOKENS, ByteTokenizer, ControlTokens, _utf8
+from .tokenizer import FILE_NAME, SPECIAL_TOKENS, ByteTokenizer, ControlTokens, _utf8, tokenizer_file
 
 KIND = "bpe"
 SHIPPED = Path(__file__).parent / "assets" / FILE_NAME
@@ -117,18 +117,14 @@ class BPETokenizer(ControlTokens):
 
     def save(self, path: str | Path) -> Path:
         """Write the tokenizer as JSON to ``path`` (a file, or a directory that gets ``tokenizer.json``)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / FILE_NAME
+        path = tokenizer_file(path)
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
         """Read a tokenizer written by ``save`` (a file, or a directory holding ``tokenizer.json``)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / FILE_NAME
+        path = tokenizer_file(path)
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")), where=str(path))
 
     @classmethod
@@ -177,9 +173,7 @@ def load_tokenizer(spec: str | Path | None = "bpe") -> BPETokenizer | ByteTokeni
         return BPETokenizer.load(SHIPPED)
     if spec == "bytes":
         return ByteTokenizer()
-    path = Path(spec)
-    if path.is_dir():
-        path = path / FILE_NAME
+    path = tokenizer_file(spec)
     if not path.is_file():
         raise ValueError(
             f"unknown tokenizer {str(spec)!r}: use 'bpe' (the shipped BPE), 'bytes', or the path of a tokenizer.json "

@@ -29,6 +29,12 @@ FILE_NAME = "tokenizer.json"
 _REPLACEMENT = "\ufffd"
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """``path`` itself, or ``path/tokenizer.json`` when it is a directory (a checkpoint)."""
+    path = Path(path)
+    return path / FILE_NAME if path.is_dir() else path
+
+
 def _utf8(text: str) -> bytes:
     """UTF-8 bytes of ``text``; text that cannot be encoded (lone surrogates) degrades instead of raising."""
     try:
@@ -110,9 +116,7 @@ class ByteTokenizer(ControlTokens):
     # A checkpoint directory holds tokenizer.json next to config.json, so it can be loaded without this source tree.
     def save(self, path: str | Path) -> Path:
         """Write the tokenizer as JSON to ``path`` (a file, or a directory that gets ``tokenizer.json``)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / FILE_NAME
+        path = tokenizer_file(path)
         data = {
             "type": "byte",
             "n_bytes": self.n_bytes,
@@ -125,9 +129,7 @@ class ByteTokenizer(ControlTokens):
     @classmethod
     def load(cls, path: str | Path) -> ByteTokenizer:
         """Read a tokenizer written by ``save`` (a file, or a directory holding ``tokenizer.json``)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / FILE_NAME
+        path = tokenizer_file(path)
         data = json.loads(path.read_text())
         tok = cls()
         found = (data.get("type"), data.get("n_bytes"), tuple(data.get("special_tokens", ())), data.get("vocab_size"))
