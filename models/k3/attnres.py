@@ -1,12 +1,13 @@
 """Block Attention Residuals (Attention Residuals, arXiv 2603.15031), as used by K3.
 
 Instead of adding every sublayer's output to one residual stream, each sublayer reads a softmax-weighted mix of a few
-sources: the token embedding, the sum of each completed block of sublayer outputs, and the partial sum of the current block.
+sources: the token embedding, the sum of each completed block of sublayer outputs, and the partial sum of the current
+block.
 
     h_l = Σ_i α_{l,i} v_i,    α_{l,i} = softmax_i(w_lᵀ RMSNorm(v_i))    (per token, over sources i)
 
-w_l is a learned pseudo-query per mix, initialised to zero so every mix starts as the uniform mean of its sources. A layer
-has two mixes (before attention, before the feed-forward) and the model one more before the output norm.
+w_l is a learned pseudo-query per mix, initialised to zero so every mix starts as the uniform mean of its sources. A
+layer has two mixes (before attention, before the feed-forward) and the model one more before the output norm.
 
 The mix is per token (no cross-token state), so it needs nothing in the decode cache. How a model uses it:
 

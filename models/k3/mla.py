@@ -66,7 +66,7 @@ def attention_mask(key_mask: Tensor, n_queries: int) -> Tensor:
 
 
 class GatedMLA(nn.Module):
-    """Gated MLA with NoPE. `forward(x, mask, cache, use_cache) -> (y, cache)`; see the module docstring for the equations."""
+    """Gated MLA with NoPE: `forward(x, mask, cache, use_cache) -> (y, cache)`; equations in the module docstring."""
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, q_latent: int, kv_latent: int, eps: float = 1e-6):
         super().__init__()
@@ -101,9 +101,9 @@ class GatedMLA(nn.Module):
         use_cache: bool = False,
         absorb: bool = False,
     ) -> tuple[Tensor, MLACache | None]:
-        """x: [B, T, D]; mask: [B, T] for the new tokens only (1 = real, 0 = pad; None = all real); cache: the latents of
-        earlier tokens. Returns y [B, T, D] and, with use_cache, the cache extended by these T tokens (else None).
-        absorb=True computes the same attention in the latent space (cheaper when T is small and the cache long)."""
+        """x: [B, T, D]; mask: [B, T] for the new tokens only (1 = real, 0 = pad; None = all real); cache: the
+        latents of earlier tokens. Returns y [B, T, D] and, with use_cache, the cache extended by these T tokens
+        (else None). absorb=True computes the same attention in the latent space (cheaper for short T, long cache)."""
         B, T, _ = x.shape
         new_mask = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask.bool()
         new = MLACache(self.kv_latents(x), new_mask)
