@@ -128,7 +128,8 @@ def test_reward_logged_to_wandb_and_metrics_for_each_step(quickstart_run):
     assert (out / "config.yaml").is_file()
 
 
-def test_ctrl_c_stops_the_run_and_removes_its_containers(tmp_path, docker_client, terminal_image):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_the_run_and_removes_its_containers(tmp_path, docker_client, terminal_image, signum):
     from sandforge.environments.sandbox.docker_sandbox import list_run_containers
 
     out = tmp_path / "run"
@@ -149,7 +150,7 @@ def test_ctrl_c_stops_the_run_and_removes_its_containers(tmp_path, docker_client
             time.sleep(0.5)
         else:
             pytest.fail("the run never started a container")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

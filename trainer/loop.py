@@ -246,6 +246,7 @@ def run(cfg: JobConfig) -> Path:
                               client=client, mirror=cfg.sandbox.mirror)
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which installs an aborting handler of its own
         logger = RunLogger(out, cfg, run_id)
         with progress() as bar:
             job = RLJob(cfg, run_id, images, logger, bar, driver_labels(run_id))
