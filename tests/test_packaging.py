@@ -5,14 +5,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["trainer", "rollout", "environments", "verifiers", "models"]
+PARTS = ["trainer", "rollout", "environments", "verifiers", "models", "models.k3"]
 
 
 def test_editable_install_maps_root_folders():
     code = "import importlib; print([importlib.import_module('sandforge.' + p).__file__ for p in %r])" % PARTS
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
     for part in PARTS:
-        assert f"{ROOT}/{part}/__init__.py" in out
+        assert f"{ROOT}/{part.replace('.', '/')}/__init__.py" in out
 
 
 def test_wheel_install_holds_every_part_and_the_dockerfiles(tmp_path):
@@ -25,5 +25,5 @@ def test_wheel_install_holds_every_part_and_the_dockerfiles(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
     for part in PARTS:
-        assert f"{target}/sandforge/{part}/__init__.py" in out
+        assert f"{target}/sandforge/{part.replace('.', '/')}/__init__.py" in out
     assert (target / "sandforge" / "environments" / "terminal" / "Dockerfile").is_file()
