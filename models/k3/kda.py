@@ -1,0 +1,267 @@
+"""Kimi Delta Attention (KDA): a gated delta rule with a per-channel decay (Kimi Linear, arXiv 2510.26692; K3 report).
+
+Per head, the state S (d_k x d_v) is updated token by token:
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,      alpha_t = exp(g_t), g_t <= 0 per channel
+    o_t = S_t^T (scale * q_t)                                                    (reads the state after token t)
+
+``kda_recurrent`` is that loop, the plain reference. ``kda_chunked`` is the chunkwise-parallel form (WY representation /
+UT transform, as in the gated DeltaNet and Kimi Linear chunk algorithms); a test holds the two together. ``KDA`` is the
+layer around them: short convolutions, L2-normalised q/k, low-rank decay gate, output RMSNorm and gate, decode cache.
+
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, N chunks, C chunk size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def kda_recurrent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token KDA in fp32: q, k, g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; state [B,H,K,V] -> o [B,T,H,V].
+
+    Uses S_t = D_t S_{t-1} + k_t [beta_t (v_t - k_t^T D_t S_{t-1})]^T, which is the update above multiplied out.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    o = q.new_empty(B, T, H, V)
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]  # Diag(alpha_t) S_{t-1}
+        k_t = k[:, t]  # [B,H,K]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S))  # [B,H,V]
+        S = S + k_t[..., None] * u[..., None, :]
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S)
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+_MAX_LOG_SPAN = 80.0  # exp(80) ~ 5.5e34: a factor this large (and its inverse) is still a normal fp32 number
+
+
+def _sub_block(G: Tensor, C: int) -> int:
+    """Largest sub-block (16, 8, 4, 2 or 1 tokens) over which no channel decays by more than exp(-_MAX_LOG_SPAN)."""
+    for sub in (16, 8, 4, 2):
+        if C % sub == 0:
+            span = G[..., ::sub, :] - G[..., sub - 1 :: sub, :]  # log-decay across each sub-block, >= 0
+            if span.numel() == 0 or span.max() <= _MAX_LOG_SPAN:
+                return sub
+    return 1
+
+
+def kda_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunkwise-parallel KDA, same contract as ``kda_recurrent``; works in fp32.
+
+    Within a chunk starting from state S_0, with G_t = sum_{s<=t} g_s (cumulative log-decay from the chunk start) and
+    Gamma_t = exp(G_t), write u_t = beta_t (v_t - k_t^T D_t S_{t-1}) so that S_t = D_t S_{t-1} + k_t u_t^T. Unrolled:
+
+        S_t = Diag(Gamma_t) S_0 + sum_{j<=t} Diag(exp(G_t - G_j)) k_j u_j^T
+        (I + A) U = beta V - beta (K * Gamma) S_0,    A_tj = beta_t sum_c k_tc k_jc exp(G_tc - G_jc)  (j < t)
+
+    so with the UT transform T = (I + A)^{-1} (a unit lower-triangular solve): U = T beta V - T beta (K * Gamma) S_0
+    (the WY form), o = (scale q * Gamma) S_0 + P U with P_tj = scale sum_c q_tc k_jc exp(G_tc - G_jc) (j <= t), and
+    S_C = Diag(Gamma_C) S_0 + (K * exp(G_C - G))^T U. Everything but these last three runs for all chunks at once.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    pad = (-T) % C
+    # padding with k = 0, beta = 0, g = 0 leaves the state untouched; its outputs are cut off below
+    q, k, v, g = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+    beta = F.pad(beta.float(), (0, 0, 0, pad))
+    N = (T + pad) // C
+    # [B,T,H,*] -> [B,H,N,C,*]
+    q, k, v, g = (x.transpose(1, 2).unflatten(2, (N, C)) for x in (q, k, v, g))
+    beta = beta.transpose(1, 2).unflatten(2, (N, C))[..., None]  # [B,H,N,C,1]
+    q = q * scale
+
+    G = g.cumsum(-2)  # [B,H,N,C,K], non-increasing along C
+    # Scores sum_c x_ic k_jc exp(G_ic - G_jc) for x = k (A) and x = q (P), only needed for j <= i. The decay factors
+    # through r, the first token of i's sub-block: exp(G_i - G_r) <= 1 times exp(G_r - G_j), which is <= 1 for j in
+    # earlier sub-blocks and at most exp(_MAX_LOG_SPAN) inside i's own; so one matmul per sub-block of rows and no
+    # [C, C, K] tensor. Entries with j > i are computed but discarded (torch.where, never multiplied by zero).
+    sub = _sub_block(G, C)
+    n = C // sub
+    G_r = G[..., ::sub, :]  # [B,H,N,n,K]
+    key_ok = torch.arange(C, device=q.device) < (torch.arange(1, n + 1, device=q.device) * sub)[:, None]  # [n, C]
+    k_r = (G_r[..., :, None, :] - G[..., None, :, :]).masked_fill_(~key_ok[..., None], float("-inf"))
+    k_r = k_r.exp() * k[..., None, :, :]  # k_j exp(G_r - G_j): [B,H,N,n,C,K]
+    x_r = torch.stack([k, q]) * (G - G_r.repeat_interleave(sub, dim=-2)).exp()  # [2,B,H,N,C,K]
+    scores = (x_r.unflatten(-2, (n, sub)) @ k_r.transpose(-1, -2)).flatten(-3, -2)  # [2,B,H,N,C,C]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    A = torch.where(causal.tril(-1), beta * scores[0], 0.0)  # [B,H,N,C,C], strictly lower
+    P = torch.where(causal, scores[1], 0.0)  # [B,H,N,C,C], lower incl. diagonal
+
+    eye = torch.eye(C, device=q.device)
+    rhs = torch.cat([beta * v, beta * k * G.exp()], dim=-1)  # [B,H,N,C,V+K]
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U_v, W = UW[..., :V], UW[..., V:]  # T beta V: [B,H,N,C,V]; T beta (K * Gamma): [B,H,N,C,K]
+    q_decay = q * G.exp()  # [B,H,N,C,K]
+    k_decay = k * (G[..., -1:, :] - G).exp()  # exp(G_C - G_j) <= 1
+    chunk_decay = G[..., -1, :].exp()  # [B,H,N,K]
+
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    outs = []
+    for i in range(N):  # the only sequential part: carry the state across chunks
+        U = U_v[:, :, i] - W[:, :, i] @ S  # [B,H,C,V]
+        outs.append(q_decay[:, :, i] @ S + P[:, :, i] @ U)
+        S = chunk_decay[:, :, i, :, None] * S + k_decay[:, :, i].transpose(-1, -2) @ U
+    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T].transpose(1, 2)  # [B,T,H,V]
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+@dataclass
+class KDACache:
+    """Decode state of one KDA layer: the recurrent state [B,H,K,V] (fp32) and the last kernel-1 inputs of each short
+    convolution, conv_q / conv_k [B, kernel-1, H*K] and conv_v [B, kernel-1, H*V]. Row b is sequence b."""
+
+    state: Tensor
+    conv_q: Tensor
+    conv_k: Tensor
+    conv_v: Tensor
+
+    def _map(self, fn) -> KDACache:
+        return KDACache(fn(self.state), fn(self.conv_q), fn(self.conv_k), fn(self.conv_v))
+
+    def select(self, rows: Tensor | list[int]) -> KDACache:
+        """Keep only these batch rows (e.g. drop finished sequences)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.state.device)
+        return self._map(lambda t: t.index_select(0, rows))
+
+    def repeat_interleave(self, n: int) -> KDACache:
+        """Each row n times in a row: one prompt's cache -> n samples."""
+        return self._map(lambda t: t.repeat_interleave(n, dim=0))
+
+    def clone(self) -> KDACache:
+        return self._map(torch.clone)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv1d over time (kernel 4, no bias) that continues from the previous kernel-1 inputs.
+
+    With a mask, pads are skipped: each real token sees the previous kernel-1 *real* inputs, so pads anywhere (left
+    padding, or pads between turns) change nothing. Outputs at pad positions are zero.
+    """
+
+    def __init__(self, channels: int, kernel: int = 4):
+        super().__init__()
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.randn(channels, 1, kernel) / kernel**0.5)
+
+    def forward(self, x: Tensor, state: Tensor | None, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        B, T, Ch = x.shape
+        if state is None:
+            state = x.new_zeros(B, self.kernel - 1, Ch)
+        if mask is not None:  # each row's real tokens first, in order, then its pads (zeroed): [B,T,Ch]
+            order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)
+            x = (x * mask[..., None]).gather(1, order[..., None].expand(-1, -1, Ch))
+        buf = torch.cat([state.to(x.dtype), x], dim=1)  # [B, kernel-1+T, Ch]
+        y = F.conv1d(buf.transpose(1, 2), self.weight, groups=Ch).transpose(1, 2)  # [B,T,Ch]
+        if mask is None:
+            return y, buf[:, T:]
+        # back to the original positions; the new state is the last kernel-1 real inputs
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)  # [B,T]
+        y = y.gather(1, pos[..., None].expand(-1, -1, Ch)) * mask[..., None]
+        idx = mask.long().sum(1, keepdim=True) + torch.arange(self.kernel - 1, device=x.device)  # [B, kernel-1]
+        return y, buf.gather(1, idx[..., None].expand(-1, -1, Ch))
+
+
+class KDA(nn.Module):
+    """The Kimi Delta Attention layer: x [B,T,D] -> y [B,T,D].
+
+        q, k = L2Norm(SiLU(ShortConv(W_q x))), L2Norm(SiLU(ShortConv(W_k x)));  v = SiLU(ShortConv(W_v x))
+        g = g_min * sigmoid(exp(A_h) * z),  z = W_up W_down x + dt_bias   (log alpha per channel per head, in [g_min, 0])
+        beta = sigmoid(W_beta x)   (per head)
+        o = KDA(q, k, v, g, beta);   y = W_o[sigmoid(W_g x) * RMSNorm_head(o)]
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_k: int,
+        head_v: int,
+        low_rank: int = 16,
+        conv_kernel: int = 4,
+        g_min: float = -5.0,
+        chunk_size: int = 64,
+    ):
+        super().__init__()
+        self.n_heads, self.head_k, self.head_v = n_heads, head_k, head_v
+        self.g_min, self.chunk_size = g_min, chunk_size
+        HK, HV = n_heads * head_k, n_heads * head_v
+        self.q_proj = nn.Linear(d_model, HK, bias=False)
+        self.k_proj = nn.Linear(d_model, HK, bias=False)
+        self.v_proj = nn.Linear(d_model, HV, bias=False)
+        self.q_conv, self.k_conv, self.v_conv = ShortConv(HK, conv_kernel), ShortConv(HK, conv_kernel), ShortConv(HV, conv_kernel)
+        self.g_down = nn.Linear(d_model, low_rank, bias=False)
+        self.g_up = nn.Linear(low_rank, HK, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(n_heads))
+        # sigmoid(dt_bias) in ~[0.0025, 0.12] at init: alpha = exp(g) starts between ~0.55 and ~0.99 per channel
+        self.dt_bias = nn.Parameter(torch.empty(HK).uniform_(-6.0, -2.0))
+        self.beta_proj = nn.Linear(d_model, n_heads, bias=False)
+        self.gate_proj = nn.Linear(d_model, HV, bias=False)
+        self.o_norm = nn.RMSNorm(head_v, eps=1e-6)
+        self.o_proj = nn.Linear(HV, d_model, bias=False)
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, cache: KDACache | None = None, use_cache: bool = False
+    ) -> tuple[Tensor, KDACache | None]:
+        """mask [B,T]: 1 = real token, 0 = pad; a pad changes neither the state nor the conv windows. Several tokens
+        (prefill) run ``kda_chunked``, one token (decode) ``kda_recurrent``; both continue from ``cache`` (left as it
+        is). Returns (y, the cache after these tokens if use_cache else None)."""
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_k, self.head_v
+        m = None if mask is None else mask.bool()
+        conv = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
+        q, conv_q = self.q_conv(self.q_proj(x), conv[0], m)  # [B,T,H*K]
+        k, conv_k = self.k_conv(self.k_proj(x), conv[1], m)
+        v, conv_v = self.v_conv(self.v_proj(x), conv[2], m)  # [B,T,H*V]
+        q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=1e-6)
+        k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=1e-6)
+        v = F.silu(v).view(B, T, H, V)
+
+        z = (self.g_up(self.g_down(x)) + self.dt_bias).view(B, T, H, K).float()
+        g = self.g_min * torch.sigmoid(self.A_log.exp()[:, None] * z)  # [B,T,H,K], fp32
+        beta = torch.sigmoid(self.beta_proj(x).float())  # [B,T,H]
+        if m is not None:  # a pad neither decays nor writes the state
+            g = g * m[..., None, None]
+            beta = beta * m[..., None]
+
+        state = None if cache is None else cache.state
+        if T == 1:
+            o, state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+        else:
+            o, state = kda_chunked(
+                q, k, v, g, beta, initial_state=state, output_final_state=use_cache, chunk_size=self.chunk_size
+            )
+        o = self.o_norm(o).reshape(B, T, H * V) * torch.sigmoid(self.gate_proj(x))  # [B,T,H*V]
+        y = self.o_proj(o)  # [B,T,D]
+        return y, (KDACache(state, conv_q, conv_k, conv_v) if use_cache else None)
