@@ -51,7 +51,10 @@ def kda_recurrent(
     return o.to(out_dtype), (S if output_final_state else None)
 
 
-_MAX_LOG_SPAN = 80.0  # exp(80) ~ 5.5e34: a factor this large (and its inverse) is still a normal fp32 number
+# Decay factors are kept within [e^-40, e^40]. Inside a sub-block a factor goes up to e^40 and its partner down to e^-40
+# exactly; elsewhere a decay below e^-40 (~4e-18, invisible in fp32) is raised to e^-40, so that products of two
+# factors stay normal fp32 numbers: underflow and denormals put exp and matmul on CPU slow paths (tens of times slower).
+_MAX_LOG_SPAN = 40.0
 
 
 def _sub_block(G: Tensor, C: int) -> int:
@@ -62,6 +65,11 @@ def _sub_block(G: Tensor, C: int) -> int:
             if span.numel() == 0 or span.max() <= _MAX_LOG_SPAN:
                 return sub
     return 1
+
+
+def _exp(x: Tensor) -> Tensor:
+    """exp of a log-decay (<= 0), no smaller than e^-_MAX_LOG_SPAN."""
+    return x.clamp(min=-_MAX_LOG_SPAN).exp()
 
 
 def kda_chunked(
@@ -94,45 +102,54 @@ def kda_chunked(
     out_dtype = v.dtype
     pad = (-T) % C
     # padding with k = 0, beta = 0, g = 0 leaves the state untouched; its outputs are cut off below
-    q, k, v, g = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-    beta = F.pad(beta.float(), (0, 0, 0, pad))
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
     N = (T + pad) // C
     # [B,T,H,*] -> [B,H,N,C,*]
-    q, k, v, g = (x.transpose(1, 2).unflatten(2, (N, C)) for x in (q, k, v, g))
-    beta = beta.transpose(1, 2).unflatten(2, (N, C))[..., None]  # [B,H,N,C,1]
+    q, k, v, g = (x.float().transpose(1, 2).unflatten(2, (N, C)) for x in (q, k, v, g))
+    beta = beta.float().transpose(1, 2).unflatten(2, (N, C))[..., None]  # [B,H,N,C,1]
     q = q * scale
 
     G = g.cumsum(-2)  # [B,H,N,C,K], non-increasing along C
     # Scores sum_c x_ic k_jc exp(G_ic - G_jc) for x = k (A) and x = q (P), only needed for j <= i. The decay factors
     # through r, the first token of i's sub-block: exp(G_i - G_r) <= 1 times exp(G_r - G_j), which is <= 1 for j in
     # earlier sub-blocks and at most exp(_MAX_LOG_SPAN) inside i's own; so one matmul per sub-block of rows and no
-    # [C, C, K] tensor. Entries with j > i are computed but discarded (torch.where, never multiplied by zero).
+    # [C, C, K] tensor. Entries with j > i inside i's sub-block are computed but discarded (torch.where).
     sub = _sub_block(G, C)
     n = C // sub
     G_r = G[..., ::sub, :]  # [B,H,N,n,K]
-    key_ok = torch.arange(C, device=q.device) < (torch.arange(1, n + 1, device=q.device) * sub)[:, None]  # [n, C]
-    k_r = (G_r[..., :, None, :] - G[..., None, :, :]).masked_fill_(~key_ok[..., None], float("-inf"))
-    k_r = k_r.exp() * k[..., None, :, :]  # k_j exp(G_r - G_j): [B,H,N,n,C,K]
-    x_r = torch.stack([k, q]) * (G - G_r.repeat_interleave(sub, dim=-2)).exp()  # [2,B,H,N,C,K]
-    scores = (x_r.unflatten(-2, (n, sub)) @ k_r.transpose(-1, -2)).flatten(-3, -2)  # [2,B,H,N,C,C]
+    to_r = _exp(G - G_r.repeat_interleave(sub, dim=-2)).unflatten(-2, (n, sub))  # exp(G_i - G_r): [B,H,N,n,s,K]
+    x_r = torch.cat([k.unflatten(-2, (n, sub)) * to_r, q.unflatten(-2, (n, sub)) * to_r], dim=-2)  # [B,H,N,n,2s,K]
+    scores = []
+    for a in range(n):  # rows of sub-block a (k rows, then q rows) against keys up to its end
+        end = (a + 1) * sub
+        k_r = _exp(G_r[..., a, None, :] - G[..., :end, :]) * k[..., :end, :]  # k_j exp(G_r - G_j): [B,H,N,end,K]
+        scores.append(F.pad(x_r[..., a, :, :] @ k_r.transpose(-1, -2), (0, C - end)))  # [B,H,N,2s,C]
+    scores = torch.stack(scores, dim=-3)  # [B,H,N,n,2s,C]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    A = torch.where(causal.tril(-1), beta * scores[0], 0.0)  # [B,H,N,C,C], strictly lower
-    P = torch.where(causal, scores[1], 0.0)  # [B,H,N,C,C], lower incl. diagonal
+    A = torch.where(causal.tril(-1), beta * scores[..., :sub, :].flatten(-3, -2), 0.0)  # [B,H,N,C,C], strictly lower
+    P = torch.where(causal, scores[..., sub:, :].flatten(-3, -2), 0.0)  # [B,H,N,C,C], lower incl. diagonal
 
     eye = torch.eye(C, device=q.device)
-    rhs = torch.cat([beta * v, beta * k * G.exp()], dim=-1)  # [B,H,N,C,V+K]
+    rhs = torch.cat([beta * v, beta * k * _exp(G)], dim=-1)  # [B,H,N,C,V+K]
     UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     U_v, W = UW[..., :V], UW[..., V:]  # T beta V: [B,H,N,C,V]; T beta (K * Gamma): [B,H,N,C,K]
-    q_decay = q * G.exp()  # [B,H,N,C,K]
-    k_decay = k * (G[..., -1:, :] - G).exp()  # exp(G_C - G_j) <= 1
-    chunk_decay = G[..., -1, :].exp()  # [B,H,N,K]
+    q_decay = q * _exp(G)  # [B,H,N,C,K]
+    k_decay = k * _exp(G[..., -1:, :] - G)  # exp(G_C - G_j) <= 1
+    chunk_decay = _exp(G[..., -1, :])[..., None]  # [B,H,N,K,1]
+    # two matmuls per chunk: [W; q Gamma] S and [P; (K exp(G_C - G))^T] U
+    read_S = torch.cat([W, q_decay], dim=-2)  # [B,H,N,2C,K]
+    read_U = torch.cat([P, k_decay.transpose(-1, -2)], dim=-2)  # [B,H,N,C+K,C]
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
     outs = []
     for i in range(N):  # the only sequential part: carry the state across chunks
-        U = U_v[:, :, i] - W[:, :, i] @ S  # [B,H,C,V]
-        outs.append(q_decay[:, :, i] @ S + P[:, :, i] @ U)
-        S = chunk_decay[:, :, i, :, None] * S + k_decay[:, :, i].transpose(-1, -2) @ U
+        WS, qS = (read_S[:, :, i] @ S).split(C, dim=-2)  # [B,H,C,V] each
+        U = U_v[:, :, i] - WS
+        PU, kU = (read_U[:, :, i] @ U).split([C, K], dim=-2)  # [B,H,C,V], [B,H,K,V]
+        outs.append(qS + PU)
+        S = chunk_decay[:, :, i] * S + kU
     o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T].transpose(1, 2)  # [B,T,H,V]
     return o.to(out_dtype), (S if output_final_state else None)
 
