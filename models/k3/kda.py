@@ -51,9 +51,10 @@ def kda_recurrent(
     return o.to(out_dtype), (S if output_final_state else None)
 
 
-# Decay factors are kept within [e^-40, e^40]. Inside a sub-block a factor goes up to e^40 and its partner down to e^-40
-# exactly; elsewhere a decay below e^-40 (~4e-18, invisible in fp32) is raised to e^-40, so that products of two
-# factors stay normal fp32 numbers: underflow and denormals put exp and matmul on CPU slow paths (tens of times slower).
+# Every decay factor formed in kda_chunked lies in [e^-40, e^40]. Within a sub-block the split factors are exact (the
+# sub-block is chosen so that no channel decays by more than e^-40 across it); any other decay below e^-40 (~4e-18, far
+# under fp32 resolution) is raised to e^-40. This keeps exp and the matmuls off the CPU's underflow / denormal slow
+# paths, which are tens of times slower, and keeps the factors of a product from overflowing.
 _MAX_LOG_SPAN = 40.0
 
 
@@ -124,7 +125,8 @@ def kda_chunked(
     scores = []
     for a in range(n):  # rows of sub-block a (k rows, then q rows) against keys up to its end
         end = (a + 1) * sub
-        k_r = _exp(G_r[..., a, None, :] - G[..., :end, :]) * k[..., :end, :]  # k_j exp(G_r - G_j): [B,H,N,end,K]
+        rel = (G_r[..., a, None, :] - G[..., :end, :]).clamp_(min=-_MAX_LOG_SPAN)  # G_r - G_j: [B,H,N,end,K]
+        k_r = rel.exp_() * k[..., :end, :]  # k_j exp(G_r - G_j)
         scores.append(F.pad(x_r[..., a, :, :] @ k_r.transpose(-1, -2), (0, C - end)))  # [B,H,N,2s,C]
     scores = torch.stack(scores, dim=-3)  # [B,H,N,n,2s,C]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
@@ -132,10 +134,11 @@ def kda_chunked(
     P = torch.where(causal, scores[..., sub:, :].flatten(-3, -2), 0.0)  # [B,H,N,C,C], lower incl. diagonal
 
     eye = torch.eye(C, device=q.device)
-    rhs = torch.cat([beta * v, beta * k * _exp(G)], dim=-1)  # [B,H,N,C,V+K]
+    gamma = _exp(G)  # Gamma_t = exp(G_t): [B,H,N,C,K]
+    rhs = torch.cat([beta * v, beta * k * gamma], dim=-1)  # [B,H,N,C,V+K]
     UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     U_v, W = UW[..., :V], UW[..., V:]  # T beta V: [B,H,N,C,V]; T beta (K * Gamma): [B,H,N,C,K]
-    q_decay = q * _exp(G)  # [B,H,N,C,K]
+    q_decay = q * gamma  # [B,H,N,C,K]
     k_decay = k * _exp(G[..., -1:, :] - G)  # exp(G_C - G_j) <= 1
     chunk_decay = _exp(G[..., -1, :])[..., None]  # [B,H,N,K,1]
     # two matmuls per chunk: [W; q Gamma] S and [P; (K exp(G_C - G))^T] U
@@ -268,7 +271,7 @@ class KDA(nn.Module):
         z = (self.g_up(self.g_down(x)) + self.dt_bias).view(B, T, H, K).float()
         g = self.g_min * torch.sigmoid(self.A_log.exp()[:, None] * z)  # [B,T,H,K], fp32
         beta = torch.sigmoid(self.beta_proj(x).float())  # [B,T,H]
-        if m is not None:  # a pad neither decays nor writes the state
+        if m is not None:  # a pad neither decays nor writes the state (its k, v are already 0 from the convs)
             g = g * m[..., None, None]
             beta = beta * m[..., None]
 
