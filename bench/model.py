@@ -61,8 +61,8 @@ def main() -> None:
         task = progress.add_task("KDA chunked vs recurrent", total=args.repeats + 2)
         kda_chunked(q[:, :256], k[:, :256], v[:, :256], g[:, :256], beta[:, :256])  # warm-up
         for _ in range(args.repeats):  # interleaved, so both see the same machine load
-            chunked_t.append(best_time(lambda: kda_chunked(q, k, v, g, beta, chunk_size=args.chunk), 2))
-            strong_t.append(best_time(lambda: kda_chunked(q, k, v, g_strong, beta, chunk_size=args.chunk), 1))
+            chunked_t.append(best_time(lambda: kda_chunked(q, k, v, g, beta, chunk_size=args.chunk), 5))
+            strong_t.append(best_time(lambda: kda_chunked(q, k, v, g_strong, beta, chunk_size=args.chunk), 3))
             recurrent_t.append(best_time(lambda: kda_recurrent(q, k, v, g, beta), 1))
             progress.advance(task)
         o_ref, _ = kda_recurrent(q, k, v, g, beta)

@@ -141,19 +141,18 @@ def kda_chunked(
     q_decay = q * gamma  # [B,H,N,C,K]
     k_decay = k * _exp(G[..., -1:, :] - G)  # exp(G_C - G_j) <= 1
     chunk_decay = _exp(G[..., -1, :])[..., None]  # [B,H,N,K,1]
-    # two matmuls per chunk: [W; q Gamma] S and [P; (K exp(G_C - G))^T] U
-    read_S = torch.cat([W, q_decay], dim=-2)  # [B,H,N,2C,K]
-    read_U = torch.cat([P, k_decay.transpose(-1, -2)], dim=-2)  # [B,H,N,C+K,C]
+    k_decay_t = k_decay.transpose(-1, -2)  # [B,H,N,K,C]
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
-    outs = []
+    starts, Us = [], []
     for i in range(N):  # the only sequential part: carry the state across chunks
-        WS, qS = (read_S[:, :, i] @ S).split(C, dim=-2)  # [B,H,C,V] each
-        U = U_v[:, :, i] - WS
-        PU, kU = (read_U[:, :, i] @ U).split([C, K], dim=-2)  # [B,H,C,V], [B,H,K,V]
-        outs.append(qS + PU)
-        S = chunk_decay[:, :, i] * S + kU
-    o = torch.stack(outs, dim=2).flatten(2, 3)[:, :, :T].transpose(1, 2)  # [B,T,H,V]
+        U = U_v[:, :, i] - W[:, :, i] @ S  # [B,H,C,V]
+        starts.append(S)
+        Us.append(U)
+        S = chunk_decay[:, :, i] * S + k_decay_t[:, :, i] @ U
+    # outputs of all chunks at once: o = (q Gamma) S_0 + P U
+    o = q_decay @ torch.stack(starts, dim=2) + P @ torch.stack(Us, dim=2)  # [B,H,N,C,V]
+    o = o.flatten(2, 3)[:, :, :T].transpose(1, 2)  # [B,T,H,V]
     return o.to(out_dtype), (S if output_final_state else None)
 
 
