@@ -1,10 +1,10 @@
 """K3 model benchmarks on CPU: chunked KDA vs its token-by-token reference (same process, same inputs), KDA layer
-prefill/decode throughput, and (TODO, once models/k3/model.py exists) whole-model forward tokens/s.
+prefill/decode throughput, and whole-model forward tokens/s for the k3-nano and k3-mini presets.
 
     python bench/model.py [--T 4096] [--heads 4] [--dim 64] [--threads 2] [--repeats 3]
 
 Prints a table, then as the last line a JSON object: kda_chunked_vs_recurrent (recurrent time / chunked time, fp32),
-kda_max_err (max abs output difference between the two), and k3_nano/k3_mini forward tokens/s (null until model.py).
+kda_max_err (max abs output difference between the two), and k3_nano/k3_mini forward tokens/s.
 Each timing is the best of --repeats runs, interleaved, because these machines are shared and noisy.
 """
 
@@ -21,6 +21,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from sandforge.models.k3.kda import KDA, kda_chunked, kda_recurrent
+from sandforge.models.k3.model import PRESETS, K3Model
 
 
 def best_time(fn, repeats: int) -> float:
@@ -99,9 +100,15 @@ def main() -> None:
     table.add_row("max abs error (both decay cases)", f"{max_err:.2e}", "")
     table.add_row(f"KDA layer prefill (d_model {H * K}, 1024 tokens)", f"{prefill_t * 1e3:.1f} ms", f"{1024 / prefill_t:,.0f}")
     table.add_row(f"KDA layer decode ({n_decode} steps)", f"{decode_t * 1e3:.1f} ms", f"{n_decode / decode_t:,.0f}")
-    # TODO(model.py): forward tokens/s for the k3-nano and k3-mini presets, once models/k3/model.py exists
-    table.add_row("k3-nano forward", "TODO", "TODO (needs model.py)")
-    table.add_row("k3-mini forward", "TODO", "TODO (needs model.py)")
+    model_tps = {}
+    for name in ("k3-nano", "k3-mini"):
+        torch.manual_seed(0)
+        model = K3Model(PRESETS[name]).eval()
+        ids = torch.randint(0, PRESETS[name].vocab_size, (4, 512))
+        with torch.inference_mode():
+            t_m = best_time(lambda: model(ids), args.repeats)
+        model_tps[name] = ids.numel() / t_m
+        table.add_row(f"{name} forward (4 x 512 tokens)", f"{t_m * 1e3:.1f} ms", f"{model_tps[name]:,.0f}")
     Console().print(table)
 
     result = {
@@ -112,8 +119,8 @@ def main() -> None:
         "kda_chunked_vs_recurrent_strong_decay": round(t_r / t_s, 2),
         "kda_layer_prefill_tokens_per_s": round(1024 / prefill_t, 1),
         "kda_layer_decode_tokens_per_s": round(n_decode / decode_t, 1),
-        "k3_nano_tokens_per_s": None,  # TODO: filled by the model.py integrator (k3-nano forward tokens/s)
-        "k3_mini_tokens_per_s": None,  # TODO: filled by the model.py integrator (k3-mini forward tokens/s)
+        "k3_nano_tokens_per_s": round(model_tps["k3-nano"], 1),
+        "k3_mini_tokens_per_s": round(model_tps["k3-mini"], 1),
     }
     print(json.dumps(result))
 
