@@ -16,10 +16,10 @@ import torch
 class InferenceEngine:
     def __init__(self, model_cfg: dict, max_batch_size: int = 16, batch_wait_ms: float = 5.0, seed: int = 0,
                  num_threads: int = 1):
-        from sandforge.models.moe_lm import MoEConfig, MoETransformer
+        from sandforge.models.policy import policy_from_config
 
         torch.set_num_threads(num_threads)
-        self.model = MoETransformer(MoEConfig.from_dict(model_cfg)).eval()
+        self.model = policy_from_config(model_cfg).eval()
         self.max_batch_size = max_batch_size
         self.batch_wait = batch_wait_ms / 1000
         self.generator = torch.Generator().manual_seed(seed)

@@ -68,6 +68,8 @@ class EnvironmentConfig(Section):
 class ModelConfig(Section):
     init_from: Path | None = None  # a directory written by save_pretrained (config.json + model.safetensors)
     tokenizer: str = "bpe"  # "bpe" (shipped, trained on task text), "bytes", or a tokenizer.json path; ignored with init_from
+    arch: Literal["moe", "k3"] = "moe"  # "k3": the K3-shaped model (KDA + MLA, AttnRes, LatentMoE) at `preset` size
+    preset: Literal["k3-nano", "k3-mini", "k3-1b"] = "k3-nano"  # with arch k3; the sizes below are for arch moe
     d_model: int = Field(128, ge=8)
     n_layers: int = Field(2, ge=1)
     n_heads: int = Field(4, ge=1)

@@ -175,3 +175,24 @@ def test_two_trainer_ranks_shard_the_optimizer(tmp_path, terminal_image):
     assert all(r["warmup/grad_norm"] > 0 for r in rows if r["phase"] == "warmup")
     shards = sorted(p.name for p in (out / "checkpoints" / "step_1").glob("*optim_states.pt"))
     assert len(shards) == 2 and "rank_0" in shards[0] and "rank_1" in shards[1], shards
+
+
+def test_the_k3_policy_trains_end_to_end(tmp_path, terminal_image):
+    """model.arch=k3: the K3 model (KDA + MLA, AttnRes, LatentMoE) generates, trains and checkpoints through the same loop."""
+    from sandforge.models.k3.model import K3Model
+    from sandforge.models.policy import load_policy
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        sandforge("train", "configs/quickstart.yaml", "trainer.steps=1", f"run.output_dir={out}", "model.arch=k3",
+                  "warmup.steps=5", "warmup.episodes=4", "rollout.tasks_per_step=1", "rollout.group_size=2",
+                  "rollout.max_turns=2", "logging.wandb.mode=disabled"),
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert len(rl) == 1 and rl[0]["moe/max_load_ratio"] >= 1.0  # LatentMoE balancing ran after the optimizer step
+    policy = load_policy(out / "checkpoints" / "step_1" / "policy")
+    assert isinstance(policy, K3Model)
+    assert json.loads((out / "checkpoints" / "step_1" / "policy" / "config.json").read_text())["arch"] == "k3"

@@ -53,21 +53,18 @@ class TrainerRank:
         import deepspeed
 
         from sandforge.models.bpe import load_tokenizer
-        from sandforge.models.moe_lm import MoEConfig, MoETransformer, load_pretrained
+        from sandforge.models.policy import build_policy, load_policy
 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         self.rank, self.world_size = rank, world_size
         self.cfg = trainer_cfg
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.tokenizer = load_tokenizer(tokenizer)
-        if init_from:
-            model = load_pretrained(init_from)
-        else:
-            model = MoETransformer(MoEConfig(**model_cfg, vocab_size=self.tokenizer.vocab_size))
+        model = load_policy(init_from) if init_from else build_policy(model_cfg, self.tokenizer.vocab_size)
         if model.config.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"tokenizer {tokenizer!r} has {self.tokenizer.vocab_size} ids but the model only "
                              f"{model.config.vocab_size}")
-        self.model_config = model.config
+
         self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
         optimizer = torch.optim.AdamW(model.parameters(), lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
         ds_config = {
@@ -123,7 +120,14 @@ class TrainerRank:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
         self.steps += 1
-        return self._reduce(sums, total_tokens, gas)
+        return self._reduce(sums, total_tokens, gas) | self._after_step()
+
+    def _after_step(self) -> dict[str, float]:
+        import torch.distributed as dist
+
+        from sandforge.models.policy import after_optimizer_step
+
+        return after_optimizer_step(self.engine.module, dist.all_reduce if self.world_size > 1 else None)
 
     def _reduce(self, sums: dict[str, torch.Tensor], total_tokens: int, gas: int) -> dict[str, float]:
         import torch.distributed as dist
@@ -153,14 +157,16 @@ class TrainerRank:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
 
     def model_config_dict(self) -> dict:
-        return self.model_config.to_dict()
+        from sandforge.models.policy import policy_config
+
+        return policy_config(self.engine.module)
 
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
         """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors)."""
-        from sandforge.models.moe_lm import save_pretrained
+        from sandforge.models.policy import save_policy
 
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
         policy_dir = Path(directory) / tag / "policy"
         if self.rank == 0:
-            save_pretrained(self.engine.module, policy_dir, tokenizer=self.tokenizer)
+            save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer)
         return str(policy_dir)

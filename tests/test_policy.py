@@ -1,0 +1,46 @@
+"""Policies are built, described, saved and loaded by architecture name, and keep their per-step upkeep."""
+
+import pytest
+import torch
+
+from sandforge.models.k3.model import K3Model
+from sandforge.models.moe_lm import MoETransformer
+from sandforge.models.policy import (
+    after_optimizer_step,
+    build_policy,
+    load_policy,
+    policy_config,
+    policy_from_config,
+    save_policy,
+)
+
+
+@pytest.mark.parametrize("arch, cls", [("moe", MoETransformer), ("k3", K3Model)])
+def test_build_describe_save_load_round_trip(arch, cls, tmp_path):
+    torch.manual_seed(0)
+    model = build_policy({"arch": arch, "preset": "k3-nano", "d_model": 32, "n_heads": 2, "d_ff": 32}, vocab_size=272)
+    assert isinstance(model, cls) and model.config.vocab_size == 272
+    rebuilt = policy_from_config(policy_config(model))
+    assert type(rebuilt) is cls and rebuilt.config == model.config
+    save_policy(model, tmp_path)
+    loaded = load_policy(tmp_path).eval()
+    ids = torch.randint(0, 272, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_unknown_arch_and_preset_are_explained():
+    with pytest.raises(ValueError, match="unknown model.arch 'gpt'"):
+        build_policy({"arch": "gpt"}, 272)
+    with pytest.raises(ValueError, match="unknown K3 preset 'k3-huge'"):
+        build_policy({"arch": "k3", "preset": "k3-huge"}, 272)
+
+
+def test_after_optimizer_step_updates_the_latent_moe_biases():
+    torch.manual_seed(0)
+    model = build_policy({"arch": "k3", "preset": "k3-nano"}, vocab_size=272).train()
+    model(torch.randint(0, 272, (2, 32)))
+    metrics = after_optimizer_step(model)
+    assert metrics["moe/max_load_ratio"] >= 1.0
+    assert any(m.ffn.bias.abs().sum() > 0 for m in model.layers[1:])
+    assert after_optimizer_step(build_policy({"arch": "moe"}, 272)) == {}
