@@ -12,9 +12,8 @@ from sandforge.config import JobConfig
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, docker_client
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
-from sandforge.models.chat import ChatFormat
 from sandforge.models.generate import Generation, SamplingParams
-from sandforge.models.bpe import load_tokenizer
+from sandforge.models.policy import load_chat
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode, scripted_policy
 from sandforge.types import Reward, Task, Trajectory
@@ -28,7 +27,7 @@ class RolloutWorker:
         self.run_id = run_id
         self.engine = engine
         self.images = images
-        self.chat = ChatFormat(load_tokenizer(self.cfg.model.tokenizer_source()))
+        self.chat = load_chat(self.cfg.model.model_dump(mode="json"))
         r = self.cfg.rollout
         self.limits = EpisodeLimits(
             max_turns=r.max_turns,

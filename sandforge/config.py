@@ -68,7 +68,9 @@ class EnvironmentConfig(Section):
 class ModelConfig(Section):
     init_from: Path | None = None  # a directory written by save_pretrained (config.json + model.safetensors)
     tokenizer: str = "bpe"  # "bpe" (shipped, trained on task text), "bytes", or a tokenizer.json path; ignored with init_from
-    arch: Literal["moe", "k3"] = "moe"  # "k3": the K3-shaped model (KDA + MLA, AttnRes, LatentMoE) at `preset` size
+    arch: Literal["moe", "k3", "hf"] = "moe"  # k3: the K3-shaped model at `preset` size; hf: the local model at `path`
+    path: Path | None = None  # with arch hf: a local Hugging Face model directory (weights, config, tokenizer, template)
+    parser: str = "hermes"  # with arch hf: how its tool calls are written (hermes/qwen or kimi_k2)
     preset: Literal["k3-nano", "k3-mini", "k3-1b"] = "k3-nano"  # with arch k3; the sizes below are for arch moe
     d_model: int = Field(128, ge=8)
     n_layers: int = Field(2, ge=1)
@@ -235,6 +237,9 @@ def check_paths(cfg: JobConfig, source: str) -> None:
     init = cfg.model.init_from
     if init is not None and not (Path(init) / "config.json").is_file():
         raise ConfigError(f"{source}: 'model.init_from' = {str(init)!r}: no checkpoint there (expected config.json)")
+    if cfg.model.arch == "hf" and not (cfg.model.path and (Path(cfg.model.path) / "config.json").is_file()):
+        raise ConfigError(f"{source}: 'model.path' = {str(cfg.model.path)!r}: model.arch hf needs a local Hugging Face "
+                          "model directory (with config.json)")
 
 
 def dump_config(cfg: JobConfig, path: Path) -> None:

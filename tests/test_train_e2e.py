@@ -196,3 +196,36 @@ def test_the_k3_policy_trains_end_to_end(tmp_path, terminal_image):
     policy = load_policy(out / "checkpoints" / "step_1" / "policy")
     assert isinstance(policy, K3Model)
     assert json.loads((out / "checkpoints" / "step_1" / "policy" / "config.json").read_text())["arch"] == "k3"
+
+
+def test_a_local_hugging_face_model_trains_end_to_end(tmp_path, terminal_image):
+    """model.arch=hf: a local HF causal LM (a tiny offline Qwen3-MoE) with its own tokenizer and chat template."""
+    import torch
+    import transformers
+    from test_hf import build_tokenizer
+
+    model_dir = tmp_path / "qwen3moe"
+    tokenizer = build_tokenizer()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=4096, router_aux_loss_coef=0.01, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        sandforge("train", "configs/quickstart.yaml", "trainer.steps=1", f"run.output_dir={out}", "model.arch=hf",
+                  f"model.path={model_dir}", "warmup.steps=3", "warmup.episodes=4", "rollout.tasks_per_step=1",
+                  "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=32", "logging.wandb.mode=disabled"),
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    warm = trajectories(out, "warmup")
+    assert warm and all(t.reward.success for t in warm)  # reference episodes rendered with the model's own template
+    rl = trajectories(out, "rl")
+    assert len(rl) == 2 and not any(t.failed for t in rl), [t.failure for t in rl]
+    saved = out / "checkpoints" / "step_1" / "policy"
+    assert (saved / "config.json").is_file() and (saved / "tokenizer.json").is_file()

@@ -52,17 +52,16 @@ class TrainerRank:
         torch.set_num_threads(num_threads)
         import deepspeed
 
-        from sandforge.models.bpe import load_tokenizer
-        from sandforge.models.policy import build_policy, load_policy
+        from sandforge.models.policy import build_policy, load_chat, load_policy
 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         self.rank, self.world_size = rank, world_size
         self.cfg = trainer_cfg
         torch.manual_seed(seed)  # identical initial weights on every rank
-        self.tokenizer = load_tokenizer(tokenizer)
-        model = load_policy(init_from) if init_from else build_policy(model_cfg, self.tokenizer.vocab_size)
-        if model.config.vocab_size < self.tokenizer.vocab_size:
-            raise ValueError(f"tokenizer {tokenizer!r} has {self.tokenizer.vocab_size} ids but the model only "
+        self.tokenizer = load_chat({**model_cfg, "init_from": init_from, "tokenizer": tokenizer}).tokenizer
+        model = load_policy(init_from) if init_from else build_policy(model_cfg, len(self.tokenizer))
+        if model.config.vocab_size < len(self.tokenizer):
+            raise ValueError(f"tokenizer {tokenizer!r} has {len(self.tokenizer)} ids but the model only "
                              f"{model.config.vocab_size}")
 
         self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty

@@ -79,7 +79,7 @@ class RLJob:
         self.sampler = TaskSampler(cfg.environments, cfg.run.seed)
         self.output_dir = Path(cfg.run.output_dir).resolve()
         threads = max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
-        model_cfg = cfg.model.model_dump(exclude={"init_from", "tokenizer"})
+        model_cfg = cfg.model.model_dump(mode="json", exclude={"init_from", "tokenizer"})
         init_from = str(cfg.model.init_from) if cfg.model.init_from else None
         # the trainer scores tokens under the same temperature the engine sampled them with, or the ratio is off
         trainer_cfg = cfg.trainer.model_dump() | {"temperature": cfg.rollout.temperature}
