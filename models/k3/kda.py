@@ -212,6 +212,19 @@ class ShortConv(nn.Module):
         return y, buf.gather(1, idx[..., None].expand(-1, -1, Ch))
 
 
+def fla_chunk_kda():
+    """flash-linear-attention's ``chunk_kda`` where the optional ``fla-core`` package is installed, else None.
+
+    It takes the same [B,T,H,K] layout, log-space g and post-sigmoid beta as ``kda_chunked`` (a GPU test ties them);
+    the layer uses it on CUDA only, so CPU always runs ``kda_chunked``.
+    """
+    try:
+        from fla.ops.kda import chunk_kda
+    except Exception:  # not installed, or no Triton/GPU for it
+        return None
+    return chunk_kda
+
+
 class KDA(nn.Module):
     """The Kimi Delta Attention layer: x [B,T,D] -> y [B,T,D].
 
@@ -220,6 +233,8 @@ class KDA(nn.Module):
         beta = sigmoid(W_beta x)   (per head)
         o = KDA(q, k, v, g, beta);   y = W_o[sigmoid(W_g x) * RMSNorm_head(o)]
     """
+
+    use_fla = True  # on CUDA, prefill with fla-core's chunk_kda when it is installed (set False to force kda_chunked)
 
     def __init__(
         self,
@@ -275,8 +290,11 @@ class KDA(nn.Module):
             beta = beta * m[..., None]
 
         state = None if cache is None else cache.state
+        fla_chunk = fla_chunk_kda() if self.use_fla and q.is_cuda and T > 1 else None
         if T == 1:
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+        elif fla_chunk is not None:  # the fused Triton kernel of flash-linear-attention, same contract and layout
+            o, state = fla_chunk(q, k, v, g, beta.to(q.dtype), initial_state=state, output_final_state=use_cache)
         else:
             o, state = kda_chunked(
                 q, k, v, g, beta, initial_state=state, output_final_state=use_cache, chunk_size=self.chunk_size
