@@ -64,25 +64,29 @@ def build_tokenizer():
     )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A tiny random Qwen3-MoE and its tokenizer, saved the way a downloaded model would be."""
-    path = tmp_path_factory.mktemp("qwen3moe")
+def save_tiny_qwen3_moe(path, max_positions: int = 256, sharpen: float = 25.0):
+    """A tiny random Qwen3-MoE and its tokenizer, saved in ``path`` the way a downloaded model would be."""
     tokenizer = build_tokenizer()
     config = transformers.Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=256, router_aux_loss_coef=0.01, tie_word_embeddings=False,
+        num_experts_per_tok=2, max_position_embeddings=max_positions, router_aux_loss_coef=0.01,
+        tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # sharpen it: a freshly initialised model mostly predicts one token
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):
-                p.mul_(25.0)
+                p.mul_(sharpen)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3moe"))
 
 
 @pytest.fixture(scope="module")

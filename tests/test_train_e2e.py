@@ -200,20 +200,9 @@ def test_the_k3_policy_trains_end_to_end(tmp_path, terminal_image):
 
 def test_a_local_hugging_face_model_trains_end_to_end(tmp_path, terminal_image):
     """model.arch=hf: a local HF causal LM (a tiny offline Qwen3-MoE) with its own tokenizer and chat template."""
-    import torch
-    import transformers
-    from test_hf import build_tokenizer
+    from test_hf import save_tiny_qwen3_moe
 
-    model_dir = tmp_path / "qwen3moe"
-    tokenizer = build_tokenizer()
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=4096, router_aux_loss_coef=0.01, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_tiny_qwen3_moe(tmp_path / "qwen3moe", max_positions=4096, sharpen=1.0)
 
     out = tmp_path / "run"
     proc = subprocess.run(
