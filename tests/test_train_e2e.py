@@ -30,8 +30,19 @@ SMALL = [
 ]
 
 
+TINY = ["trainer.steps=1", "warmup.episodes=4", "rollout.tasks_per_step=1", "rollout.group_size=2",
+        "rollout.max_turns=2", "logging.wandb.mode=disabled"]
+
+
 def sandforge(*args: str, **kwargs):
     return [sys.executable, "-m", "sandforge.cli", *args]
+
+
+def one_step_run(out: Path, *overrides: str) -> None:
+    """A one-step quickstart run into ``out`` with ``overrides``; fails the test with the run's stderr if it fails."""
+    proc = subprocess.run(sandforge("train", "configs/quickstart.yaml", f"run.output_dir={out}", *TINY, *overrides),
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +174,7 @@ def test_ctrl_c_stops_the_run_and_removes_its_containers(tmp_path, docker_client
 def test_two_trainer_ranks_shard_the_optimizer(tmp_path, terminal_image):
     """trainer.world_size=2: two DeepSpeed ranks (ZeRO-2 over gloo) step together and each saves its optimizer shard."""
     out = tmp_path / "run"
-    proc = subprocess.run(
-        sandforge("train", "configs/quickstart.yaml", "trainer.steps=1", f"run.output_dir={out}", "trainer.world_size=2",
-                  "warmup.steps=4", "warmup.episodes=4", "rollout.tasks_per_step=1", "rollout.group_size=2",
-                  "rollout.max_turns=2", "logging.wandb.mode=disabled"),
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    one_step_run(out, "trainer.world_size=2", "warmup.steps=4")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [0]
     assert all(r["warmup/grad_norm"] > 0 for r in rows if r["phase"] == "warmup")
@@ -183,13 +188,7 @@ def test_the_k3_policy_trains_end_to_end(tmp_path, terminal_image):
     from sandforge.models.policy import load_policy
 
     out = tmp_path / "run"
-    proc = subprocess.run(
-        sandforge("train", "configs/quickstart.yaml", "trainer.steps=1", f"run.output_dir={out}", "model.arch=k3",
-                  "warmup.steps=5", "warmup.episodes=4", "rollout.tasks_per_step=1", "rollout.group_size=2",
-                  "rollout.max_turns=2", "logging.wandb.mode=disabled"),
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    one_step_run(out, "model.arch=k3", "warmup.steps=5")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert len(rl) == 1 and rl[0]["moe/max_load_ratio"] >= 1.0  # LatentMoE balancing ran after the optimizer step
@@ -205,13 +204,7 @@ def test_a_local_hugging_face_model_trains_end_to_end(tmp_path, terminal_image):
     model_dir = save_tiny_qwen3_moe(tmp_path / "qwen3moe", max_positions=4096, sharpen=1.0)
 
     out = tmp_path / "run"
-    proc = subprocess.run(
-        sandforge("train", "configs/quickstart.yaml", "trainer.steps=1", f"run.output_dir={out}", "model.arch=hf",
-                  f"model.path={model_dir}", "warmup.steps=3", "warmup.episodes=4", "rollout.tasks_per_step=1",
-                  "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=32", "logging.wandb.mode=disabled"),
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    one_step_run(out, "model.arch=hf", f"model.path={model_dir}", "warmup.steps=3", "rollout.max_new_tokens=32")
     warm = trajectories(out, "warmup")
     assert warm and all(t.reward.success for t in warm)  # reference episodes rendered with the model's own template
     rl = trajectories(out, "rl")
