@@ -35,6 +35,9 @@ class ToolEnv(gymnasium.Env):
     metadata = {"render_modes": []}
     observation_space = spaces.Text(max_length=MAX_OBSERVATION_CHARS)
     action_space = ToolCallSpace()
+    # Whether several calls of one turn may run at once (in threads). Only where no call can change what another sees:
+    # otherwise the agent runs them in the order the policy wrote them.
+    concurrent_tools = False
 
     def __init__(self) -> None:
         self._done = False

@@ -6,6 +6,7 @@ against the same signature before running it, so a malformed call becomes a mess
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import typing
 from typing import Any, Callable
@@ -99,7 +100,9 @@ def call_tool(obj: Any, call: ToolCall) -> str:
     fn = tools.get(call.name)
     if fn is None:
         valid = ", ".join(_signature(n, f) for n, f in tools.items())
-        raise ToolError(f"unknown tool '{call.name}'. Tools: {valid}")
+        close = difflib.get_close_matches(str(call.name), list(tools), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ToolError(f"unknown tool '{call.name}'{hint}. Tools: {valid}")
     usage = f"usage: {_signature(call.name, fn)}"
     if not isinstance(call.arguments, dict):
         raise ToolError(f"{call.name}: arguments must be a JSON object; {usage}")

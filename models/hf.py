@@ -269,7 +269,8 @@ def _message_dict(m: Message) -> dict:
                 for i, c in enumerate(m.tool_calls)
             ]
     if m.role == "tool":
-        d["name"] = m.name  # Message has no call id yet; templates that print tool_call_id (Kimi K2) need one
+        d["name"] = m.name
+        d["tool_call_id"] = m.tool_call_id or m.name  # templates that print it (Kimi K2) need one even for errors
     return d
 
 
@@ -352,7 +353,8 @@ class HFChatFormat:
         Raises ``TemplateDeltaError`` when the template would not extend the sequence exactly.
         """
         prefix = self._render([_BASE_USER, _BASE_ASSISTANT])
-        tools = [_message_dict(Message(role="tool", content=r.content, name=r.name)) for r in results]
+        tools = [_message_dict(Message(role="tool", content=r.content, name=r.name, tool_call_id=r.tool_call_id))
+                 for r in results]
         full = self._render([_BASE_USER, _BASE_ASSISTANT, *tools], gen=True)
         cut = self._cut(prefix)
         delta = self._extension(prefix[:cut], full, "tool results follow an assistant turn")

@@ -104,6 +104,9 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    episode_timeout: float | None = Field(600.0, gt=0)  # wall-clock seconds per episode (null: none); still graded
+    max_tool_calls: int = Field(8, ge=1)  # tool calls run per turn; the rest get an error observation
+    max_tool_output: int = Field(4096, ge=64)  # characters of each observation kept (head + tail, with a marker)
 
 
 class EngineConfig(Section):

@@ -23,13 +23,14 @@ class ToolCall:
 
 @dataclass
 class Message:
-    """One chat message. Assistant messages keep their reasoning; tool messages name the tool they answer."""
+    """One chat message. Assistant messages keep their reasoning; tool messages name the tool (and call) they answer."""
 
     role: Role
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
-    name: str = ""  # for role == "tool": which tool produced this observation
+    name: str = ""  # for role == "tool": which tool produced this observation ("error" for a reply that did not parse)
+    tool_call_id: str = ""  # for role == "tool": the ToolCall.id it answers ("" when it answers no call)
 
     @classmethod
     def from_dict(cls, d: dict) -> Message:
@@ -73,17 +74,27 @@ class Task:
 
 @dataclass
 class Turn:
-    """What happened in one policy turn. Token spans index into ``Trajectory.token_ids``."""
+    """What happened in one policy turn. Token spans index into ``Trajectory.token_ids``: the turn generated
+    ``token_ids[prompt_tokens : prompt_tokens + generated_tokens]`` and appended the next ``observation_tokens``.
+
+    ``finish_reason``: "stop" (the policy ended its reply), "length" (``rollout.max_new_tokens``), "context" (cut at
+    ``rollout.max_context``) or "timeout" (the episode's time ran out during generation; nothing was generated).
+    """
 
     index: int
     prompt_tokens: int  # length of the sequence before this turn's generation
     generated_tokens: int
     observation_tokens: int  # tokens appended after generation (tool results, next assistant header)
-    finish_reason: str  # "stop" | "length" | "context"
+    finish_reason: str  # "stop" | "length" | "context" | "timeout"
     tool_calls: list[ToolCall] = field(default_factory=list)
     observations: list[str] = field(default_factory=list)
     parse_errors: list[str] = field(default_factory=list)
+    tool_errors: list[str] = field(default_factory=list)  # calls the environment rejected, calls over the cap
     executed: int = 0  # tool calls that ran in the sandbox
+    truncated_outputs: int = 0  # observations cut to rollout.max_tool_output
+    version: int = -1  # policy version that generated this turn (-1: none)
+    cached_tokens: int = 0  # prompt tokens the engine had cached (prefix / session cache)
+    prefill_tokens: int = 0  # prompt tokens the engine had to compute
     seconds_generate: float = 0.0
     seconds_tools: float = 0.0
 
@@ -97,8 +108,16 @@ class Trajectory:
     """One episode, token for token.
 
     ``token_ids`` is exactly the sequence the engine consumed and produced. ``loss_mask[i]`` is 1 only where the policy
-    generated token i; ``logprobs[i]`` is the engine's log-probability for that token (0.0 elsewhere). A failed episode
-    (broken sandbox, verifier error) keeps ``failed=True`` and its reason, and is excluded from the gradient.
+    generated token i; ``logprobs[i]`` is the engine's log-probability for that token (0.0 elsewhere);
+    ``token_versions[i]`` is the policy version that generated it (-1 for prompt, tool-result and header tokens).
+    ``routed_experts`` is None unless the engine reported routing; then ``routed_experts[p]`` is the ``[layer][k]``
+    expert ids computed when token p was fed to the model (None where the engine did not report it: prefix-cached
+    positions, the last token). A position computed again in a later turn keeps the latest routing.
+
+    ``finish_reason`` says how the episode ended: "submit" (a tool ended it), "max_turns", "context" (no room left in
+    ``rollout.max_context``), "timeout" (``rollout.episode_timeout``; still graded: the verifier judges the sandbox as
+    it is) or "error". A failed episode (broken sandbox, engine or verifier) keeps ``failed=True`` and its reason, and
+    is excluded from the gradient.
     """
 
     task: Task
@@ -106,12 +125,15 @@ class Trajectory:
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    routed_experts: list | None = None
     messages: list[Message] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     reward: Reward | None = None
     failed: bool = False
     failure: str = ""
-    policy_version: int = 0
+    finish_reason: str = ""
+    policy_version: int = 0  # the driver's version when the episode started; per token see token_versions
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
