@@ -2,7 +2,15 @@
 
 The sequence only grows: each turn the policy generates onto the end of it, and the tool results are rendered as tokens
 appended after that. Nothing is re-rendered, so the trainer sees exactly the tokens the engine consumed and produced,
-reasoning included. Bad model output becomes an error observation; a broken sandbox or verifier fails this episode only.
+reasoning included. Bad model output becomes an error observation; a broken sandbox, engine or verifier fails this
+episode only (``failed=True``, excluded from the gradient), and ``run_episode`` never raises.
+
+Limits (``EpisodeLimits``, from the ``rollout`` config): ``max_turns``; ``max_new_tokens`` per turn; ``max_context``
+for the whole sequence (a turn's budget shrinks to fit, and tool results that would leave no room end the episode
+instead of being appended); ``episode_timeout`` seconds of wall clock from the first prompt (waiting for a sandbox is
+not counted; generation is interrupted, a running tool call is not, see ``tool_calls``); ``max_tool_calls`` per turn;
+``max_tool_output`` characters per observation. An episode that times out is still graded: the verifier judges the
+sandbox as the policy left it, which is what a user expects of a time limit.
 """
 
 from __future__ import annotations
@@ -10,116 +18,175 @@ from __future__ import annotations
 import asyncio
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Any, Callable
 
+from sandforge.config import RolloutConfig
 from sandforge.environments.sandbox.docker_sandbox import SandboxError
-from sandforge.models.chat import ChatFormat
-from sandforge.models.generate import Generation, SamplingParams
+from sandforge.rollout.policy import Policy, PolicyError, check_sample
+from sandforge.rollout.tool_calls import ToolHang, run_tool_calls
 from sandforge.types import Message, Reward, Task, Trajectory, Turn
 from sandforge.verifiers.base import VerifierError, score_task
 
-Policy = Callable[[list[int], SamplingParams], Awaitable[Generation]]
-
-NO_TOOL_CALL = "No tool call found. Call one of the tools, or call submit() when the task is done."
+NO_TOOL_CALL = "no tool call found. Call one of the tools, or call submit() when the task is done."
 
 
 @dataclass
 class EpisodeLimits:
     max_turns: int
     max_context: int
-    sampling: SamplingParams
+    max_new_tokens: int
+    stop_ids: list[int]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    episode_timeout: float | None = None  # seconds; None: no limit
+    max_tool_calls: int = 8
+    max_tool_output: int = 4096  # characters per observation
+    tool_grace: float = 60.0  # how long a tool call may outlive the deadline before the episode fails
+
+    @classmethod
+    def from_config(cls, r: RolloutConfig, stop_ids: list[int], tool_grace: float = 60.0) -> EpisodeLimits:
+        return cls(max_turns=r.max_turns, max_context=r.max_context, max_new_tokens=r.max_new_tokens,
+                   stop_ids=list(stop_ids), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                   episode_timeout=r.episode_timeout, max_tool_calls=r.max_tool_calls,
+                   max_tool_output=r.max_tool_output, tool_grace=tool_grace)
 
 
-async def run_episode(task: Task, env, policy: Policy, chat: ChatFormat, limits: EpisodeLimits, group: str,
-                      version: int = 0) -> Trajectory:
-    """Run ``task`` in ``env`` (a ToolEnv, not yet reset) with ``policy``; always returns a Trajectory, never raises."""
+async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimits, group: str, version: int = 0,
+                      session_id: str | None = None,
+                      score: Callable[[Any, Task], Reward] = score_task) -> Trajectory:
+    """Run ``task`` in ``env`` (a ToolEnv, not yet reset) with ``policy``; always returns a Trajectory, never raises.
+
+    ``session_id`` names the episode to the engine (its cache); the session is closed when the episode ends.
+    ``score(env.sandbox, task)`` grades it afterwards.
+    """
     traj = Trajectory(task=task, group=group, policy_version=version)
+    session = session_id or f"{group}/{uuid.uuid4().hex[:12]}"
+    traj.metadata["session"] = session
+    start = time.monotonic()
     try:
         observation, info = await asyncio.to_thread(env.reset)
-        traj.metadata["sandbox"] = info.get("sandbox", "")
+        traj.metadata["sandbox"] = info.get("sandbox", "") if isinstance(info, dict) else ""
+        traj.metadata["seconds_reset"] = time.monotonic() - start
         user = Message(role="user", content=observation)
         traj.messages.append(user)
-        _extend(traj, chat.render_prompt(env.tools, [user]), policy_tokens=False)
-        await _turns(traj, env, policy, chat, limits)
-        traj.reward = await asyncio.to_thread(score_task, env.sandbox, task)
+        _extend(traj, chat.render_prompt(env.tools, [user]))
+        deadline = None if limits.episode_timeout is None else time.monotonic() + limits.episode_timeout
+        traj.finish_reason = await _turns(traj, env, policy, chat, limits, session, deadline)
+        traj.reward = await asyncio.to_thread(score, env.sandbox, task)
     except SandboxError as e:
         traj.failed, traj.failure = True, f"sandbox: {e}"
     except VerifierError as e:
         traj.failed, traj.failure = True, f"verifier: {e}"
+    except PolicyError as e:
+        traj.failed, traj.failure = True, str(e)  # "engine: ..."
+    except ToolHang as e:
+        traj.failed, traj.failure = True, f"tool: {e}"
     except Exception as e:  # anything else is a bug, but still one episode, not the run
         traj.failed, traj.failure = True, f"error: {type(e).__name__}: {e}"
         traj.metadata["traceback"] = traceback.format_exc()
     finally:
+        try:
+            await policy.close_session(session)
+        except Exception:  # noqa: BLE001 - the engine evicts the session by itself eventually
+            pass
         await asyncio.to_thread(env.close)
-    if traj.failed and traj.reward is None:
-        traj.reward = Reward(value=0.0, success=False, reason=traj.failure)
+    if traj.failed:
+        traj.finish_reason = "error"
+        if traj.reward is None:
+            traj.reward = Reward(value=0.0, success=False, reason=traj.failure)
+    traj.metadata["seconds"] = time.monotonic() - start
     return traj
 
 
-def _extend(traj: Trajectory, ids: list[int], policy_tokens: bool, logprobs: list[float] | None = None) -> None:
+def _extend(traj: Trajectory, ids: list[int], version: int | None = None, logprobs: list[float] | None = None) -> None:
+    """Append ``ids``: the policy's own tokens when ``version`` is given, otherwise prompt / observation tokens."""
+    n = len(ids)
     traj.token_ids += ids
-    traj.loss_mask += [1 if policy_tokens else 0] * len(ids)
-    traj.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+    traj.loss_mask += [0 if version is None else 1] * n
+    traj.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * n
+    traj.token_versions += [-1 if version is None else version] * n
+    if traj.routed_experts is not None:
+        traj.routed_experts += [None] * n
 
 
-async def _turns(traj: Trajectory, env, policy: Policy, chat: ChatFormat, limits: EpisodeLimits) -> None:
+def _place_routing(traj: Trajectory, prompt_len: int, sample: dict) -> None:
+    """Routing of the tokens this request fed, ``prompt[cached:] + generated[:-1]``, at their positions."""
+    routing = sample.get("routed_experts")
+    if routing is None:
+        return
+    start = int(sample.get("cached_tokens") or 0)
+    fed = prompt_len - start + max(0, len(sample["token_ids"]) - 1)
+    if not isinstance(routing, list) or len(routing) != fed or start < 0:
+        # misaligned routing would silently replay the wrong experts: drop it and say so
+        traj.metadata["routing_errors"] = traj.metadata.get("routing_errors", 0) + 1
+        return
+    if traj.routed_experts is None:
+        traj.routed_experts = [None] * len(traj.token_ids)
+    traj.routed_experts[start : start + fed] = routing
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
+
+
+async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLimits, session: str,
+                 deadline: float | None) -> str:
+    """Generate and act until the episode ends; returns the episode's finish reason."""
     for index in range(limits.max_turns):
-        budget = min(limits.sampling.max_new_tokens, limits.max_context - len(traj.token_ids))
-        if budget <= 0:
-            traj.metadata["stop"] = "context"
-            return
-        params = SamplingParams(**{**limits.sampling.__dict__, "max_new_tokens": budget})
-        prompt_tokens = len(traj.token_ids)
-        t0 = time.perf_counter()
-        gen = await policy(list(traj.token_ids), params)
-        t1 = time.perf_counter()
-        _extend(traj, gen.token_ids, policy_tokens=True, logprobs=gen.logprobs)
-        message, errors = chat.parse_assistant(gen.token_ids)
-        traj.messages.append(message)
-        turn = Turn(index=index, prompt_tokens=prompt_tokens, generated_tokens=len(gen.token_ids),
-                    observation_tokens=0, finish_reason=gen.finish_reason, tool_calls=message.tool_calls,
-                    parse_errors=errors, seconds_generate=t1 - t0)
+        room = limits.max_context - len(traj.token_ids)
+        if room <= 0:
+            return "context"
+        budget = min(limits.max_new_tokens, room)
+        prompt_len = len(traj.token_ids)
+        turn = Turn(index=index, prompt_tokens=prompt_len, generated_tokens=0, observation_tokens=0,
+                    finish_reason="timeout")
+        left = _left(deadline)
+        if left is not None and left <= 0:
+            return "timeout"
         traj.turns.append(turn)
+        request = {"prompt_ids": list(traj.token_ids), "session_id": session, "max_tokens": budget,
+                   "temperature": limits.temperature, "top_p": limits.top_p, "top_k": limits.top_k,
+                   "stop_ids": list(limits.stop_ids), "n": 1}
+        t0 = time.monotonic()
+        try:
+            sample = check_sample(await asyncio.wait_for(policy.generate(request), left))
+        except asyncio.TimeoutError:
+            turn.seconds_generate = time.monotonic() - t0
+            return "timeout"
+        t1 = time.monotonic()
+        ids = [int(i) for i in sample["token_ids"]]
+        turn.version = int(sample["version"])
+        turn.cached_tokens, turn.prefill_tokens = int(sample["cached_tokens"]), int(sample["prefill_tokens"])
+        _extend(traj, ids, version=turn.version, logprobs=sample["logprobs"])
+        _place_routing(traj, prompt_len, sample)
+        finish = sample["finish_reason"]
+        if finish == "length" and len(ids) >= budget and budget < limits.max_new_tokens:
+            finish = "context"
+        turn.generated_tokens, turn.finish_reason, turn.seconds_generate = len(ids), finish, t1 - t0
 
-        results: list[Message] = [Message(role="tool", name="error", content=f"Error: {e}") for e in errors]
-        done = False
-        for call in message.tool_calls:
-            observation, _, terminated, _, info = await asyncio.to_thread(env.step, call)
-            turn.executed += int(bool(info.get("executed")))
-            results.append(Message(role="tool", name=call.name, content=observation))
-            if terminated:
-                done = True
-                break
-        if not results:
-            results.append(Message(role="tool", name="error", content=NO_TOOL_CALL))
-        turn.observations = [r.content for r in results]
-        turn.seconds_tools = time.perf_counter() - t1
-        traj.messages += results
-        if done:
-            traj.metadata["stop"] = "submit"
-            return
-        if index + 1 < limits.max_turns:
-            appended = chat.render_observations(results, closed=gen.finish_reason == "stop")
-            _extend(traj, appended, policy_tokens=False)
-            turn.observation_tokens = len(appended)
-    traj.metadata["stop"] = "max_turns"
-
-
-def scripted_policy(task: Task, chat: ChatFormat) -> Policy:
-    """Replays the task's reference solution, one tool call per turn, as the tokens the policy would emit.
-
-    Used to collect verified demonstrations for the supervised warm start; logprobs are 0 (they are never used).
-    """
-    calls = list(task.solution)
-
-    async def act(token_ids: list[int], params: SamplingParams) -> Generation:
-        call = calls.pop(0) if calls else None
-        if call is None:
-            msg = Message(role="assistant", reasoning="done", tool_calls=[])
-        else:
-            msg = Message(role="assistant", reasoning=f"I will use {call.name}.", tool_calls=[call])
-        ids = chat.render_assistant(msg)
-        return Generation(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
-
-    return act
+        message, errors = chat.parse_assistant(ids)
+        traj.messages.append(message)
+        turn.tool_calls, turn.parse_errors = message.tool_calls, errors
+        notes = errors if (errors or message.tool_calls) else [NO_TOOL_CALL]
+        outcome = await run_tool_calls(env, message.tool_calls, notes, max_calls=limits.max_tool_calls,
+                                       max_output=limits.max_tool_output, deadline=deadline, grace=limits.tool_grace)
+        turn.seconds_tools = time.monotonic() - t1
+        turn.observations = [r.content for r in outcome.results]
+        turn.tool_errors, turn.executed, turn.truncated_outputs = outcome.errors, outcome.executed, outcome.truncated
+        traj.messages += outcome.results
+        if outcome.terminated:
+            return "submit"
+        if index + 1 == limits.max_turns:
+            return "max_turns"
+        left = _left(deadline)
+        if left is not None and left <= 0:
+            return "timeout"
+        appended = chat.render_observations(outcome.results, closed=bool(ids) and ids[-1] in chat.stop_ids)
+        if len(traj.token_ids) + len(appended) >= limits.max_context:
+            return "context"  # the policy could not answer them: appending would only add dead tokens
+        _extend(traj, appended)
+        turn.observation_tokens = len(appended)
+    return "max_turns"

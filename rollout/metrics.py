@@ -1,11 +1,22 @@
-"""Per-step numbers about the episodes themselves (rewards, lengths, tool use, failures)."""
+"""Per-step numbers about the episodes themselves: rewards, how episodes and turns ended, tool use and tool errors,
+engine cache hits, time spent. Rewards and lengths count the episodes that reach the gradient (not failed); how
+episodes ended, failures by kind and timings count every episode."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from statistics import fmean
 
 from sandforge.types import Trajectory
+
+EPISODE_ENDS = ("submit", "max_turns", "context", "timeout", "error")
+TURN_ENDS = ("stop", "length", "context", "timeout")
+
+
+def _failure_kind(t: Trajectory) -> str:
+    """"sandbox", "verifier", "engine", "tool", "env" or "error": the prefix the agent and worker give a failure."""
+    kind = t.failure.split(":", 1)[0].strip()
+    return kind if kind in ("sandbox", "verifier", "engine", "tool", "env") else "error"
 
 
 def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, float]:
@@ -14,7 +25,30 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, floa
         "episodes/count": len(trajs),
         "episodes/failed": len(trajs) - len(ok),
     }
-    if not ok:  # still a row per step, so curves have no holes
+    ends = Counter(t.finish_reason or "error" for t in trajs)
+    for end in EPISODE_ENDS:  # every key every step, so curves have no holes
+        m[f"episodes/finish_{end}"] = ends[end] / len(trajs) if trajs else 0.0
+    m["episodes/timeouts"] = ends["timeout"]
+    kinds = Counter(_failure_kind(t) for t in trajs if t.failed)
+    for kind, n in kinds.items():
+        m[f"episodes/failed_{kind}"] = n
+
+    turns = [x for t in trajs for x in t.turns]
+    if turns:
+        turn_ends = Counter(x.finish_reason for x in turns)
+        for end in TURN_ENDS:
+            m[f"turns/finish_{end}"] = turn_ends[end] / len(turns)
+        m["time/generate_per_turn"] = fmean(x.seconds_generate for x in turns)
+        m["time/tools_per_turn"] = fmean(x.seconds_tools for x in turns)
+        cached, prefilled = sum(x.cached_tokens for x in turns), sum(x.prefill_tokens for x in turns)
+        m["tokens/cached"], m["tokens/prefilled"] = cached, prefilled
+        m["tokens/cache_hit_rate"] = cached / (cached + prefilled) if cached + prefilled else 0.0
+    if trajs:
+        m["time/episode_mean"] = fmean(t.metadata.get("seconds", 0.0) for t in trajs)
+        m["time/episode_max"] = max(t.metadata.get("seconds", 0.0) for t in trajs)
+        m["time/sandbox_wait_mean"] = fmean(t.metadata.get("seconds_sandbox_wait", 0.0) for t in trajs)
+
+    if not ok:
         m |= {"reward/mean": 0.0, "success/rate": 0.0}
         return {prefix + k: v for k, v in m.items()}
     m["reward/mean"] = fmean(t.reward.value for t in ok)
@@ -22,9 +56,13 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, floa
     m["response/length_mean"] = fmean(t.response_tokens for t in ok)
     m["sequence/length_mean"] = fmean(len(t.token_ids) for t in ok)
     m["turns/mean"] = fmean(len(t.turns) for t in ok)
+    m["turns/max"] = max(len(t.turns) for t in ok)
+    m["tools/calls_per_episode"] = fmean(sum(len(x.tool_calls) for x in t.turns) for t in ok)
     m["tools/executed_per_episode"] = fmean(sum(x.executed for x in t.turns) for t in ok)
+    m["tools/errors_per_episode"] = fmean(sum(len(x.tool_errors) for x in t.turns) for t in ok)
     m["tools/parse_errors_per_episode"] = fmean(sum(len(x.parse_errors) for x in t.turns) for t in ok)
-    m["episodes/submitted"] = fmean(float(t.metadata.get("stop") == "submit") for t in ok)
+    m["tools/truncated_outputs_per_episode"] = fmean(sum(x.truncated_outputs for x in t.turns) for t in ok)
+    m["episodes/submitted"] = ends["submit"] / len(ok)  # among graded episodes
     by_env: dict[str, list[float]] = defaultdict(list)
     for t in ok:
         by_env[t.task.env].append(float(t.reward.success))

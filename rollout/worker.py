@@ -1,22 +1,32 @@
-"""A rollout worker: a Ray actor that runs many episodes at once (asyncio), each in its own fresh sandbox.
+"""A rollout worker: a Ray actor that runs many episodes at once (asyncio tasks), each in its own fresh sandbox.
 
-Sandboxes come from one warm ``SandboxPool`` per environment image, on this worker's node (its local Docker daemon, or
-``DOCKER_HOST``). Containers carry the driver's labels, so a dead driver's sandboxes are found by the reaper.
+``rollout.workers`` actors each run up to ``rollout.concurrency`` episodes at once. Sandboxes come from one warm
+``SandboxPool`` per environment image, on this worker's node (its local Docker daemon, or ``DOCKER_HOST``); containers
+carry the driver's labels, so a dead driver's sandboxes are found by the reaper.
+
+Backpressure: an episode takes one of ``sandbox.max_live`` slots (per environment) before it asks the pool for a
+sandbox and gives it back after the sandbox is removed, so when the pool is full episodes wait in the event loop for a
+sandbox instead of failing, and no thread of the worker ever blocks in ``acquire`` while the episodes that would free a
+sandbox need threads for their tool calls. A failed episode comes back as data (``failed=True``), never as an error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from sandforge.config import JobConfig
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, docker_client
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
-from sandforge.models.generate import Generation, SamplingParams
 from sandforge.models.policy import load_chat
 from sandforge.registry import environment
-from sandforge.rollout.agent import EpisodeLimits, run_episode, scripted_policy
+from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.policy import EnginePolicy, scripted_policy
 from sandforge.types import Reward, Task, Trajectory
+
+TOOL_GRACE_S = 30.0  # beyond sandbox.exec_timeout: how long a tool call may outlive the episode's deadline
 
 
 class RolloutWorker:
@@ -25,18 +35,16 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.cfg = JobConfig.model_validate(job)
         self.run_id = run_id
-        self.engine = engine
+        self.policy = EnginePolicy(engine)  # a Ray handle, or an object with async generate(request)
         self.images = images
         self.chat = load_chat(self.cfg.model.model_dump(mode="json"))
-        r = self.cfg.rollout
-        self.limits = EpisodeLimits(
-            max_turns=r.max_turns,
-            max_context=r.max_context,
-            sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                    top_k=r.top_k, stop_ids=tuple(self.chat.stop_ids)),
-        )
+        r, s = self.cfg.rollout, self.cfg.sandbox
+        self.limits = EpisodeLimits.from_config(r, self.chat.stop_ids, tool_grace=s.exec_timeout + TOOL_GRACE_S)
         self.env_classes = {name: environment(name).env_class() for name in images}
-        s = self.cfg.sandbox
+        self.gate = asyncio.Semaphore(r.concurrency)  # episodes at once
+        self.slots = {name: asyncio.Semaphore(s.max_live) for name in images}  # sandboxes at once, per pool
+        self.episodes = 0  # numbers the engine sessions of this worker
+        self.executor: ThreadPoolExecutor | None = None
         self.stats = SandboxStats()
         client = docker_client(max_pool_size=max(32, 2 * s.max_live))
         self.pools = {
@@ -57,29 +65,39 @@ class RolloutWorker:
         return self.env_classes[task.env](task, pool.spec, self.run_id, exec_timeout=self.cfg.sandbox.exec_timeout,
                                           pool=pool)
 
-    async def _engine_policy(self, token_ids: list[int], params: SamplingParams) -> Generation:
-        out = await self.engine.generate.remote(token_ids, {**params.__dict__, "stop_ids": list(params.stop_ids)})
-        out.pop("version")
-        return Generation(**out)
+    def _threads(self) -> None:
+        """Env calls run in threads: enough for every episode's tool calls at once, so none waits for a thread."""
+        if self.executor is None:
+            r = self.cfg.rollout
+            self.executor = ThreadPoolExecutor(r.concurrency * r.max_tool_calls + 4, thread_name_prefix="episode")
+            asyncio.get_running_loop().set_default_executor(self.executor)
 
-    async def run_episodes(self, tasks: list[dict], groups: list[str], version: int, scripted: bool = False) -> list[dict]:
+    async def run_episodes(self, tasks: list[dict], groups: list[str], version: int,
+                           scripted: bool = False) -> list[dict]:
         """Run one episode per (task, group) pair, ``rollout.concurrency`` at a time; failures come back as data."""
-        gate = asyncio.Semaphore(self.cfg.rollout.concurrency)
+        self._threads()
+        return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted)
+                                      for t, g in zip(tasks, groups)))
 
-        async def one(task_dict: dict, group: str) -> dict:
-            task = Task.from_dict(task_dict)
-            policy = scripted_policy(task, self.chat) if scripted else self._engine_policy
-            async with gate:
-                try:
-                    env = self._make_env(task)
-                except Exception as e:  # e.g. a plugin env that cannot be built: this episode fails, not the run
-                    return Trajectory(task=task, group=group, failed=True, failure=f"env: {e}",
-                                      reward=Reward(0.0, False, reason=str(e))).to_dict()
-                traj = await run_episode(task, env, policy, self.chat, self.limits, group, version)
-            traj.metadata["worker"] = self.worker_id
-            return traj.to_dict()
-
-        return await asyncio.gather(*(one(t, g) for t, g in zip(tasks, groups)))
+    async def _episode(self, task: Task, group: str, version: int, scripted: bool) -> dict:
+        self.episodes += 1
+        session = f"{self.run_id}/{self.worker_id}/{group}/{self.episodes}"
+        policy = scripted_policy(task, self.chat, version) if scripted else self.policy
+        async with self.gate:
+            waited = time.monotonic()
+            try:
+                slot = self.slots[task.env]
+                env = self._make_env(task)
+            except Exception as e:  # e.g. a plugin env that cannot be built: this episode fails, not the run
+                traj = Trajectory(task=task, group=group, failed=True, failure=f"env: {e}", finish_reason="error",
+                                  policy_version=version, reward=Reward(0.0, False, reason=str(e)))
+            else:
+                async with slot:  # backpressure: wait here for a sandbox while sandbox.max_live are in use
+                    waited = time.monotonic() - waited
+                    traj = await run_episode(task, env, policy, self.chat, self.limits, group, version, session)
+                traj.metadata["seconds_sandbox_wait"] = waited
+        traj.metadata["worker"] = self.worker_id
+        return traj.to_dict()
 
     def sandbox_stats(self) -> dict:
         """This worker's sandbox samples and counters since the last call (the driver merges all workers')."""
@@ -89,3 +107,5 @@ class RolloutWorker:
         """Remove the warm sandboxes; episodes are over by now."""
         for pool in self.pools.values():
             pool.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)

@@ -59,8 +59,9 @@ def training_rows(trajs: list[Trajectory], advantages: list[float] | None) -> li
 
 def step_line(step: int, total: int, m: dict[str, float]) -> str:
     return (f"step {step + 1}/{total}  reward {m['reward/mean']:.3f}  success {m['success/rate']:.2f}  "
-            f"turns {m.get('turns/mean', 0):.1f}  failed {int(m['episodes/failed'])}  loss {m.get('loss', 0):.4f}  "
-            f"kl {m.get('kl', 0):.4f}  {m['time/step']:.1f}s")
+            f"turns {m.get('turns/mean', 0):.1f}  failed {int(m['episodes/failed'])}  "
+            f"timeouts {int(m.get('episodes/timeouts', 0))}  tool errors/ep {m.get('tools/errors_per_episode', 0):.1f}  "
+            f"loss {m.get('loss', 0):.4f}  kl {m.get('kl', 0):.4f}  {m['time/step']:.1f}s")
 
 
 class RLJob:
