@@ -97,6 +97,31 @@ def sandbox_reap(
         typer.echo("no containers of dead runs")
 
 
+@app.command()
+def serve(
+    checkpoint: Path = typer.Argument(..., help="Policy directory (<run>/checkpoints/step_N/policy) or HF model"),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 exposes it to the network)"),
+    port: int = typer.Option(8000, help="Port (0: any free port; the URL printed says which)"),
+    max_batch_size: int = typer.Option(32, help="Requests the engine decodes together"),
+    session_memory_mb: float = typer.Option(1024, help="Cache kept for multi-turn sessions (request field session_id)"),
+    seed: int = typer.Option(0, help="Seed of the sampling generator"),
+) -> None:
+    """Serve a checkpoint through an OpenAI-compatible /v1/completions (token ids in and out)."""
+    import asyncio
+
+    if not (checkpoint / "config.json").is_file():  # before torch is imported: a typo costs a second
+        fail(f"{checkpoint} is not a policy checkpoint (no config.json there); pass <run>/checkpoints/step_N/policy "
+             "or a Hugging Face model directory")
+    from sandforge.rollout.engine.server import serve as serve_checkpoint
+
+    try:
+        asyncio.run(serve_checkpoint(str(checkpoint), host, port, max_batch_size, session_memory_mb, seed, typer.echo))
+    except ValueError as e:  # a checkpoint that cannot be loaded, an address that cannot be listened on
+        fail(str(e))
+    except KeyboardInterrupt:  # before the server is up; once it is, Ctrl-C stops it cleanly
+        raise typer.Exit(130)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,209 @@
+"""A remote engine: any OpenAI-compatible ``/v1/completions`` server that takes token-id prompts and returns token ids
+and logprobs (vLLM, SGLang, ``sandforge serve``), behind the embedded engine's ``generate`` so a rollout worker can use
+either.
+
+Token-in, token-out holds across the wire: the prompt goes as token ids, the completion comes back as token ids
+(``choices[i].token_ids`` with ``return_token_ids``: vLLM >= 0.10.2, recent SGLang, ``sandforge serve``; or older vLLM's
+``return_tokens_as_token_ids``, which spells each logprobs token as ``"token_id:123"``), never as re-tokenized text.
+
+Logprobs: the embedded engine reports log_softmax(logits / temperature). vLLM reports the raw model's logprobs unless
+started with ``--logprobs-mode processed_logprobs``; the trainer recomputes logprobs anyway, but an importance ratio
+against the engine's is only meaningful when both use the same definition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+# What each server needs to send token ids back, for the error a server without them gets.
+TOKEN_ID_HELP = (
+    "start a server that returns them: vLLM >= 0.10.2 or SGLang with `return_token_ids` (this client asks for it), "
+    "an older vLLM with `return_tokens_as_token_ids` and `logprobs` (also asked for), or `sandforge serve CHECKPOINT`"
+)
+
+
+class RemoteEngineError(RuntimeError):
+    """The server could not be reached, refused the request, or answered without what the trainer needs."""
+
+
+class RemoteEngine:
+    """``generate(request) -> list[dict]`` like ``EngineCore``, against a server at ``base_url``.
+
+    ``model``: the served model name; by default the first one ``GET /v1/models`` lists. ``session_ids``: send each
+    request's ``session_id`` so ``sandforge serve`` reuses that episode's cache between turns; by default only when
+    ``/v1/models`` says the server is sandforge (other servers give the field their own meaning: SGLang ties it to
+    sessions opened through its own API).
+    """
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, timeout: float = 600.0,
+                 session_ids: bool | None = None):
+        base_url = base_url.rstrip("/")
+        self.base_url = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url  # the openai client's form
+        self.model = model
+        self.session_ids = session_ids
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self._http: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.requests = 0
+        self.version = -1
+
+    async def generate(self, request: dict) -> list[dict]:
+        """One completion per sample (``request["n"]``, default 1), in the embedded engine's result format."""
+        request = {k: v for k, v in request.items() if v is not None}  # None means the default, as in EngineCore
+        prompt = [int(t) for t in request["prompt_ids"]]
+        n = int(request.get("n", 1))
+        if self.model is None or self.session_ids is None:
+            await self._discover()
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": int(request.get("max_tokens", 64)),
+            "temperature": float(request.get("temperature", 1.0)),
+            "top_p": float(request.get("top_p", 1.0)),
+            "top_k": int(request.get("top_k", 0)) or -1,  # off: -1 on every server (0 is refused by older vLLM)
+            "n": n,
+            "stop_token_ids": [int(t) for t in request.get("stop_ids", ())],
+            "ignore_eos": True,  # stop exactly at stop_ids, as the embedded engine does; the caller lists EOS there
+            "logprobs": 1,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if self.session_ids and request.get("session_id"):
+            body["session_id"] = request["session_id"]
+        data = await self._call("POST", "/v1/completions", body)
+        self.requests += 1
+        results = parse_completion(data, prompt, n, self.base_url + "/v1/completions")
+        self.version = max([self.version] + [r["version"] for r in results])
+        return results
+
+    def close_session(self, session_id: str) -> None:
+        """Nothing to do: the server keeps (and evicts) its own cache."""
+
+    async def load_weights(self, state_dict: dict, version: int) -> int:
+        raise NotImplementedError(
+            f"the remote engine at {self.base_url} is updated through its own server (vLLM and SGLang have "
+            "weight-update endpoints; sandforge serve loads a checkpoint at start): RemoteEngine cannot push weights"
+        )
+
+    def stats(self) -> dict:
+        return {"version": self.version, "requests": self.requests, "base_url": self.base_url}
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def __aenter__(self) -> RemoteEngine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _discover(self) -> None:
+        try:
+            data = await self._call("GET", "/v1/models")
+        except RemoteEngineError:
+            if self.model is None:
+                raise
+            self.session_ids = False  # the model is known; a server without /v1/models is not sandforge
+            return
+        models = data.get("data") if isinstance(data, dict) else None
+        if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+            raise RemoteEngineError(f"GET {self.base_url}/v1/models listed no model; pass RemoteEngine(model=...)")
+        if self.model is None:
+            self.model = models[0]["id"]
+        if self.session_ids is None:
+            self.session_ids = models[0].get("owned_by") == "sandforge"
+
+    async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        url = self.base_url + path
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http.closed or self._loop is not loop:  # a session belongs to one event loop
+            self._http, self._loop = aiohttp.ClientSession(timeout=self.timeout, headers=self.headers), loop
+        try:
+            async with self._http.request(method, url, json=body) as resp:
+                text = await resp.text()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise RemoteEngineError(f"{method} {url}: no answer within {self.timeout.total:g} s") from None
+        except aiohttp.ClientError as e:
+            raise RemoteEngineError(f"{method} {url}: cannot reach the server ({e}); is it running?") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        if status != 200:
+            raise RemoteEngineError(f"{method} {url} -> HTTP {status}: {_server_message(data, text)}")
+        if not isinstance(data, dict):
+            raise RemoteEngineError(f"{method} {url} answered with something other than a JSON object: {text[:200]!r}")
+        return data
+
+
+def _server_message(data, text: str) -> str:
+    """The error text of an OpenAI-style (``{"error": {"message"}}``), vLLM/SGLang or FastAPI error body."""
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if data.get(key):
+                return str(data[key])
+    return text.strip()[:500] or "(empty body)"
+
+
+def _token_ids(choice: dict) -> list[int] | None:
+    if isinstance(choice.get("token_ids"), list):
+        return [int(t) for t in choice["token_ids"]]
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+        return [int(t[len("token_id:"):]) for t in tokens]
+    return None
+
+
+def parse_completion(data: dict, prompt: list[int], n: int, url: str) -> list[dict]:
+    """A ``/v1/completions`` response to one prompt -> the embedded engine's results, one per choice (by index)."""
+    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise RemoteEngineError(f"{url} returned {len(choices)} choices for n={n}")
+    ext = data.get("sandforge") or {}  # sandforge serve: version and cache use per choice
+    per_choice = ext.get("choices") if len(ext.get("choices") or ()) == n else [{}] * n
+    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    results = []
+    for i, (choice, mine) in enumerate(zip(choices, per_choice)):
+        ids = _token_ids(choice)
+        if ids is None:
+            raise RemoteEngineError(
+                f"{url} returned no token ids for choice {i} (neither choices[].token_ids nor 'token_id:N' logprobs "
+                f"tokens); the trainer needs the exact tokens, not re-tokenized text: {TOKEN_ID_HELP}"
+            )
+        seen = choice.get("prompt_token_ids")
+        if seen is not None and list(seen) != prompt:
+            raise RemoteEngineError(
+                f"{url} generated from prompt token ids that differ from the ones sent ({len(seen)} vs {len(prompt)} "
+                "tokens): the server changed the prompt (added special tokens?)"
+            )
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if logprobs is None or len(logprobs) != len(ids) or any(lp is None for lp in logprobs):
+            raise RemoteEngineError(
+                f"{url} returned {'no' if logprobs is None else len(logprobs)} logprobs for {len(ids)} tokens in "
+                f"choice {i}; the server must honour the `logprobs` request field"
+            )
+        reason = choice.get("finish_reason")
+        if reason not in ("stop", "length"):
+            raise RemoteEngineError(f"{url} finished choice {i} with {reason!r} (expected 'stop' or 'length')")
+        hit = int(mine.get("cached_tokens", cached))
+        results.append({
+            "token_ids": ids,
+            "logprobs": [float(lp) for lp in logprobs],
+            "finish_reason": reason,
+            "version": int(mine.get("version", ext.get("version", -1))),
+            "cached_tokens": hit,
+            "prefill_tokens": int(mine.get("prefill_tokens", len(prompt) - hit)),
+            "routed_experts": None,
+        })
+    return results

@@ -1,0 +1,314 @@
+"""``sandforge serve CHECKPOINT``: the embedded engine behind an OpenAI-compatible ``/v1/completions``.
+
+Prompts go in as token ids (or text, encoded with the checkpoint's tokenizer) and, with ``return_token_ids``,
+completions come back as token ids too (``choices[i].token_ids`` and ``prompt_token_ids``, as vLLM spells them), so
+``RemoteEngine`` and any OpenAI client can drive the same server. Differences from vLLM, each answered with a 400 rather
+than ignored: no streaming, no echo, no stop strings (stop on ``stop_token_ids``), no per-request seed, and only the
+sampled token's logprob (``logprobs`` 0 or 1; ``top_logprobs`` is null). Extensions: ``session_id`` names an engine
+session, so a multi-turn client that resends its growing sequence reuses the cache; the response's ``sandforge`` object
+carries the policy version and each choice's cache use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 64 << 20  # token-id prompts of long contexts are large JSON
+ROUTES = "POST /v1/completions, GET /v1/models, GET /health"
+# Fields that would change the completion if honoured, with the values that mean "off".
+UNSUPPORTED = {
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "seed": (None,), "min_tokens": (None, 0), "min_p": (None, 0),
+    "prompt_logprobs": (None,), "stream_options": (None,),
+}
+
+
+class RequestError(Exception):
+    """A client mistake: answered with ``status`` and an OpenAI-style error body naming ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+@dataclass
+class Served:
+    engine: Any  # EngineCore, or anything with its ``async generate(request) -> list[dict]``
+    name: str
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos_id: int | None
+    vocab_size: int
+    max_len: int | None
+
+
+def served_from(engine, model, tokenizer, name: str) -> Served:
+    """Text codec of the built-in tokenizer (BOS prepended, as chat prompts start) or of a Hugging Face one."""
+    config = model.config
+    if hasattr(tokenizer, "bos_id"):
+        encode, eos = (lambda text: [tokenizer.bos_id, *tokenizer.encode(text)]), tokenizer.eos_id
+    else:
+        encode, eos = tokenizer.encode, tokenizer.eos_token_id  # HF: adds the model's own special tokens
+    return Served(engine, name, encode, tokenizer.decode, eos, int(config.vocab_size),
+                  getattr(config, "max_seq_len", None))
+
+
+@dataclass
+class Completion:
+    prompts: list[list[int]]
+    engine_request: dict  # everything but prompt_ids
+    n: int
+    logprobs: int | None
+    return_token_ids: bool
+    tokens_as_ids: bool
+    session_id: str | None
+
+
+def _integer(body: dict, key: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"`{key}` must be an integer, got {value!r}", key)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise RequestError(f"`{key}` must be {bounds}, got {value}", key)
+    return value
+
+
+def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"`{key}` must be a number, got {value!r}", key)
+    if value < low or value > high or (low_open and value == low):
+        raise RequestError(f"`{key}` must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", key)
+    return float(value)
+
+
+def _token_list(value, key: str, served: Served) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise RequestError(f"`{key}` must be a list of token ids (integers)", key)
+    bad = [t for t in value if not 0 <= t < served.vocab_size]
+    if bad:
+        raise RequestError(f"`{key}` holds token id {bad[0]}, outside the vocabulary (0..{served.vocab_size - 1})", key)
+    return value
+
+
+def _prompts(prompt, served: Served) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [served.encode(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [served.encode(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_token_list(p, "prompt", served) for p in prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = [_token_list(prompt, "prompt", served)]
+    else:
+        raise RequestError("`prompt` is required: a list of token ids, a list of such lists, a string, or a list of "
+                           f"strings (got {type(prompt).__name__ if prompt is not None else 'nothing'})", "prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise RequestError(f"prompt {i} is empty", "prompt")
+        if served.max_len is not None and len(p) >= served.max_len:
+            raise RequestError(f"prompt {i} has {len(p)} tokens; the model's context is {served.max_len}", "prompt")
+    return prompts
+
+
+def parse_request(body: dict, served: Served) -> Completion:
+    """Validate a ``/v1/completions`` body; every mistake is a ``RequestError`` naming the field."""
+    model = body.get("model")
+    if model is not None and model != served.name:
+        raise RequestError(f"The model `{model}` does not exist; this server serves `{served.name}`", "model", 404,
+                           "not_found_error")
+    if body.get("stream"):
+        raise RequestError("streaming is not supported by sandforge serve; send `stream: false` (or leave it out)",
+                           "stream")
+    if body.get("echo"):
+        raise RequestError("`echo` is not supported: the prompt is yours already (see `prompt_token_ids`)", "echo")
+    if body.get("stop") not in (None, "", []):
+        raise RequestError("stop strings are not supported; stop on token ids with `stop_token_ids`", "stop")
+    for key, off in UNSUPPORTED.items():
+        if body.get(key) not in off:
+            raise RequestError(f"`{key}` is not supported by sandforge serve (leave it out)", key)
+    n = _integer(body, "n", 1, low=1)
+    if body.get("best_of") not in (None, 1, n):
+        raise RequestError("`best_of` is not supported by sandforge serve (leave it out)", "best_of")
+    logprobs = _integer(body, "logprobs", None, low=0, high=1)
+    session_id = body.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise RequestError("`session_id` must be a non-empty string", "session_id")
+    prompts = _prompts(body.get("prompt"), served)
+    if session_id is not None and len(prompts) > 1:
+        raise RequestError("a `session_id` goes with one prompt (one growing sequence), not a list", "session_id")
+    stops = list(_token_list(body.get("stop_token_ids") or [], "stop_token_ids", served))
+    if not body.get("ignore_eos") and served.eos_id is not None and served.eos_id not in stops:
+        stops.append(served.eos_id)  # like vLLM: the model's EOS ends a completion unless ignore_eos
+    top_k = _integer(body, "top_k", 0, low=-1)
+    request = {
+        "session_id": session_id,
+        "max_tokens": _integer(body, "max_tokens", 16, low=1),
+        "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        "top_k": max(top_k, 0),  # -1 and 0 both mean off
+        "stop_ids": stops,
+        "n": n,
+    }
+    return Completion(prompts, request, n, logprobs, bool(body.get("return_token_ids")),
+                      bool(body.get("return_tokens_as_token_ids")), session_id)
+
+
+def _logprobs(ids: list[int], logprobs: list[float], served: Served, as_ids: bool) -> dict:
+    pieces = [served.decode([t]) for t in ids]
+    offsets = list(accumulate((len(p) for p in pieces[:-1]), initial=0)) if pieces else []
+    tokens = [f"token_id:{t}" for t in ids] if as_ids else pieces
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+
+
+async def complete(served: Served, req: Completion) -> dict:
+    """Run every prompt through the engine at once (it batches them) and answer in OpenAI's completions shape."""
+    try:
+        outs = await asyncio.gather(*(served.engine.generate({"prompt_ids": p, **req.engine_request})
+                                      for p in req.prompts))
+    except ValueError as e:  # the engine's word on a request it cannot run (too long for the context, ...)
+        raise RequestError(str(e)) from None
+    choices, mine = [], []
+    for i, (prompt, results) in enumerate(zip(req.prompts, outs)):
+        for j, r in enumerate(results):
+            ids, stopped = r["token_ids"], r["finish_reason"] == "stop"
+            choice = {
+                "index": i * req.n + j,
+                "text": served.decode(ids[:-1] if stopped and ids else ids),  # the stop token is not text
+                "logprobs": None if req.logprobs is None else _logprobs(ids, r["logprobs"], served, req.tokens_as_ids),
+                "finish_reason": r["finish_reason"],
+                "stop_reason": ids[-1] if stopped and ids else None,
+            }
+            if req.return_token_ids:
+                choice["token_ids"], choice["prompt_token_ids"] = ids, prompt
+            choices.append(choice)
+            mine.append({k: r[k] for k in ("version", "cached_tokens", "prefill_tokens")})
+    prompt_tokens = sum(len(p) for p in req.prompts)
+    completion_tokens = sum(len(r["token_ids"]) for results in outs for r in results)
+    cached = sum(min(r["cached_tokens"] for r in results) for results in outs)  # what the cache held before the call
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        },
+        "sandforge": {"version": min(m["version"] for m in mine), "session_id": req.session_id, "choices": mine},
+    }
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                             status=status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Client mistakes become OpenAI-style error bodies; a server fault is a 500 whose body says what broke."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return _error(e.status, e.message, e.param, e.kind)
+    except web.HTTPNotFound:
+        return _error(404, f"no route {request.method} {request.path}; this server answers {ROUTES}", None,
+                      "not_found_error")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.text or e.reason)
+    except Exception as e:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(500, f"the engine failed: {type(e).__name__}: {e}", None, "server_error")
+
+
+def build_app(served: Served) -> web.Application:
+    async def completions(request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            raise RequestError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        return web.json_response(await complete(served, parse_request(body, served)))
+
+    async def models(request: web.Request) -> web.Response:
+        card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "sandforge",
+                "root": served.name, "max_model_len": served.max_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", **served.engine.stats()})
+
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def load_checkpoint(directory: str | Path):
+    """(model, tokenizer) of a ``save_policy`` directory or a Hugging Face model directory; ValueError says why not."""
+    from sandforge.models.policy import load_chat, load_policy
+
+    path = Path(directory)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{directory} is not a policy checkpoint (no config.json there); pass a directory written by "
+                         "training (<output_dir>/checkpoints/step_N/policy) or a Hugging Face model directory")
+    try:
+        hf = "model_type" in json.loads(config_file.read_text())
+        model = load_policy(path).eval()
+        chat = load_chat({"arch": "hf", "path": str(path)} if hf else {"init_from": str(path)})
+    except Exception as e:  # whatever the loaders say (bad JSON, missing weights or tokenizer): one line, not a trace
+        raise ValueError(f"cannot load the checkpoint in {directory}: {e}") from None
+    return model, chat.tokenizer
+
+
+async def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 32,
+                session_memory_mb: float = 1024, seed: int = 0, announce: Callable[[str], Any] = print) -> None:
+    """Load ``checkpoint``, listen on ``host:port`` (0: any free port) and serve until SIGINT/SIGTERM."""
+    from sandforge.rollout.engine.core import EngineCore
+
+    model, tokenizer = load_checkpoint(checkpoint)
+    engine = EngineCore(model, max_batch_size=max_batch_size, session_memory_mb=session_memory_mb, seed=seed)
+    runner = web.AppRunner(build_app(served_from(engine, model, tokenizer, str(checkpoint))), access_log=None)
+    await runner.setup()
+    try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:  # the port is taken, or the host is no address of this machine
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        bound = runner.addresses[0][1]
+        shown = f"[{host}]" if ":" in host else host
+        announce(f"serving {checkpoint} at http://{shown}:{bound}/v1 ({ROUTES}); Ctrl-C stops")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
