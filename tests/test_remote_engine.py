@@ -1,0 +1,269 @@
+"""Remote engines: ``sandforge serve`` answers OpenAI-style ``/v1/completions`` with what the embedded engine would
+produce, ``RemoteEngine`` turns such answers back into engine results, and the official ``openai`` client works too.
+
+One server (a subprocess on a tiny K3 checkpoint) serves the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from aiohttp import web
+
+from sandforge.models.bpe import load_tokenizer
+from sandforge.models.policy import build_policy, load_policy, save_policy
+from sandforge.rollout.engine.core import EngineCore
+from sandforge.rollout.engine.remote import RemoteEngine, RemoteEngineError
+from sandforge.rollout.engine.server import complete, load_checkpoint, parse_request, served_from
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("bpe")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer):
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("serve") / "policy"
+    save_policy(build_policy({"arch": "k3", "preset": "k3-nano"}, len(tokenizer)), directory, tokenizer=tokenizer)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def embedded(checkpoint):
+    """The in-process engine on the same checkpoint: what every remote answer is compared with."""
+    engine, loop = EngineCore(load_policy(checkpoint), seed=0), asyncio.new_event_loop()  # the engine keeps one loop
+    yield lambda request: loop.run_until_complete(engine.generate(request))
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """``sandforge serve CHECKPOINT --port 0`` in a subprocess; yields its base URL, stops it afterwards."""
+    log = tmp_path_factory.mktemp("serve-log") / "out.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sandforge.cli", "serve", str(checkpoint), "--port", "0"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline, url = time.monotonic() + 60, None
+        while url is None:
+            assert proc.poll() is None, f"sandforge serve exited with {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"sandforge serve printed no URL within 60 s:\n{log.read_text()}"
+            found = re.search(r"http://\S+?/v1", log.read_text())
+            url = found.group(0)[: -len("/v1")] if found else None
+            time.sleep(0.1)
+        assert get(url + "/health")[0] == 200
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post(url: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def remote(url: str, *requests: dict) -> list[list[dict]]:
+    async def run():
+        async with RemoteEngine(url) as engine:
+            return [await engine.generate(r) for r in requests]
+
+    return asyncio.run(run())
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got["token_ids"] == want["token_ids"]
+    assert got["finish_reason"] == want["finish_reason"]
+    assert torch.allclose(torch.tensor(got["logprobs"]), torch.tensor(want["logprobs"]), atol=1e-4, rtol=0)
+
+
+def prompt_of(tokenizer, text: str) -> list[int]:
+    return [tokenizer.bos_id, *tokenizer.encode(text)]
+
+
+def test_remote_engine_reproduces_the_embedded_engine(server, embedded, tokenizer):
+    prompt = prompt_of(tokenizer, "ls -la /tmp && cat notes.txt")
+    greedy = {"prompt_ids": prompt, "max_tokens": 10, "temperature": 0.0, "stop_ids": []}
+    want = embedded(greedy)[0]
+    assert want["finish_reason"] == "length" and len(want["token_ids"]) == 10
+    stop_at = want["token_ids"][3]  # a stop id the greedy completion reaches: it must end there, stop id included
+    first = want["token_ids"].index(stop_at)
+    stopping = {**greedy, "stop_ids": [stop_at], "n": 3}
+    want_stop = embedded(stopping)
+    assert want_stop[0]["token_ids"] == want["token_ids"][: first + 1] and want_stop[0]["finish_reason"] == "stop"
+    # top_k 1 and a tiny top_p sample the argmax at temperature 1: only right if both reach the server
+    top_k = {**greedy, "temperature": 1.0, "top_k": 1, "n": 2}
+    top_p = {**greedy, "temperature": 1.0, "top_p": 1e-6}
+
+    got_greedy, got_stop, got_top_k, got_top_p = remote(server, greedy, stopping, top_k, top_p)
+    assert len(got_greedy) == 1 and len(got_stop) == 3 and len(got_top_k) == 2 and len(got_top_p) == 1
+    for got in got_greedy + got_top_k + got_top_p:
+        assert_same(got, want)
+    for got, expected in zip(got_stop, want_stop):
+        assert_same(got, expected)
+    assert got_greedy[0]["routed_experts"] is None and got_greedy[0]["version"] == want["version"]
+
+
+def test_a_session_reuses_the_cache_across_turns(server, embedded, tokenizer):
+    turn1 = {"prompt_ids": prompt_of(tokenizer, "first turn"), "max_tokens": 6, "temperature": 0.0, "stop_ids": [],
+             "session_id": "episode-1"}
+    first = remote(server, turn1)[0][0]
+    turn2 = {**turn1, "prompt_ids": turn1["prompt_ids"] + first["token_ids"] + tokenizer.encode(" observation")}
+    second = remote(server, turn2)[0][0]
+    assert_same(second, embedded({**turn2, "session_id": None})[0])
+    assert second["cached_tokens"] > 0 and second["prefill_tokens"] < len(turn2["prompt_ids"])
+
+
+def test_the_openai_client_gets_completions_from_token_ids_and_text(server, embedded, tokenizer, checkpoint):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [str(checkpoint)]
+    prompt = prompt_of(tokenizer, "def main():")
+    by_ids = client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=8, temperature=0, logprobs=1,
+                                       extra_body={"return_token_ids": True})
+    by_text = client.completions.create(model=str(checkpoint), prompt="def main():", max_tokens=8, temperature=0,
+                                        logprobs=1, extra_body={"return_token_ids": True})
+    want = embedded({"prompt_ids": prompt, "max_tokens": 8, "temperature": 0.0, "stop_ids": [tokenizer.eos_id]})[0]
+    for resp in (by_ids, by_text):
+        choice = resp.choices[0]
+        assert choice.model_extra["prompt_token_ids"] == prompt  # text prompts get BOS, as chat prompts start
+        assert choice.model_extra["token_ids"] == want["token_ids"]
+        assert choice.finish_reason == want["finish_reason"]
+        assert choice.logprobs.token_logprobs == pytest.approx(want["logprobs"], abs=1e-4)
+        shown = want["token_ids"][:-1] if want["finish_reason"] == "stop" else want["token_ids"]
+        assert choice.text == tokenizer.decode(shown)
+        assert resp.usage.prompt_tokens == len(prompt) and resp.usage.completion_tokens == len(want["token_ids"])
+    with pytest.raises(openai.BadRequestError, match="stop strings are not supported"):
+        client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=4, stop=["\n"])
+
+
+def test_bad_requests_get_a_400_that_says_why_and_the_server_keeps_serving(server, tokenizer):
+    url = server + "/v1/completions"
+    ok = {"prompt": [tokenizer.bos_id, 5, 6], "max_tokens": 2, "temperature": 0}
+    cases = [
+        (b"{not json", None, "not valid JSON"),
+        ([1, 2], None, "JSON object"),
+        ({"max_tokens": 2}, "prompt", "`prompt` is required"),
+        ({**ok, "prompt": []}, "prompt", "`prompt` is required"),
+        ({**ok, "prompt": [1, "a"]}, "prompt", "list of token ids"),
+        ({**ok, "prompt": [10**9]}, "prompt", "outside the vocabulary"),
+        ({**ok, "prompt": [[1, 2], []]}, "prompt", "prompt 1 is empty"),
+        ({**ok, "max_tokens": 0}, "max_tokens", "at least 1"),
+        ({**ok, "temperature": "hot"}, "temperature", "must be a number"),
+        ({**ok, "top_p": 0}, "top_p", "(0, 1]"),
+        ({**ok, "n": 0}, "n", "at least 1"),
+        ({**ok, "logprobs": 5}, "logprobs", "between 0 and 1"),
+        ({**ok, "stream": True}, "stream", "streaming is not supported"),
+        ({**ok, "echo": True}, "echo", "`echo` is not supported"),
+        ({**ok, "seed": 3}, "seed", "`seed` is not supported"),
+        ({**ok, "stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
+        ({**ok, "session_id": "s", "prompt": [[1, 2], [3]]}, "session_id", "one prompt"),
+    ]
+    for body, param, message in cases:
+        status, answer = post(url, body)
+        assert status == 400, (body, answer)
+        assert message in answer["error"]["message"] and answer["error"]["param"] == param, (body, answer)
+        assert answer["error"]["type"] == "invalid_request_error"
+    status, answer = post(url, {**ok, "model": "gpt-4"})
+    assert status == 404 and "does not exist" in answer["error"]["message"]
+    status, answer = post(server + "/v1/chat/completions", ok)
+    assert status == 404 and "POST /v1/completions" in answer["error"]["message"]
+    status, answer = post(url, {**ok, "prompt": [ok["prompt"], ok["prompt"]], "n": 2})
+    assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert "token_ids" not in answer["choices"][0] and answer["choices"][0]["logprobs"] is None
+
+
+def test_remote_engine_errors_say_what_is_missing_and_where():
+    """Against a stub server: no token ids, an HTTP error, and no server at all."""
+
+    async def completions(request):
+        body = await request.json()
+        if body["prompt"] == [1]:
+            return web.json_response({"error": {"message": "prompt too long for this stub"}}, status=400)
+        choice = {"index": 0, "text": "hi", "finish_reason": "length",
+                  "logprobs": {"tokens": ["h", "i"], "token_logprobs": [-0.5, -0.25]}}
+        return web.json_response({"id": "x", "object": "text_completion", "choices": [choice], "usage": {}})
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with RemoteEngine(url + "/v1", model="stub") as engine:
+                with pytest.raises(RemoteEngineError, match=r"no token ids .*return_token_ids"):
+                    await engine.generate({"prompt_ids": [5, 6], "max_tokens": 2})
+                with pytest.raises(RemoteEngineError, match=re.escape(f"{url}/v1/completions -> HTTP 400: prompt too")):
+                    await engine.generate({"prompt_ids": [1], "max_tokens": 2})
+                with pytest.raises(NotImplementedError, match="cannot push weights"):
+                    await engine.load_weights({}, 1)
+        finally:
+            await runner.cleanup()
+        async with RemoteEngine(url, model="stub", timeout=5) as engine:  # the stub is gone now
+            with pytest.raises(RemoteEngineError, match="cannot reach the server"):
+                await engine.generate({"prompt_ids": [5], "max_tokens": 2})
+
+    asyncio.run(run())
+
+
+def test_serve_names_a_missing_checkpoint_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "serve", str(tmp_path / "nope")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nope is not a policy checkpoint" in lines[0], proc.stderr
+
+
+def test_a_hugging_face_checkpoint_serves_text_with_its_own_tokenizer(tmp_path):
+    from test_hf import save_tiny_qwen3_moe
+
+    model, tokenizer = load_checkpoint(save_tiny_qwen3_moe(tmp_path / "hf"))
+
+    async def run():
+        engine = EngineCore(model, seed=0)
+        served = served_from(engine, model, tokenizer, "tiny")
+        body = {"prompt": "def main():", "max_tokens": 6, "temperature": 0, "logprobs": 0, "return_token_ids": True}
+        answer = await complete(served, parse_request(body, served))
+        want = (await engine.generate({"prompt_ids": tokenizer.encode("def main():"), "max_tokens": 6,
+                                       "temperature": 0.0, "stop_ids": [tokenizer.eos_token_id]}))[0]
+        await engine.shutdown()
+        return answer["choices"][0], want
+
+    choice, want = asyncio.run(run())
+    assert choice["prompt_token_ids"] == tokenizer.encode("def main():") and choice["token_ids"] == want["token_ids"]
+    shown = want["token_ids"][:-1] if want["finish_reason"] == "stop" else want["token_ids"]
+    assert choice["text"] == tokenizer.decode(shown) and choice["logprobs"]["token_logprobs"] == want["logprobs"]
