@@ -61,6 +61,59 @@ class HFCache:
         past.batch_select_indices(rows)
         return HFCache(past, self.mask[rows])
 
+    def _kv(self) -> list[tuple[Tensor, Tensor]]:
+        """(keys, values) per layer, each [B, heads, S, head_dim]."""
+        past = self.past
+        if hasattr(past, "layers"):
+            return [(layer.keys, layer.values) for layer in past.layers]
+        if hasattr(past, "key_cache"):
+            return list(zip(past.key_cache, past.value_cache))
+        return [(k, v) for k, v in past]
+
+    def _with_kv(self, kv: list[tuple[Tensor, Tensor]], mask: Tensor) -> HFCache:
+        """A new cache object of the same kind holding ``kv``; this one is left intact."""
+        past = copy.copy(self.past)
+        if hasattr(past, "layers"):
+            past.layers = [copy.copy(layer) for layer in past.layers]
+            for layer, (k, v) in zip(past.layers, kv):
+                layer.keys, layer.values = k, v
+        elif hasattr(past, "key_cache"):
+            past.key_cache, past.value_cache = [k for k, _ in kv], [v for _, v in kv]
+        else:
+            past = tuple((k, v) for k, v in kv)
+        return HFCache(past, mask)
+
+    @classmethod
+    def cat(cls, caches: list[HFCache]) -> HFCache:
+        """One batch from the rows of several caches: each left-padded (mask 0) to the longest. Positions come from the
+        mask's cumsum, so padding shifts no row's positions."""
+        width = max(c.seq_len for c in caches)
+        pad = [width - c.seq_len for c in caches]
+        left_pad = torch.nn.functional.pad
+        layers = zip(*(c._kv() for c in caches))
+        kv = [
+            tuple(torch.cat([left_pad(t, (0, 0, p, 0)) for t, p in zip(ts, pad)]) for ts in zip(*layer))
+            for layer in layers
+        ]
+        mask = torch.cat([left_pad(c.mask, (p, 0)) for c, p in zip(caches, pad)])
+        return caches[0]._with_kv(kv, mask)
+
+    def compact(self) -> HFCache:
+        """Each row's cached tokens moved to the right end, in order, and all-padding columns dropped. Keys carry
+        their rotary positions already and new positions count real tokens, so attention is unchanged."""
+        order = torch.argsort((self.mask != 0).to(torch.int8), dim=1, stable=True)  # pads first
+        keep = int((self.mask != 0).sum(1).max()) if self.mask.numel() else 0
+        order = order[:, order.shape[1] - keep :]
+
+        def take(t: Tensor) -> Tensor:  # [B, heads, S, d] -> [B, heads, keep, d]
+            return t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+
+        return self._with_kv([(take(k), take(v)) for k, v in self._kv()], self.mask.gather(1, order))
+
+    @property
+    def nbytes(self) -> int:
+        return self.mask.nbytes + sum(k.nbytes + v.nbytes for k, v in self._kv())
+
 
 class HFPolicy(nn.Module):
     """A local ``AutoModelForCausalLM`` behind the built-in policy's ``forward``."""

@@ -181,6 +181,16 @@ class KDACache:
     def clone(self) -> KDACache:
         return self._map(torch.clone)
 
+    @classmethod
+    def cat(cls, caches: list[KDACache]) -> KDACache:
+        """Rows of several caches in one batch (states are per row and fixed-size: nothing to pad)."""
+        rows = [(c.state, c.conv_q, c.conv_k, c.conv_v) for c in caches]
+        return KDACache(*(torch.cat(parts) for parts in zip(*rows)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.state, self.conv_q, self.conv_k, self.conv_v))
+
 
 class ShortConv(nn.Module):
     """Causal depthwise conv1d over time (kernel 4, no bias) that continues from the previous kernel-1 inputs.

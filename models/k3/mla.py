@@ -51,6 +51,28 @@ class MLACache:
     def clone(self) -> "MLACache":
         return MLACache(self.latent.clone(), self.mask.clone())
 
+    @classmethod
+    def cat(cls, caches: list["MLACache"]) -> "MLACache":
+        """Rows of several caches in one batch: each is left-padded (mask False) to the longest, then stacked.
+        Positions are only mask columns here (NoPE), so a pad column changes no row's attention."""
+        width = max(len(c) for c in caches)
+        latents = [F.pad(c.latent, (0, 0, width - len(c), 0)) for c in caches]
+        masks = [F.pad(c.mask, (width - len(c), 0), value=False) for c in caches]
+        return MLACache(torch.cat(latents), torch.cat(masks))
+
+    def compact(self) -> "MLACache":
+        """Same attention for every row, fewest columns: each row's real tokens move to the right end, in order (with
+        NoPE only the set of cached keys matters to later queries), and columns that are padding in every row go."""
+        order = torch.argsort(self.mask.to(torch.int8), dim=1, stable=True)  # pads first, real tokens in order
+        keep = int(self.mask.sum(1).max()) if self.mask.numel() else 0
+        order = order[:, order.shape[1] - keep :]
+        latent = self.latent.gather(1, order[..., None].expand(-1, -1, self.latent.shape[-1]))
+        return MLACache(latent, self.mask.gather(1, order))
+
+    @property
+    def nbytes(self) -> int:
+        return self.latent.nbytes + self.mask.nbytes
+
 
 def attention_mask(key_mask: Tensor, n_queries: int) -> Tensor:
     """Which keys each of the last `n_queries` positions may attend to: [B, S] bool -> [B, T, S] bool.

@@ -94,6 +94,19 @@ class K3Cache:
     def clone(self) -> K3Cache:
         return K3Cache([c.clone() for c in self.layers])
 
+    @classmethod
+    def cat(cls, caches: list[K3Cache]) -> K3Cache:
+        """One batch from the rows of several caches (MLA latents left-padded to the longest)."""
+        return K3Cache([type(layers[0]).cat(list(layers)) for layers in zip(*(c.layers for c in caches))])
+
+    def compact(self) -> K3Cache:
+        """Drop the padding that MLA latents carry from batching (KDA states have none)."""
+        return K3Cache([c.compact() if isinstance(c, MLACache) else c for c in self.layers])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.layers)
+
 
 @dataclass
 class K3Output:
