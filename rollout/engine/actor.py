@@ -1,0 +1,35 @@
+"""The engine as a Ray actor: builds the policy from its config and serves ``EngineCore`` on the actor's event loop.
+
+    engine = ray.remote(num_cpus=0)(InferenceEngine).remote(model_cfg, max_batch_size, session_memory_mb, seed, threads)
+    [sample] = await engine.generate.remote({"prompt_ids": [...], "session_id": "ep-3", "max_tokens": 256, ...})
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core import EngineCore
+
+
+class InferenceEngine:
+    def __init__(self, model_cfg: dict, max_batch_size: int = 32, session_memory_mb: float = 1024, seed: int = 0,
+                 num_threads: int = 1):
+        from sandforge.models.policy import policy_from_config
+
+        torch.set_num_threads(num_threads)
+        model = policy_from_config(model_cfg)
+        if torch.cuda.is_available():
+            model = model.cuda()
+        self.core = EngineCore(model, max_batch_size, session_memory_mb, seed)
+
+    async def generate(self, request: dict) -> list[dict]:
+        return await self.core.generate(request)
+
+    async def close_session(self, session_id: str) -> None:
+        self.core.close_session(session_id)
+
+    async def load_weights(self, state_dict: dict, version: int) -> int:
+        return await self.core.load_weights(state_dict, version)
+
+    def stats(self) -> dict:
+        return self.core.stats()

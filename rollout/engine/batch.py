@@ -1,0 +1,144 @@
+"""The model-facing half of the engine: prefill many sequences' new tokens in a few left-padded forwards, keep the
+caches of all running sequences merged in one decode batch, and sample each row with its own parameters.
+
+Works for any policy whose ``forward(ids, attention_mask, cache, use_cache)`` returns ``logits``, ``cache`` and
+``router_ids`` and whose cache class has ``cat`` (merge rows, left-padding to the longest), ``select`` and
+``compact``: the K3 model (``K3Cache``) and Hugging Face models (``HFCache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sandforge.models.generate import SamplingParams, sample_next
+
+
+@dataclass
+class Prefill:
+    """New tokens to feed after ``cache`` (None: a fresh sequence), and what feeding them gave."""
+
+    cache: Any | None
+    tokens: list[int]
+    logits: Tensor | None = None  # [V] at the last new token
+    routed: Tensor | None = None  # [len(tokens), n_moe_layers, top_k], MoE models only
+    out_cache: Any = None  # the cache of this item's forward; the item is row ``out_row``
+    out_row: int = 0
+    error: Exception | None = None
+
+
+def cat_caches(caches: list) -> Any:
+    return type(caches[0]).cat(caches)
+
+
+def length_groups(items: list[Prefill], slack: float = 1.25) -> list[list[Prefill]]:
+    """Items of similar length together, so that left padding wastes at most ~``slack`` of the real tokens; fresh
+    sequences and continuations apart (one forward either has a cache for every row or for none)."""
+    groups = []
+    for fresh in (True, False):
+        batch: list[Prefill] = []
+        real = 0
+        for item in sorted((i for i in items if (i.cache is None) == fresh), key=lambda i: len(i.tokens)):
+            n = len(item.tokens)  # the longest so far: items are sorted
+            if batch and n * (len(batch) + 1) > slack * (real + n) + 16:
+                groups.append(batch)
+                batch, real = [], 0
+            batch.append(item)
+            real += n
+        if batch:
+            groups.append(batch)
+    return groups
+
+
+def run_prefill(model: nn.Module, items: list[Prefill], device: torch.device) -> None:
+    """One forward over the items' new tokens, left-padded, each continuing its own cache."""
+    width = max(len(item.tokens) for item in items)
+    ids = torch.zeros(len(items), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, item in enumerate(items):
+        ids[i, width - len(item.tokens) :] = torch.tensor(item.tokens, dtype=torch.long)
+        mask[i, width - len(item.tokens) :] = 1
+    cache = None if items[0].cache is None else cat_caches([item.cache for item in items])
+    out = model(ids.to(device), attention_mask=mask.to(device), cache=cache, use_cache=True)
+    new_cache = out.cache.compact()
+    for i, item in enumerate(items):
+        item.logits = out.logits[i, -1]  # left padding: the last column is every row's last new token
+        if out.router_ids is not None:
+            item.routed = out.router_ids[i, width - len(item.tokens) :]
+        item.out_cache, item.out_row = new_cache, i
+
+
+def prefill(model: nn.Module, items: list[Prefill], device: torch.device) -> int:
+    """Feed every item (grouped by length); an item whose forward fails gets ``error`` and the others still run.
+    Returns the number of forwards."""
+    forwards = 0
+    for group in length_groups(items):
+        try:
+            forwards += 1
+            run_prefill(model, group, device)
+        except Exception as e:  # noqa: BLE001 - find the item at fault: run each alone
+            if len(group) == 1:
+                group[0].error = e
+                continue
+            for item in group:
+                try:
+                    forwards += 1
+                    run_prefill(model, [item], device)
+                except Exception as e1:  # noqa: BLE001
+                    item.error = e1
+    return forwards
+
+
+def sample_rows(
+    logits: Tensor, params: list[tuple[float, float, int]], generator: torch.Generator
+) -> tuple[list[int], list[float]]:
+    """logits [N, V]; params[i] = (temperature, top_p, top_k) of row i. Rows with equal parameters are sampled
+    together by ``sample_next``, so each row follows exactly the definition of ``generate``."""
+    tokens, logprobs = [0] * len(params), [0.0] * len(params)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p, []).append(i)
+    for (temperature, top_p, top_k), rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        t, lp = sample_next(logits[idx], SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), generator)
+        for r, ti, li in zip(rows, t.tolist(), lp.tolist()):
+            tokens[r], logprobs[r] = ti, li
+    return tokens, logprobs
+
+
+class DecodeBatch:
+    """The merged cache of all running sequences; row i of ``cache`` belongs to ``rows[i]``."""
+
+    def __init__(self) -> None:
+        self.rows: list = []
+        self.cache: Any = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, rows: list, cache: Any) -> None:
+        self.cache = cache if self.cache is None else cat_caches([self.cache, cache])
+        self.rows.extend(rows)
+
+    def step(self, model: nn.Module, tokens: list[int], device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """Feed one token per row: logits [B, V] and, for MoE models, the routing of the fed tokens [B, L, k]."""
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
+        out = model(ids, attention_mask=torch.ones_like(ids), cache=self.cache, use_cache=True)
+        self.cache = out.cache
+        return out.logits[:, -1], None if out.router_ids is None else out.router_ids[:, 0]
+
+    def remove(self, indices: list[int]) -> list[Any]:
+        """Take rows out; returns their batch-of-one caches, in the order of ``indices``."""
+        gone = set(indices)
+        caches = [self.cache.select([i]).compact() for i in indices]
+        keep = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in keep]
+        self.cache = self.cache.select(keep).compact() if keep else None
+        return caches
+
+    def clear(self) -> list:
+        rows, self.rows, self.cache = self.rows, [], None
+        return rows

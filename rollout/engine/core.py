@@ -1,0 +1,419 @@
+"""The embedded inference engine without Ray: continuous batching over many concurrent episodes, with a cache per
+episode kept between turns.
+
+Each request carries the whole sequence so far (token-in, token-out). One engine task loops; each iteration (run in a
+worker thread, one model call at a time):
+
+1. handles session closes and weight loads (a load waits until no sequence is running, and new requests wait for it,
+   so a result never mixes two policies);
+2. admits pending requests while the decode batch has room: a request whose session cache covers a prefix of its
+   prompt prefills only the rest; identical fresh prompts (and the n samples of one request) are prefilled once and the
+   cache copied; a prompt seen recently is served from a snapshot; prefills run in a few left-padded forwards;
+3. runs one decode step over all running sequences, samples each with its own parameters, and retires the finished
+   ones: their caches go back to their sessions, their requests' futures resolve.
+
+A result's ``cached_tokens`` counts the prompt tokens served from the episode's own session, so that ``routed_experts``
+(one entry per token fed for ``prompt_ids[cached_tokens:] + token_ids[:-1]``) and the earlier turns' entries together
+cover the sequence without gaps. Prompt tokens a request shares with another's prefill (same prompt, n > 1, snapshot)
+count in its ``prefill_tokens`` and carry their routing; the engine's ``stats()`` count the work actually done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .batch import DecodeBatch, Prefill, cat_caches, prefill, sample_rows
+from .sessions import CacheEntry, SessionStore
+
+DEFAULTS = {"session_id": None, "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop_ids": (), "n": 1}
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    session_id: str | None
+    n: int
+    params: tuple[float, float, int]  # temperature, top_p, top_k
+    stop: frozenset[int]
+    budget: int  # new tokens allowed: max_tokens, capped by the model's context
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    version: int = -1
+    results: list[dict | None] = field(default_factory=list)
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class Row:
+    """One sample being generated. Its cache holds ``prompt + token_ids[:-1]``: the last sampled token is fed next."""
+
+    request: Request
+    sample: int
+    session_id: str | None
+    cached: int  # prompt tokens served from the session's cache
+    routed: list[Tensor] = field(default_factory=list)  # [t, n_moe_layers, top_k] per feed, in order
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def _extends(prompt: list[int], held: list[int]) -> bool:
+    return len(prompt) > len(held) and prompt[: len(held)] == held
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_batch_size: int = 32,
+        session_memory_mb: float = 1024,
+        seed: int = 0,
+        max_prefill_tokens: int = 4096,
+        max_snapshots: int = 16,
+    ):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens  # per iteration, so long prompts stall running sequences less
+        self.max_seq_len = getattr(model.config, "max_seq_len", None)
+        self.vocab_size = model.config.vocab_size
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.store = SessionStore(int(session_memory_mb * 2**20), max_snapshots)
+        self.batch = DecodeBatch()
+        self.version = -1  # no trainer weights yet
+        self.pending: deque[Request] = deque()
+        self.commands: deque[tuple] = deque()  # ("close", id) | ("load", state_dict, version, future, loop)
+        self.counts: Counter = Counter()
+        self._admitting: list = []  # the plan of the admission in progress
+        self._closed: set[str] = set()  # sessions closed while a sample of theirs was running
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+
+    # ---------------------------------------------------------------- API
+    async def generate(self, request: dict) -> list[dict]:
+        """Sample ``request["n"]`` completions of ``request["prompt_ids"]``; see the module docstring."""
+        loop = self._start()
+        try:
+            req = self._parse(request, loop)
+        except (TypeError, KeyError) as e:  # e.g. stop_ids not a list: still the request's fault
+            raise ValueError(f"bad request ({type(e).__name__}: {e}); see EngineCore.generate") from e
+        self.pending.append(req)
+        self._wake.set()
+        return await req.future
+
+    def close_session(self, session_id: str) -> None:
+        """Forget an episode's cache (the episode is over); unknown ids are ignored."""
+        self.commands.append(("close", session_id))
+        if self._wake is not None:
+            self._wake.set()
+
+    async def load_weights(self, state_dict: dict, version: int) -> int:
+        """New weights and their version. Waits for running sequences to finish; drops all cached sessions (their
+        next requests rebuild them by re-prefill)."""
+        loop = self._start()
+        future = loop.create_future()
+        self.commands.append(("load", state_dict, int(version), future, loop))
+        self._wake.set()
+        return await future
+
+    def stats(self) -> dict:
+        c = self.counts
+        return {
+            "version": self.version,
+            "sessions": self.store.n_sessions,
+            "snapshots": self.store.n_snapshots,
+            "session_mb": self.store.nbytes / 2**20,
+            "evictions": self.store.evictions,
+            "rebuilds": c["rebuilds"],
+            "session_mismatches": c["session_mismatches"],
+            "requests": c["requests"],
+            "failed_requests": c["failed_requests"],
+            "prefill_tokens": c["prefill_tokens"],
+            "cached_tokens": c["cached_tokens"],
+            "shared_prefills": c["shared_prefills"],
+            "shared_prefill_tokens": c["shared_prefill_tokens"],
+            "prefill_forwards": c["prefill_forwards"],
+            "generated_tokens": c["generated_tokens"],
+            "decode_steps": c["decode_steps"],
+            "mean_batch_size": c["decode_rows"] / max(c["decode_steps"], 1),
+            "running": len(self.batch),
+            "pending": len(self.pending),
+        }
+
+    async def shutdown(self) -> None:
+        """Stop the engine task (tests; an actor's task lives as long as the actor)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # ---------------------------------------------------------------- requests
+    def _parse(self, request: dict, loop: asyncio.AbstractEventLoop) -> Request:
+        """Validate one request; a bad one raises ValueError here, in its caller, and touches nothing else."""
+        if not isinstance(request, dict) or "prompt_ids" not in request:
+            raise ValueError(f"a request is a dict with prompt_ids and sampling keys {sorted(DEFAULTS)}; got {request!r:.80}")
+        r = {**DEFAULTS, **{k: v for k, v in request.items() if v is not None or k == "session_id"}}
+        prompt = r["prompt_ids"]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt_ids is empty; render it with the chat format (it starts with the bos token)")
+        bad = [t for t in prompt if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt_ids holds {bad[0]!r}; token ids are ints in [0, {self.vocab_size})")
+        if self.max_seq_len is not None and len(prompt) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the model's max_seq_len is {self.max_seq_len}")
+        n, max_tokens, top_k = r["n"], r["max_tokens"], r["top_k"]
+        temperature, top_p = float(r["temperature"]), float(r["top_p"])
+        if not (isinstance(n, int) and 1 <= n <= self.max_batch_size):
+            raise ValueError(f"n={n!r}: samples per request must be between 1 and max_batch_size={self.max_batch_size}")
+        if not (isinstance(max_tokens, int) and max_tokens >= 1):
+            raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+        if temperature < 0 or not 0 < top_p <= 1 or not (isinstance(top_k, int) and top_k >= 0):
+            raise ValueError(f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} (0 < p <= 1), "
+                             f"top_k={top_k!r} (int >= 0, 0 = off)")
+        stop = r["stop_ids"]
+        if not all(isinstance(t, Integral) for t in stop):
+            raise ValueError(f"stop_ids must be token ids (ints), got {stop!r:.80}")
+        session_id = r["session_id"]
+        budget = max_tokens if self.max_seq_len is None else min(max_tokens, self.max_seq_len - len(prompt))
+        return Request([int(t) for t in prompt], None if session_id is None else str(session_id), n,
+                       (temperature, top_p, top_k), frozenset(int(t) for t in stop), budget, loop.create_future(), loop,
+                       results=[None] * n)
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._serve())
+        return loop
+
+    async def _serve(self) -> None:
+        while True:
+            self._wake.clear()
+            if not (self.pending or self.commands or len(self.batch)):
+                await self._wake.wait()
+                continue
+            try:
+                await asyncio.to_thread(self._iteration)
+            except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the engine
+                error = RuntimeError(f"the engine step failed: {type(e).__name__}: {e}")
+                for req in [row.request for row in self.batch.clear()] + [p[0] for p in self._admitting]:
+                    self._fail(req, error)
+                self._admitting = []
+
+    # ---------------------------------------------------------------- one iteration (worker thread)
+    def _iteration(self) -> None:
+        loading = self._commands()
+        with torch.inference_mode():
+            if not loading:
+                self._admit()
+            if len(self.batch):
+                self._decode()
+
+    def _commands(self) -> bool:
+        """Run closes and (with nothing running) weight loads; True while a load still waits."""
+        waiting = deque()
+        while self.commands:
+            cmd = self.commands.popleft()
+            if cmd[0] == "close":
+                self._close(cmd[1])
+            elif len(self.batch):
+                waiting.append(cmd)
+            else:
+                _, state_dict, version, future, loop = cmd
+                try:
+                    self.model.load_state_dict(state_dict)
+                    self.version = version
+                    self.store.clear()
+                    self._resolve(loop, future, version)
+                except Exception as e:  # noqa: BLE001 - e.g. mismatched keys: the caller hears it
+                    self._resolve(loop, future, exc=e)
+        self.commands.extendleft(reversed(waiting))
+        return bool(waiting)
+
+    def _close(self, session_id: str) -> None:
+        """Forget a session and the sessions of its n > 1 samples (``id#i``), stored or still running."""
+        children = session_id + "#"
+        for kind, key in list(self.store.entries):
+            if kind == "session" and (key == session_id or key.startswith(children)):
+                self.store.close(key)
+        for row in self.batch.rows:
+            if row.session_id is not None and (row.session_id == session_id or row.session_id.startswith(children)):
+                self._closed.add(row.session_id)
+
+    def _admit(self) -> None:
+        """Pending requests into the decode batch: look up their caches, prefill what is new, sample a first token."""
+        room, budget = self.max_batch_size - len(self.batch), self.max_prefill_tokens
+        items: dict[Any, Prefill] = {}  # one prefill per distinct (cache, new tokens)
+        plan: list[tuple[Request, Prefill | CacheEntry, int]] = []  # request, where its cache comes from, cached
+        self._admitting = plan  # failed iterations fail these too
+        while self.pending and self.pending[0].n <= room:
+            req = self.pending[0]
+            entry = self._session_cache(req)
+            cached = len(entry.tokens) if entry is not None else 0
+            snapshot = self.store.snapshot(tuple(req.prompt)) if entry is None else None
+            cost = 0 if snapshot is not None else len(req.prompt) - cached
+            if plan and cost > budget:
+                break
+            self.pending.popleft()
+            self._claim_session(req, entry)
+            room, budget = room - req.n, budget - cost
+            req.version = self.version
+            self.counts["requests"] += 1
+            self.counts["cached_tokens"] += cached
+            if snapshot is not None:
+                plan.append((req, snapshot, 0))
+                self.counts["shared_prefills"] += req.n
+                self.counts["shared_prefill_tokens"] += req.n * len(req.prompt)
+                continue
+            key = ("fresh", tuple(req.prompt)) if entry is None else ("session", id(req))
+            item = items.get(key)
+            if item is None:
+                item = items[key] = Prefill(None if entry is None else entry.cache, req.prompt[cached:])
+                self.counts["prefill_tokens"] += len(item.tokens)
+                shared = req.n - 1
+            else:
+                shared = req.n
+            self.counts["shared_prefills"] += shared
+            self.counts["shared_prefill_tokens"] += shared * len(item.tokens)
+            plan.append((req, item, cached))
+        if not plan:
+            return
+        self.counts["prefill_forwards"] += prefill(self.model, list(items.values()), self.device)
+        for key, item in items.items():
+            if key[0] == "fresh" and item.error is None:  # later requests for this prompt skip its prefill
+                routed = None if item.routed is None else item.routed.clone()
+                cache = item.out_cache.select([item.out_row]).compact()
+                self.store.put_snapshot(key[1], CacheEntry(cache, list(key[1]), item.logits.clone(), routed))
+
+        rows, caches, logits = [], [], []
+        for req, source, cached in plan:
+            if isinstance(source, Prefill) and source.error is not None:
+                self._fail(req, ValueError(f"prefill failed: {type(source.error).__name__}: {source.error}"))
+                continue
+            for i in range(req.n):
+                sid = req.session_id if req.n == 1 or req.session_id is None else f"{req.session_id}#{i}"
+                row = Row(req, i, sid, cached)
+                if source.routed is not None:
+                    row.routed.append(source.routed)
+                rows.append(row)
+                if isinstance(source, Prefill):
+                    caches.append((source.out_cache, source.out_row))
+                else:
+                    caches.append((source.cache, 0))
+                logits.append(source.logits)
+        self._admitting = []
+        if not rows:
+            return
+        self.batch.add(rows, self._gather(caches))
+        first = len(self.batch) - len(rows)
+        self._sample(torch.stack(logits), list(range(first, len(self.batch))))
+
+    def _session_cache(self, req: Request) -> CacheEntry | None:
+        """The request's session cache if its prompt extends what that cache holds (looked at, not taken)."""
+        if req.session_id is None:
+            return None
+        entry = self.store.peek(req.session_id)
+        return entry if entry is not None and _extends(req.prompt, entry.tokens) else None
+
+    def _claim_session(self, req: Request, entry: CacheEntry | None) -> None:
+        """An admitted request of one sample takes its session's cache (it returns when the sample finishes); a
+        request without a usable cache counts as a rebuild when its session had one."""
+        if req.session_id is None:
+            return
+        if entry is None:
+            stale = self.store.take(req.session_id) if req.n == 1 else self.store.peek(req.session_id)
+            if stale is not None:  # a different history: start over
+                self.counts["session_mismatches"] += 1
+            if stale is not None or self.store.was_forgotten(req.session_id):
+                self.counts["rebuilds"] += 1
+        elif req.n == 1:
+            self.store.take(req.session_id)
+
+    @staticmethod
+    def _gather(caches: list[tuple[Any, int]]) -> Any:
+        """One cache from (cache, row) pairs: consecutive rows of the same cache are taken with one select."""
+        parts, run_cache, run_rows = [], None, []
+        for cache, row in caches + [(None, 0)]:
+            if cache is not run_cache and run_rows:
+                parts.append(run_cache.select(run_rows))
+                run_rows = []
+            run_cache = cache
+            run_rows.append(row)
+        return parts[0] if len(parts) == 1 else cat_caches(parts)
+
+    def _decode(self) -> None:
+        rows = self.batch.rows
+        logits, routed = self.batch.step(self.model, [r.token_ids[-1] for r in rows], self.device)
+        self.counts["decode_steps"] += 1
+        self.counts["decode_rows"] += len(rows)
+        if routed is not None:
+            for i, row in enumerate(rows):
+                row.routed.append(routed[i : i + 1])
+        self._sample(logits, list(range(len(rows))))
+
+    def _sample(self, logits: Tensor, indices: list[int]) -> None:
+        """Sample the next token of batch rows ``indices`` from ``logits`` (one row each); retire finished rows."""
+        rows = [self.batch.rows[i] for i in indices]
+        tokens, logprobs = sample_rows(logits, [r.request.params for r in rows], self.generator)
+        done = []
+        for i, row, token, logprob in zip(indices, rows, tokens, logprobs):
+            row.token_ids.append(token)
+            row.logprobs.append(logprob)
+            if token in row.request.stop:
+                row.finish_reason = "stop"
+            elif len(row.token_ids) >= row.request.budget:
+                row.finish_reason = "length"
+            if row.finish_reason is not None:
+                done.append(i)
+        self.counts["generated_tokens"] += len(rows)
+        if done:
+            finished = [self.batch.rows[i] for i in done]
+            for row, cache in zip(finished, self.batch.remove(done)):
+                self._retire(row, cache)
+
+    def _retire(self, row: Row, cache: Any) -> None:
+        req = row.request
+        if row.session_id in self._closed:
+            self._closed.discard(row.session_id)
+        elif row.session_id is not None and not req.failed:
+            self.store.put(row.session_id, CacheEntry(cache, req.prompt + row.token_ids[:-1]))
+        routed = torch.cat(row.routed).tolist() if row.routed else None
+        req.results[row.sample] = {
+            "token_ids": row.token_ids,
+            "logprobs": row.logprobs,
+            "finish_reason": row.finish_reason,
+            "version": req.version,
+            "cached_tokens": row.cached,
+            "prefill_tokens": len(req.prompt) - row.cached,
+            "routed_experts": routed,
+        }
+        if all(r is not None for r in req.results) and not req.failed:
+            self._resolve(req.loop, req.future, req.results)
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        if not req.failed:
+            req.failed = True
+            self.counts["failed_requests"] += 1
+            self._resolve(req.loop, req.future, exc=exc)
+
+    @staticmethod
+    def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value=None, exc: Exception | None = None):
+        def set_() -> None:
+            if future.done():  # the caller gave up (cancelled)
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(value)
+
+        loop.call_soon_threadsafe(set_)
