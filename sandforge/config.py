@@ -110,8 +110,8 @@ class RolloutConfig(Section):
 
 
 class EngineConfig(Section):
-    max_batch_size: int = Field(16, ge=1)
-    batch_wait_ms: float = Field(5.0, ge=0)
+    max_batch_size: int = Field(16, ge=1)  # sequences decoded together
+    session_memory_mb: float = Field(1024, gt=0)  # idle episode caches kept between turns; least recently used go first
 
 
 class WarmupConfig(Section):

@@ -93,7 +93,7 @@ class RLJob:
         ]
         policy_cfg = ray.get(self.ranks[0].model_config_dict.remote())
         self.engine = ray.remote(num_cpus=0)(InferenceEngine).remote(
-            policy_cfg, cfg.engine.max_batch_size, cfg.engine.batch_wait_ms, cfg.run.seed, os.cpu_count() or 1
+            policy_cfg, cfg.engine.max_batch_size, cfg.engine.session_memory_mb, cfg.run.seed, os.cpu_count() or 1
         )
         job = cfg.model_dump(mode="json")
         # SPREAD: on a cluster, workers (and so their sandboxes, on each node's own Docker daemon) go to every node
