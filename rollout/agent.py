@@ -25,7 +25,7 @@ from typing import Any, Callable
 from sandforge.config import RolloutConfig
 from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.rollout.policy import Policy, PolicyError, check_sample
-from sandforge.rollout.tool_calls import ToolHang, run_tool_calls
+from sandforge.rollout.tool_calls import ToolHang, ToolOutcome, run_tool_calls
 from sandforge.types import Message, Reward, Task, Trajectory, Turn
 from sandforge.verifiers.base import VerifierError, score_task
 
@@ -128,6 +128,17 @@ def _place_routing(traj: Trajectory, prompt_len: int, sample: dict) -> None:
     traj.routed_experts[start : start + fed] = routing
 
 
+async def answer_reply(env, chat, ids: list[int], limits: EpisodeLimits,
+                       deadline: float | None = None) -> tuple[Message, list[str], ToolOutcome]:
+    """Parse one reply and run its tool calls. Never raises for what the model wrote: every reply gets at least one
+    tool message, the result of a call or an "Error: ..." that says what to fix (a broken sandbox still raises)."""
+    message, errors = chat.parse_assistant(ids)
+    notes = errors if (errors or message.tool_calls) else [NO_TOOL_CALL]
+    outcome = await run_tool_calls(env, message.tool_calls, notes, max_calls=limits.max_tool_calls,
+                                   max_output=limits.max_tool_output, deadline=deadline, grace=limits.tool_grace)
+    return message, errors, outcome
+
+
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
@@ -167,12 +178,9 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
             finish = "context"
         turn.generated_tokens, turn.finish_reason, turn.seconds_generate = len(ids), finish, t1 - t0
 
-        message, errors = chat.parse_assistant(ids)
+        message, errors, outcome = await answer_reply(env, chat, ids, limits, deadline)
         traj.messages.append(message)
         turn.tool_calls, turn.parse_errors = message.tool_calls, errors
-        notes = errors if (errors or message.tool_calls) else [NO_TOOL_CALL]
-        outcome = await run_tool_calls(env, message.tool_calls, notes, max_calls=limits.max_tool_calls,
-                                       max_output=limits.max_tool_output, deadline=deadline, grace=limits.tool_grace)
         turn.seconds_tools = time.monotonic() - t1
         turn.observations = [r.content for r in outcome.results]
         turn.tool_errors, turn.executed, turn.truncated_outputs = outcome.errors, outcome.executed, outcome.truncated
