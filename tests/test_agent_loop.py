@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import asdict
 
 import pytest
 from agent_fakes import CHAT, TASK, FakeEnv, ReplayPolicy, grade, limits, reply
@@ -248,3 +249,53 @@ def test_metrics_count_how_episodes_and_turns_ended():
     from sandforge.trainer.loop import step_line
 
     assert "timeouts 1" in step_line(0, 1, m | {"time/step": 1.0})
+
+
+# --- real containers ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+def test_terminal_episode_with_parallel_tool_calls(terminal_spec, run_id, docker_client):
+    from sandforge.environments.terminal.env import TerminalEnv
+    from sandforge.environments.terminal.tasks import make_task
+    from sandforge.verifiers.base import score_task
+
+    task = make_task("write_file", 3)
+    path, content = task.checks[0]["path"], task.checks[0]["content"]
+    calls = [ToolCall("write_file", {"path": path, "content": content}), ToolCall("bash", {"command": f"cat {path}"}),
+             ToolCall("read_file", {"path": path}), ToolCall("bash", {"command": 42}), ToolCall("submit")]
+    env = TerminalEnv(task, terminal_spec, run_id, client=docker_client)
+    assert env.concurrent_tools is False  # one shell session, and later calls read what earlier ones wrote
+    policy = ReplayPolicy([reply(*calls)])
+    traj = asyncio.run(run_episode(task, env, policy, CHAT, limits(), "g", session_id="s-docker", score=score_task))
+    assert not traj.failed, traj.failure
+    assert (traj.finish_reason, traj.reward.success) == ("submit", True)
+    turn = traj.turns[0]
+    assert turn.observations[0].startswith("wrote") and turn.observations[1] == f"{content}\n[exit code 0]"
+    assert turn.observations[2] == content and "'command' must be string" in turn.observations[3]
+    assert turn.observations[4] == "submitted" and turn.executed == 4 and len(turn.tool_errors) == 1
+    assert policy.closed == ["s-docker"] and traj.metadata["sandbox"]
+
+
+@pytest.mark.docker
+def test_worker_waits_for_a_sandbox_when_max_live_are_in_use(terminal_image, run_id, docker_client):
+    from sandforge.config import JobConfig
+    from sandforge.environments.sandbox.docker_sandbox import list_run_containers
+    from sandforge.environments.terminal.tasks import make_task
+    from sandforge.rollout.worker import RolloutWorker
+
+    job = JobConfig.model_validate({"sandbox": {"max_live": 1, "warm_pool": 0}, "rollout": {"concurrency": 3}})
+    worker = RolloutWorker(0, job.model_dump(mode="json"), run_id, engine=None, images={"terminal": terminal_image},
+                           sandbox_labels={})
+    tasks = [make_task("write_file", s) for s in range(3)]
+    try:
+        out = asyncio.run(worker.run_episodes([asdict(t) for t in tasks], ["a", "b", "c"], version=1, scripted=True))
+    finally:
+        worker.close()
+    trajs = [Trajectory.from_dict(d) for d in out]
+    assert [t.failed for t in trajs] == [False] * 3, [t.failure for t in trajs]
+    assert all(t.reward.success and t.finish_reason == "submit" for t in trajs)
+    assert max(t.metadata["seconds_sandbox_wait"] for t in trajs) > 0.1  # the others waited for the one slot
+    assert len({t.metadata["session"] for t in trajs}) == 3 and trajs[0].metadata["session"].startswith(run_id)
+    assert len(worker.stats.export(reset=False)["acquire"]) == 3
+    assert list_run_containers(run_id, docker_client) == []
