@@ -152,8 +152,7 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
             return "context"
         budget = min(limits.max_new_tokens, room)
         prompt_len = len(traj.token_ids)
-        turn = Turn(index=index, prompt_tokens=prompt_len, generated_tokens=0, observation_tokens=0,
-                    finish_reason="timeout")
+        turn = Turn(index=index, prompt_tokens=prompt_len, generated_tokens=0, observation_tokens=0, finish_reason="")
         left = _left(deadline)
         if left is not None and left <= 0:
             return "timeout"
@@ -165,7 +164,7 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         try:
             sample = check_sample(await asyncio.wait_for(policy.generate(request), left))
         except asyncio.TimeoutError:
-            turn.seconds_generate = time.monotonic() - t0
+            turn.finish_reason, turn.seconds_generate = "timeout", time.monotonic() - t0
             return "timeout"
         t1 = time.monotonic()
         ids = [int(i) for i in sample["token_ids"]]

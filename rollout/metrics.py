@@ -11,12 +11,13 @@ from sandforge.types import Trajectory
 
 EPISODE_ENDS = ("submit", "max_turns", "context", "timeout", "error")
 TURN_ENDS = ("stop", "length", "context", "timeout")
+FAILURE_KINDS = ("sandbox", "verifier", "engine", "tool", "env", "error")
 
 
 def _failure_kind(t: Trajectory) -> str:
     """"sandbox", "verifier", "engine", "tool", "env" or "error": the prefix the agent and worker give a failure."""
     kind = t.failure.split(":", 1)[0].strip()
-    return kind if kind in ("sandbox", "verifier", "engine", "tool", "env") else "error"
+    return kind if kind in FAILURE_KINDS else "error"
 
 
 def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, float]:
@@ -30,8 +31,8 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, floa
         m[f"episodes/finish_{end}"] = ends[end] / len(trajs) if trajs else 0.0
     m["episodes/timeouts"] = ends["timeout"]
     kinds = Counter(_failure_kind(t) for t in trajs if t.failed)
-    for kind, n in kinds.items():
-        m[f"episodes/failed_{kind}"] = n
+    for kind in FAILURE_KINDS:
+        m[f"episodes/failed_{kind}"] = kinds[kind]
 
     turns = [x for t in trajs for x in t.turns]
     if turns:

@@ -221,6 +221,7 @@ def test_engine_policy_adapter_and_engine_failures(wrap):
         traj = episode(env, EnginePolicy(wrap(engine)))
         assert traj.failed and why in traj.failure and traj.failure.startswith("engine:")
         assert traj.finish_reason == "error" and traj.reward.value == 0.0
+        assert [t.finish_reason for t in traj.turns] == [""]  # it did not stop for time, or anything else
         assert env.closed == 1 and engine.closed == ["s-1"]  # sandbox and engine session released all the same
 
 
@@ -249,6 +250,20 @@ def test_metrics_count_how_episodes_and_turns_ended():
     from sandforge.trainer.loop import step_line
 
     assert "timeouts 1" in step_line(0, 1, m | {"time/step": 1.0})
+
+
+def test_rollout_config_keys_reach_the_episode_limits():
+    from pydantic import ValidationError
+
+    from sandforge.config import RolloutConfig
+    from sandforge.rollout.agent import EpisodeLimits
+
+    lim = EpisodeLimits.from_config(RolloutConfig(episode_timeout=30, max_tool_calls=2, max_tool_output=100), [1, 2])
+    assert (lim.episode_timeout, lim.max_tool_calls, lim.max_tool_output, lim.stop_ids) == (30, 2, 100, [1, 2])
+    assert RolloutConfig().episode_timeout == 600 and RolloutConfig(episode_timeout=None).episode_timeout is None
+    for bad in ({"episode_timeout": 0}, {"max_tool_calls": 0}, {"max_tool_output": 10}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            RolloutConfig(**bad)
 
 
 # --- real containers ----------------------------------------------------------------------------------------------
