@@ -109,7 +109,8 @@ class Trajectory:
 
     ``token_ids`` is exactly the sequence the engine consumed and produced. ``loss_mask[i]`` is 1 only where the policy
     generated token i; ``logprobs[i]`` is the engine's log-probability for that token (0.0 elsewhere);
-    ``token_versions[i]`` is the policy version that generated it (-1 for prompt, tool-result and header tokens).
+    ``token_versions[i]`` is the policy version that generated it (-1 for prompt, tool-result and header tokens, and
+    for tokens of an engine that holds no trainer weights yet: ``loss_mask`` says which tokens are the policy's).
     ``routed_experts`` is None unless the engine reported routing; then ``routed_experts[p]`` is the ``[layer][k]``
     expert ids computed when token p was fed to the model (None where the engine did not report it: prefix-cached
     positions, the last token). A position computed again in a later turn keeps the latest routing.
