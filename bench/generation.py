@@ -14,7 +14,7 @@ import time
 import torch
 
 from sandforge.models.generate import SamplingParams, generate
-from sandforge.models.moe_lm import MoEConfig, MoETransformer, count_parameters
+from sandforge.models.k3.model import PRESETS, K3Model, count_parameters
 from sandforge.models.naive import generate_naive
 
 
@@ -25,18 +25,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--preset", default="k3-nano", choices=sorted(PRESETS))
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model = MoETransformer(MoEConfig()).eval()
+    model = K3Model(PRESETS[args.preset]).eval()
     rng = torch.Generator().manual_seed(args.seed)
     # lengths vary around prompt_len so the batch needs left padding, as in a real rollout
     lengths = torch.randint(args.prompt_len * 3 // 4, args.prompt_len * 5 // 4 + 1, (args.prompts,), generator=rng)
     prompts = [torch.randint(0, 256, (int(n),), generator=rng).tolist() for n in lengths]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     print(
-        f"model {count_parameters(model) / 1e6:.2f}M params, {args.prompts} prompts of {min(lengths)}-{max(lengths)} "
+        f"model {args.preset} {count_parameters(model) / 1e6:.2f}M params, {args.prompts} prompts of {min(lengths)}-{max(lengths)} "
         f"tokens, {args.new_tokens} new tokens each, {args.threads} thread(s)"
     )
 

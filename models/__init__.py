@@ -1,1 +1,1 @@
-"""Policies: the built-in MoE decoder, its tokenizer and chat format, and batched generation."""
+"""Policies: the K3-shaped model, Hugging Face adapters, tokenizers, chat formats and batched generation."""

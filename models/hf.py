@@ -1,7 +1,7 @@
 """Any local Hugging Face causal LM as a sandforge policy: the model, its tokenizer and its own chat template.
 
-``HFPolicy`` answers ``forward`` like the built-in model (``MoEOutput``: fp32 logits, a cache with ``select``,
-the router aux loss), so ``generate`` and ``token_logprobs`` work unchanged.
+``HFPolicy`` answers ``forward`` like the built-in model (``HFOutput``, shaped like ``K3Output``: fp32 logits, a cache
+with ``select``, the router aux loss), so ``generate`` and ``token_logprobs`` work unchanged.
 
 ``HFChatFormat`` has ``ChatFormat``'s methods. It renders the first prompt with the model's chat template and
 afterwards only token deltas, so the sequence is never re-rendered (DESIGN.md, token-in, token-out). A delta is the
@@ -24,8 +24,6 @@ import torch
 from torch import Tensor, nn
 
 from sandforge.types import Message, ToolCall
-
-from .moe_lm import MoEOutput
 
 
 # ---------------------------------------------------------------- model
@@ -115,6 +113,14 @@ class HFCache:
         return self.mask.nbytes + sum(k.nbytes + v.nbytes for k, v in self._kv())
 
 
+@dataclass
+class HFOutput:
+    logits: Tensor  # [B, T, V] float32
+    cache: HFCache | None
+    aux_loss: Tensor  # the model's router auxiliary loss (scaled by its own coefficient), or 0
+    router_ids: Tensor | None  # HF models do not report routing
+
+
 class HFPolicy(nn.Module):
     """A local ``AutoModelForCausalLM`` behind the built-in policy's ``forward``."""
 
@@ -149,8 +155,8 @@ class HFPolicy(nn.Module):
         position_ids: Tensor | None = None,
         cache: HFCache | None = None,
         use_cache: bool = False,
-    ) -> MoEOutput:
-        """input_ids [B, T] (left padding allowed) -> MoEOutput(logits [B, T, V] fp32, cache, aux_loss, None).
+    ) -> HFOutput:
+        """input_ids [B, T] (left padding allowed) -> HFOutput(logits [B, T, V] fp32, cache, aux_loss, None).
 
         Positions count real tokens only (cumsum of the mask), so a left-padded row sees the positions it would see
         alone and batched decoding equals unbatched. ``aux_loss`` is the router balance loss times
@@ -179,7 +185,7 @@ class HFPolicy(nn.Module):
         else:
             aux = torch.zeros((), device=out.logits.device)
         new_cache = HFCache(out.past_key_values, mask) if use_cache else None
-        return MoEOutput(logits=out.logits.float(), cache=new_cache, aux_loss=aux, router_ids=None)
+        return HFOutput(logits=out.logits.float(), cache=new_cache, aux_loss=aux, router_ids=None)
 
 
 # ---------------------------------------------------------------- tool-call parsers

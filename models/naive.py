@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from .generate import Generation, SamplingParams, _budgets, _eval_mode, sample_next
-from .moe_lm import MoE
 
 
 def generate_naive(
@@ -31,16 +29,4 @@ def generate_naive(
                     gen.finish_reason = "stop"
                     break
             out.append(gen)
-    return out
-
-
-def moe_naive(moe: MoE, x: Tensor) -> Tensor:
-    """The MoE feed-forward one token at a time: y = sum over the top-k experts of gate * SwiGLU_e(x). x [N, C]."""
-    out = torch.zeros_like(x)
-    for n in range(x.shape[0]):
-        probs = moe.router(x[n]).float().softmax(-1)
-        top_p, top_ids = probs.topk(moe.top_k)
-        for p, e in zip(top_p / top_p.sum(), top_ids.tolist()):
-            h = F.silu(moe.w_gate[e] @ x[n]) * (moe.w_up[e] @ x[n])
-            out[n] += p.to(x.dtype) * (moe.w_down[e] @ h)
     return out

@@ -1,5 +1,5 @@
-"""Which architecture a job trains, by name: the small MoE decoder of #2 (``"moe"``), the K3 model (``"k3"``), or a
-local Hugging Face causal LM (``"hf"``, from ``model.path``).
+"""Which architecture a job trains, by name: the K3-shaped model (``"k3"``, a preset size plus optional field
+overrides) or a local Hugging Face causal LM (``"hf"``, from ``model.path``).
 
 The trainer, the engine and the rollout workers build, load and save policies and their chat formats only through these
 functions, so a checkpoint directory says what it holds (``config.json`` carries ``arch``, or HF's ``model_type``) and
@@ -9,18 +9,15 @@ all sides agree on it.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 from torch import nn
 
 from .k3 import model as k3
+from .k3.config import preset_config
 from .k3.latent_moe import LatentMoE, update_all_biases
-from .moe_lm import MoEConfig, MoETransformer
-from .moe_lm import load_pretrained as load_moe
-from .moe_lm import save_pretrained as save_moe
 
-ARCHES = ("moe", "k3", "hf")
+ARCHES = ("k3", "hf")
 
 
 def _hf_policy(path: str | Path) -> nn.Module:
@@ -31,19 +28,18 @@ def _hf_policy(path: str | Path) -> nn.Module:
     return policy
 
 
+def k3_config(options: dict, vocab_size: int) -> k3.K3Config:
+    """The preset named by ``options["preset"]`` with the fields in ``options["k3"]`` replaced; errors name the key."""
+    return preset_config(options.get("preset", "k3-nano"), options.get("k3"), vocab_size)
+
+
 def build_policy(options: dict, vocab_size: int) -> nn.Module:
     """A fresh policy (for ``hf``: the local model at ``path``). ``options``: the config's ``model`` section."""
-    arch = options.get("arch", "moe")
+    arch = options.get("arch", "k3")
     if arch == "hf":
         return _hf_policy(options["path"])
     if arch == "k3":
-        preset = options.get("preset", "k3-nano")
-        if preset not in k3.PRESETS:
-            raise ValueError(f"unknown K3 preset {preset!r}; known: {', '.join(k3.PRESETS)}")
-        return k3.K3Model(replace(k3.PRESETS[preset], vocab_size=vocab_size))
-    if arch == "moe":
-        sizes = {k: v for k, v in options.items() if k in MoEConfig.__dataclass_fields__}
-        return MoETransformer(MoEConfig(**{**sizes, "vocab_size": vocab_size}))
+        return k3.K3Model(k3_config(options, vocab_size))
     raise ValueError(f"unknown model.arch {arch!r}; known: {', '.join(ARCHES)}")
 
 
@@ -51,26 +47,26 @@ def policy_config(model: nn.Module) -> dict:
     """The model's config as plain data, with its ``arch``: enough for ``policy_from_config`` to rebuild it."""
     if hasattr(model, "source_path"):
         return {"arch": "hf", "path": model.source_path}
-    return {"arch": "k3" if isinstance(model, k3.K3Model) else "moe", **model.config.to_dict()}
+    return model.config.to_dict()  # K3Config.to_dict carries arch "k3"
 
 
 def policy_from_config(config: dict) -> nn.Module:
     config = dict(config)
-    arch = config.pop("arch", "moe")
+    arch = config.pop("arch", "k3")
     if arch == "hf":
         return _hf_policy(config["path"])
     if arch == "k3":
         return k3.K3Model(k3.K3Config.from_dict(config))
-    return MoETransformer(MoEConfig.from_dict(config))
+    raise ValueError(f"unknown model.arch {arch!r}; known: {', '.join(ARCHES)}")
 
 
 def load_policy(directory: str | Path) -> nn.Module:
-    """A checkpoint written by ``save_policy`` (or either architecture's own ``save_pretrained``)."""
+    """A checkpoint written by ``save_policy``: a K3 directory, or a Hugging Face one."""
     config_file = Path(directory) / "config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     if "model_type" in config:  # written by Hugging Face
         return _hf_policy(directory)
-    return k3.from_pretrained(directory) if config.get("arch") == "k3" else load_moe(directory)
+    return k3.from_pretrained(directory)
 
 
 def save_policy(model: nn.Module, directory: str | Path, tokenizer=None) -> Path:
@@ -79,9 +75,7 @@ def save_policy(model: nn.Module, directory: str | Path, tokenizer=None) -> Path
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
         return Path(directory)
-    if isinstance(model, k3.K3Model):
-        return k3.save_pretrained(model, directory, tokenizer=tokenizer)
-    return save_moe(model, directory, tokenizer=tokenizer)
+    return k3.save_pretrained(model, directory, tokenizer=tokenizer)
 
 
 def after_optimizer_step(model: nn.Module, all_reduce=None) -> dict[str, float]:

@@ -25,7 +25,7 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def validate_job(cfg: JobConfig) -> None:
+def validate_job(cfg: JobConfig, source: str = "config") -> None:
     """Checks that need the registry (environment names, task families); still no heavy imports."""
     from sandforge.rollout.tasks import TaskSampler
 
@@ -33,6 +33,13 @@ def validate_job(cfg: JobConfig) -> None:
         TaskSampler(cfg.environments, cfg.run.seed)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
+    if cfg.model.arch == "k3":
+        from sandforge.models.k3.config import preset_config  # plain dataclasses, no torch
+
+        try:
+            preset_config(cfg.model.preset, cfg.model.k3)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{source}: {e}") from None
 
 
 @app.command()
@@ -43,7 +50,7 @@ def train(
     """Run an RL job: rollouts in Docker sandboxes, verifier rewards, DeepSpeed policy-gradient steps."""
     try:
         cfg = load_config(config, overrides or [])
-        validate_job(cfg)
+        validate_job(cfg, str(config))
     except ConfigError as e:
         fail(str(e))
     from sandforge.environments.sandbox.docker_sandbox import SandboxError

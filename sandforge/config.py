@@ -68,29 +68,15 @@ class EnvironmentConfig(Section):
 class ModelConfig(Section):
     init_from: Path | None = None  # a directory written by save_pretrained (config.json + model.safetensors)
     tokenizer: str = "bpe"  # "bpe" (shipped, trained on task text), "bytes", or a tokenizer.json path; ignored with init_from
-    arch: Literal["moe", "k3", "hf"] = "moe"  # k3: the K3-shaped model at `preset` size; hf: the local model at `path`
+    arch: Literal["k3", "hf"] = "k3"  # k3: the K3-shaped model at `preset` size; hf: the local model at `path`
+    preset: Literal["k3-nano", "k3-mini", "k3-1b"] = "k3-nano"  # with arch k3
+    k3: dict[str, Any] = Field(default_factory=dict)  # with arch k3: K3Config fields that override the preset's
     path: Path | None = None  # with arch hf: a local Hugging Face model directory (weights, config, tokenizer, template)
     parser: str = "hermes"  # with arch hf: how its tool calls are written (hermes/qwen or kimi_k2)
-    preset: Literal["k3-nano", "k3-mini", "k3-1b"] = "k3-nano"  # with arch k3; the sizes below are for arch moe
-    d_model: int = Field(128, ge=8)
-    n_layers: int = Field(2, ge=1)
-    n_heads: int = Field(4, ge=1)
-    d_ff: int = Field(256, ge=8)
-    n_experts: int = Field(4, ge=1)
-    top_k: int = Field(2, ge=1)
-    max_seq_len: int = Field(4096, ge=64)
 
     def tokenizer_source(self) -> str:
         """A checkpoint carries its own tokenizer; a fresh model uses ``tokenizer``."""
         return str(self.init_from) if self.init_from else self.tokenizer
-
-    @model_validator(mode="after")
-    def _shapes(self) -> ModelConfig:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.top_k > self.n_experts:
-            raise ValueError(f"top_k ({self.top_k}) cannot exceed n_experts ({self.n_experts})")
-        return self
 
 
 class RolloutConfig(Section):

@@ -33,7 +33,7 @@ def test_quickstart_loads_with_dotted_overrides():
         ("environments:\n  - name: terminal\n    familes: [x]\n", "unknown key 'environments[0].familes'"),
         ("rollout:\n  group_size: 0\n", "invalid value for 'rollout.group_size'"),
         ("colour: blue\n", "unknown key 'colour'"),
-        ("model:\n  d_model: 130\n  n_heads: 4\n", "divisible by n_heads"),
+        ("model:\n  arch: moe\n", "invalid value for 'model.arch'"),
         ("model:\n  init_from: /does/not/exist\n", "'model.init_from'"),
         ("trainer: [1, 2\n", "is not valid YAML"),
     ],
@@ -71,6 +71,7 @@ def test_override_parses_yaml_values():
         (["train", "configs/missing.yaml"], "config file not found: configs/missing.yaml"),
         (["train", "configs/quickstart.yaml", "environments=[{name: nowhere}]"], "unknown environment 'nowhere'"),
         (["train", "configs/quickstart.yaml", "environments=[{name: terminal, families: [juggle]}]"], "juggle"),
+        (["train", "configs/quickstart.yaml", "model.k3={d_modle: 64}"], "configs/quickstart.yaml: model.k3.d_modle"),
     ],
 )
 def test_cli_fails_fast_with_one_line(args, needle):

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from sandforge.models.k3.model import K3Model
-from sandforge.models.moe_lm import MoETransformer
 from sandforge.models.policy import (
     after_optimizer_step,
     build_policy,
+    k3_config,
     load_policy,
     policy_config,
     policy_from_config,
@@ -15,13 +15,13 @@ from sandforge.models.policy import (
 )
 
 
-@pytest.mark.parametrize("arch, cls", [("moe", MoETransformer), ("k3", K3Model)])
-def test_build_describe_save_load_round_trip(arch, cls, tmp_path):
+def test_build_describe_save_load_round_trip(tmp_path):
     torch.manual_seed(0)
-    model = build_policy({"arch": arch, "preset": "k3-nano", "d_model": 32, "n_heads": 2, "d_ff": 32}, vocab_size=272)
-    assert isinstance(model, cls) and model.config.vocab_size == 272
+    model = build_policy({"arch": "k3", "preset": "k3-nano", "k3": {"d_model": 32, "d_ff": 48}}, vocab_size=272)
+    assert isinstance(model, K3Model) and model.config.vocab_size == 272
+    assert (model.config.d_model, model.config.d_ff, model.config.n_experts) == (32, 48, 4)  # preset + overrides
     rebuilt = policy_from_config(policy_config(model))
-    assert type(rebuilt) is cls and rebuilt.config == model.config
+    assert type(rebuilt) is K3Model and rebuilt.config == model.config
     save_policy(model, tmp_path)
     loaded = load_policy(tmp_path).eval()
     ids = torch.randint(0, 272, (1, 6))
@@ -34,6 +34,8 @@ def test_unknown_arch_and_preset_are_explained():
         build_policy({"arch": "gpt"}, 272)
     with pytest.raises(ValueError, match="unknown K3 preset 'k3-huge'"):
         build_policy({"arch": "k3", "preset": "k3-huge"}, 272)
+    with pytest.raises(ValueError, match="model.k3.d_modle: not a K3Config field"):
+        k3_config({"preset": "k3-nano", "k3": {"d_modle": 64}}, 272)
 
 
 def test_after_optimizer_step_updates_the_latent_moe_biases():
@@ -43,4 +45,4 @@ def test_after_optimizer_step_updates_the_latent_moe_biases():
     metrics = after_optimizer_step(model)
     assert metrics["moe/max_load_ratio"] >= 1.0
     assert any(m.ffn.bias.abs().sum() > 0 for m in model.layers[1:])
-    assert after_optimizer_step(build_policy({"arch": "moe"}, 272)) == {}
+    assert after_optimizer_step(torch.nn.Linear(2, 2)) == {}  # nothing to do for a model without LatentMoE
