@@ -147,7 +147,8 @@ def test_a_bad_request_fails_alone_and_the_engine_goes_on():
     ]
 
     async def fn(engine):
-        results = await asyncio.gather(*(engine.generate(r) for r in [request([1, 2, 3])] + bad), return_exceptions=True)
+        requests = [request([1, 2, 3])] + bad
+        results = await asyncio.gather(*(engine.generate(r) for r in requests), return_exceptions=True)
         after = await engine.generate(request([4, 5]))
         return results, after
 

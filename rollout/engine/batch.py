@@ -126,7 +126,7 @@ class DecodeBatch:
     def step(self, model: nn.Module, tokens: list[int], device: torch.device) -> tuple[Tensor, Tensor | None]:
         """Feed one token per row: logits [B, V] and, for MoE models, the routing of the fed tokens [B, L, k]."""
         ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
-        out = model(ids, attention_mask=torch.ones_like(ids), cache=self.cache, use_cache=True)
+        out = model(ids, cache=self.cache, use_cache=True)  # no mask: every new token is real (and K3 skips pad logic)
         self.cache = out.cache
         return out.logits[:, -1], None if out.router_ids is None else out.router_ids[:, 0]
 

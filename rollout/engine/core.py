@@ -142,6 +142,7 @@ class EngineCore:
             "prefill_forwards": c["prefill_forwards"],
             "generated_tokens": c["generated_tokens"],
             "decode_steps": c["decode_steps"],
+            "decode_tokens": c["decode_rows"],
             "mean_batch_size": c["decode_rows"] / max(c["decode_steps"], 1),
             "running": len(self.batch),
             "pending": len(self.pending),
@@ -161,7 +162,8 @@ class EngineCore:
     def _parse(self, request: dict, loop: asyncio.AbstractEventLoop) -> Request:
         """Validate one request; a bad one raises ValueError here, in its caller, and touches nothing else."""
         if not isinstance(request, dict) or "prompt_ids" not in request:
-            raise ValueError(f"a request is a dict with prompt_ids and sampling keys {sorted(DEFAULTS)}; got {request!r:.80}")
+            raise ValueError(f"a request is a dict with prompt_ids and sampling keys {sorted(DEFAULTS)}; "
+                             f"got {request!r:.80}")
         r = {**DEFAULTS, **{k: v for k, v in request.items() if v is not None or k == "session_id"}}
         prompt = r["prompt_ids"]
         if not isinstance(prompt, (list, tuple)) or not prompt:
@@ -196,14 +198,23 @@ class EngineCore:
             self._task = loop.create_task(self._serve())
         return loop
 
+    def _busy(self) -> bool:
+        return bool(self.pending or self.commands or len(self.batch))
+
     async def _serve(self) -> None:
         while True:
             self._wake.clear()
-            if not (self.pending or self.commands or len(self.batch)):
+            if self._busy():
+                await asyncio.to_thread(self._run)
+            else:
                 await self._wake.wait()
-                continue
+
+    def _run(self) -> None:
+        """Iterate while there is work (worker thread). Requests keep arriving meanwhile: the event loop appends to
+        ``pending`` and ``commands``, which only this thread takes from."""
+        while self._busy():
             try:
-                await asyncio.to_thread(self._iteration)
+                self._iteration()
             except Exception as e:  # noqa: BLE001 - a failed step fails the requests in it, not the engine
                 error = RuntimeError(f"the engine step failed: {type(e).__name__}: {e}")
                 for req in [row.request for row in self.batch.clear()] + [p[0] for p in self._admitting]:
@@ -287,6 +298,7 @@ class EngineCore:
             self.counts["shared_prefill_tokens"] += shared * len(item.tokens)
             plan.append((req, item, cached))
         if not plan:
+            self._admitting = []
             return
         self.counts["prefill_forwards"] += prefill(self.model, list(items.values()), self.device)
         for key, item in items.items():
@@ -311,12 +323,11 @@ class EngineCore:
                 else:
                     caches.append((source.cache, 0))
                 logits.append(source.logits)
+        if rows:
+            self.batch.add(rows, self._gather(caches))
+            first = len(self.batch) - len(rows)
+            self._sample(torch.stack(logits), list(range(first, len(self.batch))))
         self._admitting = []
-        if not rows:
-            return
-        self.batch.add(rows, self._gather(caches))
-        first = len(self.batch) - len(rows)
-        self._sample(torch.stack(logits), list(range(first, len(self.batch))))
 
     def _session_cache(self, req: Request) -> CacheEntry | None:
         """The request's session cache if its prompt extends what that cache holds (looked at, not taken)."""
