@@ -22,47 +22,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from numbers import Integral
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .batch import DecodeBatch, Prefill, cat_caches, prefill, sample_rows
+from .requests import Request, Row, parse_request
 from .sessions import CacheEntry, SessionStore
-
-DEFAULTS = {"session_id": None, "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop_ids": (), "n": 1}
-
-
-@dataclass(eq=False)
-class Request:
-    prompt: list[int]
-    session_id: str | None
-    n: int
-    params: tuple[float, float, int]  # temperature, top_p, top_k
-    stop: frozenset[int]
-    budget: int  # new tokens allowed: max_tokens, capped by the model's context
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    version: int = -1
-    results: list[dict | None] = field(default_factory=list)
-    failed: bool = False
-
-
-@dataclass(eq=False)
-class Row:
-    """One sample being generated. Its cache holds ``prompt + token_ids[:-1]``: the last sampled token is fed next."""
-
-    request: Request
-    sample: int
-    session_id: str | None
-    cached: int  # prompt tokens served from the session's cache
-    routed: list[Tensor] = field(default_factory=list)  # [t, n_moe_layers, top_k] per feed, in order
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-
 
 def _extends(prompt: list[int], held: list[int]) -> bool:
     return len(prompt) > len(held) and prompt[: len(held)] == held
@@ -95,15 +63,17 @@ class EngineCore:
         self._closed: set[str] = set()  # sessions closed while a sample of theirs was running
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
 
     # ---------------------------------------------------------------- API
     async def generate(self, request: dict) -> list[dict]:
         """Sample ``request["n"]`` completions of ``request["prompt_ids"]``; see the module docstring."""
         loop = self._start()
         try:
-            req = self._parse(request, loop)
-        except (TypeError, KeyError) as e:  # e.g. stop_ids not a list: still the request's fault
-            raise ValueError(f"bad request ({type(e).__name__}: {e}); see EngineCore.generate") from e
+            req = parse_request(request, loop, self.vocab_size, self.max_seq_len, self.max_batch_size)
+        except ValueError:
+            self.counts["failed_requests"] += 1
+            raise
         self.pending.append(req)
         self._wake.set()
         return await req.future
@@ -158,42 +128,9 @@ class EngineCore:
                 pass
             self._task = None
 
-    # ---------------------------------------------------------------- requests
-    def _parse(self, request: dict, loop: asyncio.AbstractEventLoop) -> Request:
-        """Validate one request; a bad one raises ValueError here, in its caller, and touches nothing else."""
-        if not isinstance(request, dict) or "prompt_ids" not in request:
-            raise ValueError(f"a request is a dict with prompt_ids and sampling keys {sorted(DEFAULTS)}; "
-                             f"got {request!r:.80}")
-        r = {**DEFAULTS, **{k: v for k, v in request.items() if v is not None or k == "session_id"}}
-        prompt = r["prompt_ids"]
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt_ids is empty; render it with the chat format (it starts with the bos token)")
-        bad = [t for t in prompt if not (isinstance(t, Integral) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt_ids holds {bad[0]!r}; token ids are ints in [0, {self.vocab_size})")
-        if self.max_seq_len is not None and len(prompt) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; the model's max_seq_len is {self.max_seq_len}")
-        n, max_tokens, top_k = r["n"], r["max_tokens"], r["top_k"]
-        temperature, top_p = float(r["temperature"]), float(r["top_p"])
-        if not (isinstance(n, int) and 1 <= n <= self.max_batch_size):
-            raise ValueError(f"n={n!r}: samples per request must be between 1 and max_batch_size={self.max_batch_size}")
-        if not (isinstance(max_tokens, int) and max_tokens >= 1):
-            raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
-        if temperature < 0 or not 0 < top_p <= 1 or not (isinstance(top_k, int) and top_k >= 0):
-            raise ValueError(f"bad sampling parameters: temperature={temperature} (>= 0), top_p={top_p} (0 < p <= 1), "
-                             f"top_k={top_k!r} (int >= 0, 0 = off)")
-        stop = r["stop_ids"]
-        if not all(isinstance(t, Integral) for t in stop):
-            raise ValueError(f"stop_ids must be token ids (ints), got {stop!r:.80}")
-        session_id = r["session_id"]
-        budget = max_tokens if self.max_seq_len is None else min(max_tokens, self.max_seq_len - len(prompt))
-        return Request([int(t) for t in prompt], None if session_id is None else str(session_id), n,
-                       (temperature, top_p, top_k), frozenset(int(t) for t in stop), budget, loop.create_future(), loop,
-                       results=[None] * n)
-
     def _start(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
-        if self._task is None:
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._serve())
         return loop
@@ -204,8 +141,8 @@ class EngineCore:
     async def _serve(self) -> None:
         while True:
             self._wake.clear()
-            if self._busy():
-                await asyncio.to_thread(self._run)
+            if self._busy():  # one thread of our own: model calls never wait behind, or hold up, the loop's executor
+                await asyncio.get_running_loop().run_in_executor(self._thread, self._run)
             else:
                 await self._wake.wait()
 
