@@ -160,7 +160,7 @@ def test_new_weights_bump_the_version_and_drop_the_caches():
         seq = prompt + a["token_ids"] + [9, 9]
         # a long generation is in flight when the new weights arrive: it finishes under the old ones
         running = asyncio.ensure_future(engine.generate(request(seq, session_id="s", max_tokens=30)))
-        while engine.stats()["running"] == 0:
+        while engine.stats()["running"] == 0 and not running.done():
             await asyncio.sleep(0.002)
         version = await engine.load_weights(new.state_dict(), 2)
         [b] = await running
