@@ -2,6 +2,7 @@
 re-prefilling the whole history, and its decode throughput against HF-style static-batch generation.
 
     python bench/rollout.py [--preset k3-nano] [--episodes 32] [--turns 10] [--threads 1] [--seed 0]
+                            [--sandbox-concurrency 1,8,32,64]
 
 Sections (each returns a dict of JSON keys; ``main`` merges them):
 - prefill: simulated 10-turn episodes (observations of 20-60 tokens, generations of 16-48) through the engine with a
@@ -15,6 +16,14 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
   running batch. decode_vs_hf_generate = engine tokens/s / baseline tokens/s (target >= 3), in CPU time of this
   process (one torch thread), since other jobs on a shared machine stretch wall time unevenly; the wall-time ratio is
   printed too. Both decode greedily, so their outputs should be identical; the table says whether they are.
+- sandbox episodes (needs Docker; skipped with a row saying why): episodes/s at 1, 8, 32 and 64 concurrent TerminalEnv
+  episodes (``--sandbox-concurrency``) against real containers, through ``RolloutWorker.run_episodes`` in this process
+  (its SandboxPool holds ``concurrency`` warm sandboxes, ``max_live`` = concurrency, filled before the clock starts).
+  Twice: with the scripted reference policy (sandbox + agent loop throughput: 2 x concurrency episodes, each
+  resetting, running the reference tool calls, graded and removed), keys ``episodes_per_s_c1`` ... ``_c64`` and
+  ``episodes_per_s_c64_vs_c1``; and with an in-process EngineCore serving this (untrained) model, 3 turns of up to 24
+  tokens (adds model time; its replies make no tool calls), keys ``episodes_per_s_c1_engine`` ... Every container is
+  removed by its run label at the end.
 
 Prints a table, then as the last line a JSON object with the keys of every section.
 """
@@ -26,7 +35,8 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, replace
+import uuid
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from rich.console import Console
@@ -182,9 +192,87 @@ def decode_section(model, args, table: Table) -> dict:
             "decode_outputs_identical": same, "engine_mean_batch_size": round(stats["mean_batch_size"], 2)}
 
 
-# Sections run in order; each adds rows to the table and returns its JSON keys. An episodes/s section against real
-# sandboxes goes here too (it needs Docker; skip it with a row saying why when no daemon answers).
-SECTIONS = [prefill_section, decode_section]
+def _episodes_per_s(concurrency: int, n_episodes: int, model, images: dict, run_id: str, scripted: bool) -> tuple[float, int]:
+    """``n_episodes`` TerminalEnv episodes through one in-process ``RolloutWorker`` running ``concurrency`` at once
+    (its pool: ``concurrency`` warm sandboxes, ``max_live`` = concurrency, created before the clock starts).
+    Returns (episodes/s, failed episodes)."""
+    from sandforge.config import JobConfig
+    from sandforge.environments.sandbox.lifecycle import driver_labels
+    from sandforge.environments.terminal.tasks import make_task
+    from sandforge.rollout.worker import RolloutWorker
+
+    job = JobConfig.model_validate({
+        "rollout": {"workers": 1, "concurrency": concurrency, "max_turns": 3, "max_new_tokens": 24,
+                    "temperature": 1.0, "episode_timeout": 300},
+        "sandbox": {"warm_pool": concurrency, "max_live": concurrency, "creates_per_second": 32},
+    }).model_dump(mode="json")
+    tasks = [asdict(make_task(("write_file", "count_words")[i % 2], i)) for i in range(n_episodes)]
+
+    async def go() -> tuple[float, int]:
+        engine = None if scripted else EngineCore(model, max_batch_size=64)
+        worker = RolloutWorker(0, job, run_id, engine, images, driver_labels(run_id))
+        try:
+            for pool in worker.pools.values():
+                await asyncio.to_thread(pool.wait_ready, 300)
+            start = time.perf_counter()
+            out = await worker.run_episodes(tasks, [f"g{i}" for i in range(n_episodes)], 0, scripted=scripted)
+            wall = time.perf_counter() - start
+            return n_episodes / wall, sum(bool(t["failed"]) for t in out)
+        finally:
+            await asyncio.to_thread(worker.close)
+            if engine is not None:
+                await engine.shutdown()
+
+    return asyncio.run(go())
+
+
+def sandbox_episodes_section(model, args, table: Table) -> dict:
+    """Episodes/s at 1, 8, 32 and 64 concurrent TerminalEnv episodes against real containers, through the rollout
+    worker's code path in this process: the scripted reference policy (sandbox + agent loop only: each episode resets,
+    runs the reference tool calls, is graded and removed) and the engine with this model (untrained, so its replies
+    add model time and error observations, not tool calls)."""
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError, docker_client, remove_run_containers
+    from sandforge.environments.sandbox.images import build_images
+
+    if not args.sandbox_concurrency:
+        return {}
+    try:
+        client = docker_client()
+        images = build_images(["terminal"], client=client, show_progress=False)
+    except SandboxError as e:
+        table.add_row("episodes/s against real sandboxes", "skipped", f"no Docker daemon: {e}")
+        return {}
+    from sandforge.models.policy import load_chat
+
+    vocab = load_chat({"tokenizer": "bpe"}).tokenizer.vocab_size  # the worker's chat format
+    if model.config.vocab_size != vocab:
+        model = K3Model(replace(model.config, vocab_size=vocab)).eval()
+    run_id = f"bench-rollout-{uuid.uuid4().hex[:10]}"
+    result: dict = {}
+    try:
+        for scripted, label in ((True, "scripted"), (False, "engine")):
+            rates = {}
+            for c in args.sandbox_concurrency:
+                n = max(4, 2 * c) if scripted else max(4, c)
+                rate, failed = _episodes_per_s(c, n, model, images, run_id, scripted)
+                rates[c] = rate
+                suffix = "" if scripted else "_engine"
+                result[f"episodes_per_s_c{c}{suffix}"] = round(rate, 3)
+                table.add_row(f"episodes/s, {c} concurrent, {label} policy", f"{rate:.2f}",
+                              f"{n} episodes, {failed} failed; {rate / rates[args.sandbox_concurrency[0]]:.1f}x c1")
+            base = rates[args.sandbox_concurrency[0]]
+            for c, rate in rates.items():
+                if c != args.sandbox_concurrency[0]:
+                    result[f"episodes_per_s_c{c}{'' if scripted else '_engine'}_vs_c1"] = round(rate / base, 2)
+    finally:
+        left = remove_run_containers(run_id, client)
+        if left:
+            table.add_row("containers left and removed", str(left), run_id)
+    return result
+
+
+# Sections run in order; each adds rows to the table and returns its JSON keys.
+SECTIONS = [prefill_section, decode_section, sandbox_episodes_section]
 
 
 def main() -> None:
@@ -195,7 +283,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="engine max_batch_size = the baseline's batch size")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sandbox-concurrency", default="1,8,32,64",
+                    help="concurrent episodes for the real-sandbox section, comma-separated (empty: skip it)")
     args = ap.parse_args()
+    args.sandbox_concurrency = [int(c) for c in args.sandbox_concurrency.split(",") if c]
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
