@@ -56,11 +56,12 @@ class EpisodeLimits:
 
 async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimits, group: str, version: int = 0,
                       session_id: str | None = None,
-                      score: Callable[[Any, Task], Reward] = score_task) -> Trajectory:
+                      score: Callable[[Any, Task], Reward] = score_task, seed: int | None = None) -> Trajectory:
     """Run ``task`` in ``env`` (a ToolEnv, not yet reset) with ``policy``; always returns a Trajectory, never raises.
 
     ``session_id`` names the episode to the engine (its cache); the session is closed when the episode ends.
-    ``score(env.sandbox, task)`` grades it afterwards.
+    ``score(env.sandbox, task)`` grades it afterwards. ``seed`` makes sampling reproducible: turn i's request carries
+    ``turn_seed(seed, i)`` (the engine then samples it from a generator of its own, whatever else it batches).
     """
     traj = Trajectory(task=task, group=group, policy_version=version)
     session = session_id or f"{group}/{uuid.uuid4().hex[:12]}"
@@ -74,7 +75,7 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
         traj.messages.append(user)
         _extend(traj, chat.render_prompt(env.tools, [user]))
         deadline = None if limits.episode_timeout is None else time.monotonic() + limits.episode_timeout
-        traj.finish_reason = await _turns(traj, env, policy, chat, limits, session, deadline)
+        traj.finish_reason = await _turns(traj, env, policy, chat, limits, session, deadline, seed)
         traj.reward = await asyncio.to_thread(score, env.sandbox, task)
     except SandboxError as e:
         traj.failed, traj.failure = True, f"sandbox: {e}"
@@ -139,12 +140,17 @@ async def answer_reply(env, chat, ids: list[int], limits: EpisodeLimits,
     return message, errors, outcome
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of an episode's turn: distinct per turn, the same on every run with the same episode seed."""
+    return (seed * 1_000_003 + turn * 0x9E3779B97F4A7C15) % 2**63
+
+
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
 async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLimits, session: str,
-                 deadline: float | None) -> str:
+                 deadline: float | None, seed: int | None = None) -> str:
     """Generate and act until the episode ends; returns the episode's finish reason."""
     for index in range(limits.max_turns):
         room = limits.max_context - len(traj.token_ids)
@@ -160,6 +166,8 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         request = {"prompt_ids": list(traj.token_ids), "session_id": session, "max_tokens": budget,
                    "temperature": limits.temperature, "top_p": limits.top_p, "top_k": limits.top_k,
                    "stop_ids": list(limits.stop_ids), "n": 1}
+        if seed is not None:
+            request["seed"] = turn_seed(seed, index)
         t0 = time.monotonic()
         try:
             sample = check_sample(await asyncio.wait_for(policy.generate(request), left))

@@ -73,13 +73,14 @@ class RolloutWorker:
             asyncio.get_running_loop().set_default_executor(self.executor)
 
     async def run_episodes(self, tasks: list[dict], groups: list[str], version: int,
-                           scripted: bool = False) -> list[dict]:
-        """Run one episode per (task, group) pair, ``rollout.concurrency`` at a time; failures come back as data."""
+                           scripted: bool = False, seeds: list[int] | None = None) -> list[dict]:
+        """Run one episode per (task, group) pair, ``rollout.concurrency`` at a time; failures come back as data.
+        ``seeds`` (one per episode) make their sampling reproducible (see ``run_episode``)."""
         self._threads()
-        return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted)
-                                      for t, g in zip(tasks, groups)))
+        return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted, s)
+                                      for t, g, s in zip(tasks, groups, seeds or [None] * len(tasks))))
 
-    async def _episode(self, task: Task, group: str, version: int, scripted: bool) -> dict:
+    async def _episode(self, task: Task, group: str, version: int, scripted: bool, seed: int | None = None) -> dict:
         self.episodes += 1
         session = f"{self.run_id}/{self.worker_id}/{group}/{self.episodes}"
         policy = scripted_policy(task, self.chat, version) if scripted else self.policy
@@ -94,7 +95,8 @@ class RolloutWorker:
             else:
                 async with slot:  # backpressure: wait here for a sandbox while sandbox.max_live are in use
                     waited = time.monotonic() - waited
-                    traj = await run_episode(task, env, policy, self.chat, self.limits, group, version, session)
+                    traj = await run_episode(task, env, policy, self.chat, self.limits, group, version, session,
+                                             seed=seed)
                 traj.metadata["seconds_sandbox_wait"] = waited
         traj.metadata["worker"] = self.worker_id
         return traj.to_dict()

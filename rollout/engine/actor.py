@@ -33,3 +33,28 @@ class InferenceEngine:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    def open_weight_channel(self, host: str, port: int) -> None:
+        """The receiving end of the collective weight sync (models/weight_sync.py); trainer rank 0 sends."""
+        from sandforge.models.weight_sync import WeightChannel
+
+        self.channel = WeightChannel(host, port, rank=1)
+
+    async def receive_weights(self) -> int:
+        """Take one broadcast from the weight channel and serve it; returns its version. The broadcast runs in a
+        thread, so requests keep being accepted meanwhile."""
+        import asyncio
+
+        template = self.core.model.state_dict()
+        state_dict, version = await asyncio.to_thread(self.channel.receive, template)
+        return await self.core.load_weights(state_dict, version)
+
+    def version(self) -> int:
+        """The version of the weights being served (-1 before the first load)."""
+        return self.core.version
+
+    def rng_state(self):
+        return self.core.rng_state()
+
+    def set_rng_state(self, state) -> None:
+        self.core.set_rng_state(state)

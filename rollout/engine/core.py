@@ -12,6 +12,11 @@ worker thread, one model call at a time):
 3. runs one decode step over all running sequences, samples each with its own parameters, and retires the finished
    ones: their caches go back to their sessions, their requests' futures resolve.
 
+A request may carry ``seed`` (an int): its samples then draw from generators of their own, seeded from it, so the same
+request against the same weights samples the same tokens whatever else is batched with it (the logits themselves can
+still differ in the last bits with batch composition: padding changes reductions). Without a seed, rows share the
+engine's generator (``EngineCore.generator``, seeded at start); greedy decoding (temperature 0) draws nothing.
+
 A result's ``cached_tokens`` counts the prompt tokens served from the episode's own session, so that ``routed_experts``
 (one entry per token fed for ``prompt_ids[cached_tokens:] + token_ids[:-1]``) and the earlier turns' entries together
 cover the sequence without gaps. Prompt tokens a request shares with another's prefill (same prompt, n > 1, snapshot)
@@ -92,6 +97,13 @@ class EngineCore:
         self.commands.append(("load", state_dict, int(version), future, loop))
         self._wake.set()
         return await future
+
+    def rng_state(self) -> Tensor:
+        """The shared sampling generator's state (for checkpoints: requests without a seed draw from it)."""
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: Tensor) -> None:
+        self.generator.set_state(state)
 
     def stats(self) -> dict:
         c = self.counts
@@ -252,6 +264,8 @@ class EngineCore:
             for i in range(req.n):
                 sid = req.session_id if req.n == 1 or req.session_id is None else f"{req.session_id}#{i}"
                 row = Row(req, i, sid, cached)
+                if req.seed is not None:  # per-request sampling: tokens independent of what else is batched
+                    row.generator = torch.Generator(device=self.device).manual_seed((req.seed + i * 0x9E3779B1) % 2**63)
                 if source.routed is not None:
                     row.routed.append(source.routed)
                 rows.append(row)
@@ -312,7 +326,15 @@ class EngineCore:
     def _sample(self, logits: Tensor, indices: list[int]) -> None:
         """Sample the next token of batch rows ``indices`` from ``logits`` (one row each); retire finished rows."""
         rows = [self.batch.rows[i] for i in indices]
-        tokens, logprobs = sample_rows(logits, [r.request.params for r in rows], self.generator)
+        shared = [j for j, r in enumerate(rows) if r.generator is None]
+        tokens, logprobs = [0] * len(rows), [0.0] * len(rows)
+        if shared:
+            got = sample_rows(logits[shared], [rows[j].request.params for j in shared], self.generator)
+            for j, t, lp in zip(shared, *got):
+                tokens[j], logprobs[j] = t, lp
+        for j, r in enumerate(rows):
+            if r.generator is not None:  # a seeded row draws alone from its own generator
+                [tokens[j]], [logprobs[j]] = sample_rows(logits[j : j + 1], [r.request.params], r.generator)
         done = []
         for i, row, token, logprob in zip(indices, rows, tokens, logprobs):
             row.token_ids.append(token)

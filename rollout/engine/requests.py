@@ -6,9 +6,11 @@ import asyncio
 from dataclasses import dataclass, field
 from numbers import Integral
 
+import torch
 from torch import Tensor
 
-DEFAULTS = {"session_id": None, "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop_ids": (), "n": 1}
+DEFAULTS = {"session_id": None, "max_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop_ids": (), "n": 1,
+            "seed": None}
 
 
 @dataclass(eq=False)
@@ -24,6 +26,7 @@ class Request:
     version: int = -1
     results: list[dict | None] = field(default_factory=list)
     failed: bool = False
+    seed: int | None = None  # sample i draws from its own generator seeded (seed, i): the same tokens in any batch
 
 
 @dataclass(eq=False)
@@ -37,7 +40,9 @@ class Row:
     routed: list[Tensor] = field(default_factory=list)  # [t, n_moe_layers, top_k] per feed, in order
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
     finish_reason: str | None = None
+    generator: torch.Generator | None = None  # the request's seeded generator; None: the engine's shared one
 
 
 def parse_request(request: dict, loop: asyncio.AbstractEventLoop, vocab_size: int, max_seq_len: int | None,
@@ -75,8 +80,11 @@ def _parse(request: dict, loop: asyncio.AbstractEventLoop, vocab_size: int, max_
     stop = r["stop_ids"]
     if not all(isinstance(t, Integral) for t in stop):
         raise ValueError(f"stop_ids must be token ids (ints), got {stop!r:.80}")
+    seed = r["seed"]
+    if seed is not None and not (isinstance(seed, Integral) and not isinstance(seed, bool) and 0 <= seed < 2**63):
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**63) or null")
     session_id = r["session_id"]
     budget = max_tokens if max_seq_len is None else min(max_tokens, max_seq_len - len(prompt))
     return Request([int(t) for t in prompt], None if session_id is None else str(session_id), n,
                    (temperature, top_p, top_k), frozenset(int(t) for t in stop), budget, loop.create_future(), loop,
-                   results=[None] * n)
+                   results=[None] * n, seed=None if seed is None else int(seed))
