@@ -40,7 +40,9 @@ def write_file_task(seed: int, split: str = "train") -> Task:
         family="write_file",
         seed=seed,
         split=split,
-        instruction=f"Create the file {path} containing exactly: {content}",
+        # quoted, so the words tokenize as they will inside the tool call's JSON string ("map red" -> "map", " red"):
+        # the policy copies token ids instead of having to map " map" to "map" for words it has never written
+        instruction=f'Create the file {path} containing exactly: "{content}"',
         checks=[{"verifier": "file_equals", "path": path, "content": content}],
         solution=[ToolCall("write_file", {"path": path, "content": content}), ToolCall("submit")],
     )
