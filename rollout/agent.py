@@ -102,13 +102,17 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
     return traj
 
 
-def _extend(traj: Trajectory, ids: list[int], version: int | None = None, logprobs: list[float] | None = None) -> None:
-    """Append ``ids``: the policy's own tokens when ``version`` is given, otherwise prompt / observation tokens."""
+def _extend(traj: Trajectory, ids: list[int], version: int | None = None, logprobs: list[float] | None = None,
+            versions: list[int] | None = None) -> None:
+    """Append ``ids``: the policy's own tokens when ``version`` is given, otherwise prompt / observation tokens.
+    ``versions`` (one per token) replaces ``version`` in ``token_versions`` where the weights changed mid-reply."""
     n = len(ids)
     traj.token_ids += ids
     traj.loss_mask += [0 if version is None else 1] * n
     traj.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * n
-    traj.token_versions += [-1 if version is None else version] * n
+    if versions is None:
+        versions = [-1 if version is None else version] * n
+    traj.token_versions += [int(v) for v in versions]
     if traj.routed_experts is not None:
         traj.routed_experts += [None] * n
 
@@ -178,7 +182,9 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         ids = [int(i) for i in sample["token_ids"]]
         turn.version = int(sample["version"])
         turn.cached_tokens, turn.prefill_tokens = int(sample["cached_tokens"]), int(sample["prefill_tokens"])
-        _extend(traj, ids, version=turn.version, logprobs=sample["logprobs"])
+        versions = sample.get("token_versions")  # an engine that swapped weights mid-reply says which sampled what
+        versions = versions if isinstance(versions, list) and len(versions) == len(ids) else None
+        _extend(traj, ids, version=turn.version, logprobs=sample["logprobs"], versions=versions)
         _place_routing(traj, prompt_len, sample)
         finish = sample["finish_reason"]
         if finish == "length" and len(ids) >= budget and budget < limits.max_new_tokens:

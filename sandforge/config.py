@@ -121,6 +121,9 @@ class TrainerConfig(Section):
     zero_stage: Literal[0, 1, 2] = 2
     grad_accum_steps: int = Field(2, ge=1)
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (README "Async mode")
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)  # async: an episode may start only if consumed within this many versions
 
 
 class WandbConfig(Section):

@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -218,6 +219,16 @@ class RLJob:
         return paths[0]
 
 
+def rl_steps(job: RLJob, start: int = 0) -> Iterator[tuple[int, dict[str, float]]]:
+    """(step, metrics) as each RL step ends: one after the other (``trainer.mode: sync``), or from the async driver,
+    whose rollouts go on while the trainer steps (``trainer.mode: async``, trainer/async_loop.py)."""
+    if job.cfg.trainer.mode == "async":
+        from sandforge.trainer.async_loop import async_steps
+
+        return async_steps(job, start)
+    return ((step, job.rl_step(step)) for step in range(start, job.cfg.trainer.steps))
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -255,8 +266,7 @@ def run(cfg: JobConfig) -> Path:
                 job.warmup()
             job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
             steps = bar.add_task("RL steps", total=cfg.trainer.steps)
-            for step in range(cfg.trainer.steps):
-                metrics = job.rl_step(step)
+            for step, metrics in rl_steps(job):
                 logger.log("rl", metrics)
                 bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
                 bar.console.print(step_line(step, cfg.trainer.steps, metrics), soft_wrap=True)  # stays above the bars

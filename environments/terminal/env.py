@@ -71,6 +71,12 @@ class TerminalEnv(ToolEnv):
         except (OSError, ValueError) as e:
             self.close()
             raise SandboxError(f"task {self.task.id}: setup could not write its files: {e}") from e
+        for command in self.task.setup.get("commands", []):  # e.g. start a service (the session keeps it running)
+            result = self._sandbox.exec(command, timeout=self.exec_timeout)
+            if result.exit_code != 0:
+                self.close()
+                raise SandboxError(f"task {self.task.id}: setup command {command!r} exited {result.exit_code}: "
+                                   f"{result.output[-200:]}")
         return self.task.instruction, {"task_id": self.task.id, "sandbox": self._sandbox.name}
 
     def close(self) -> None:

@@ -28,8 +28,12 @@ class InferenceEngine:
     async def close_session(self, session_id: str) -> None:
         self.core.close_session(session_id)
 
-    async def load_weights(self, state_dict: dict, version: int) -> int:
-        return await self.core.load_weights(state_dict, version)
+    async def load_weights(self, state_dict: dict, version: int, interrupt: bool | None = None) -> int:
+        return await self.core.load_weights(state_dict, version, interrupt)
+
+    def set_interrupt_loads(self, interrupt: bool) -> None:
+        """Async RL: later loads swap weights under running sequences (partial rollouts, see EngineCore)."""
+        self.core.interrupt_loads = bool(interrupt)
 
     def stats(self) -> dict:
         return self.core.stats()

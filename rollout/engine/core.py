@@ -4,8 +4,13 @@ episode kept between turns.
 Each request carries the whole sequence so far (token-in, token-out). One engine task loops; each iteration (run in a
 worker thread, one model call at a time):
 
-1. handles session closes and weight loads (a load waits until no sequence is running, and new requests wait for it,
-   so a result never mixes two policies);
+1. handles session closes and weight loads. By default a load waits until no sequence is running, and new requests
+   wait for it, so a result never mixes two policies. An interrupting load (``load_weights(..., interrupt=True)``, or
+   ``interrupt_loads`` set: the async RL loop) swaps the weights between two decode steps instead: K3-style partial
+   rollouts, where sequences still generating continue on the new weights. Their caches were computed by the old
+   weights, so each is rebuilt by a fresh prefill of everything it has fed under the new ones (the faithful choice:
+   the continuation is exactly what the new policy generates from that prefix, at the price of one prefill per
+   running sequence per update); each result's ``token_versions`` says which weights sampled each token;
 2. admits pending requests while the decode batch has room: a request whose session cache covers a prefix of its
    prompt prefills only the rest; identical fresh prompts (and the n samples of one request) are prefilled once and the
    cache copied; a prompt seen recently is served from a snapshot; prefills run in a few left-padded forwards;
@@ -26,6 +31,7 @@ count in its ``prefill_tokens`` and carry their routing; the engine's ``stats()`
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -61,8 +67,10 @@ class EngineCore:
         self.store = SessionStore(int(session_memory_mb * 2**20), max_snapshots)
         self.batch = DecodeBatch()
         self.version = -1  # no trainer weights yet
+        self.interrupt_loads = False  # True: loads swap weights under running sequences (see the module docstring)
+        self.busy_seconds = 0.0  # time the engine thread spent working (the rest of the wall time it was idle)
         self.pending: deque[Request] = deque()
-        self.commands: deque[tuple] = deque()  # ("close", id) | ("load", state_dict, version, future, loop)
+        self.commands: deque[tuple] = deque()  # ("close", id) | ("load", state_dict, version, future, loop, interrupt)
         self.counts: Counter = Counter()
         self._admitting: list = []  # the plan of the admission in progress
         self._closed: set[str] = set()  # sessions closed while a sample of theirs was running
@@ -89,12 +97,14 @@ class EngineCore:
         if self._wake is not None:
             self._wake.set()
 
-    async def load_weights(self, state_dict: dict, version: int) -> int:
-        """New weights and their version. Waits for running sequences to finish; drops all cached sessions (their
-        next requests rebuild them by re-prefill)."""
+    async def load_weights(self, state_dict: dict, version: int, interrupt: bool | None = None) -> int:
+        """New weights and their version. Waits for running sequences to finish, or with ``interrupt`` (default:
+        ``interrupt_loads``) re-prefills them under the new weights and lets them go on; drops all cached sessions
+        (their next requests rebuild them by re-prefill)."""
         loop = self._start()
         future = loop.create_future()
-        self.commands.append(("load", state_dict, int(version), future, loop))
+        interrupt = self.interrupt_loads if interrupt is None else interrupt
+        self.commands.append(("load", state_dict, int(version), future, loop, bool(interrupt)))
         self._wake.set()
         return await future
 
@@ -114,6 +124,9 @@ class EngineCore:
             "session_mb": self.store.nbytes / 2**20,
             "evictions": self.store.evictions,
             "rebuilds": c["rebuilds"],
+            "interrupted_rows": c["interrupted_rows"],
+            "reprefill_tokens": c["reprefill_tokens"],
+            "busy_seconds": self.busy_seconds,
             "session_mismatches": c["session_mismatches"],
             "requests": c["requests"],
             "failed_requests": c["failed_requests"],
@@ -172,12 +185,16 @@ class EngineCore:
 
     # ---------------------------------------------------------------- one iteration (worker thread)
     def _iteration(self) -> None:
-        loading = self._commands()
-        with torch.inference_mode():
-            if not loading:
-                self._admit()
-            if len(self.batch):
-                self._decode()
+        start = time.perf_counter()
+        try:
+            loading = self._commands()
+            with torch.inference_mode():
+                if not loading:
+                    self._admit()
+                if len(self.batch):
+                    self._decode()
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     def _commands(self) -> bool:
         """Run closes and (with nothing running) weight loads; True while a load still waits."""
@@ -186,19 +203,41 @@ class EngineCore:
             cmd = self.commands.popleft()
             if cmd[0] == "close":
                 self._close(cmd[1])
-            elif len(self.batch):
+            elif len(self.batch) and not cmd[5]:
                 waiting.append(cmd)
             else:
-                _, state_dict, version, future, loop = cmd
+                _, state_dict, version, future, loop, _ = cmd
                 try:
                     self.model.load_state_dict(state_dict)
                     self.version = version
                     self.store.clear()
+                    if len(self.batch):
+                        with torch.inference_mode():
+                            self._continue_on_new_weights()
                     self._resolve(loop, future, version)
                 except Exception as e:  # noqa: BLE001 - e.g. mismatched keys: the caller hears it
                     self._resolve(loop, future, exc=e)
         self.commands.extendleft(reversed(waiting))
         return bool(waiting)
+
+    def _continue_on_new_weights(self) -> None:
+        """Partial rollouts: rebuild every running sequence's cache under the weights just loaded, by a fresh prefill
+        of what it has fed (prompt + generated tokens but the last, which the next decode step feeds). Routing already
+        recorded stays as it was when those tokens were fed (the routing that sampled them)."""
+        rows = self.batch.clear()
+        items = [Prefill(None, row.request.prompt + row.token_ids[:-1]) for row in rows]
+        self.counts["prefill_forwards"] += prefill(self.model, items, self.device)
+        self.counts["interrupted_rows"] += len(rows)
+        self.counts["reprefill_tokens"] += sum(len(item.tokens) for item in items)
+        keep, caches = [], []
+        for row, item in zip(rows, items):
+            if item.error is not None:
+                self._fail(row.request, RuntimeError(f"re-prefill under new weights failed: {item.error}"))
+            else:
+                keep.append(row)
+                caches.append((item.out_cache, item.out_row))
+        if keep:
+            self.batch.add(keep, self._gather(caches))
 
     def _close(self, session_id: str) -> None:
         """Forget a session and the sessions of its n > 1 samples (``id#i``), stored or still running."""
@@ -339,6 +378,7 @@ class EngineCore:
         for i, row, token, logprob in zip(indices, rows, tokens, logprobs):
             row.token_ids.append(token)
             row.logprobs.append(logprob)
+            row.versions.append(self.version)
             if token in row.request.stop:
                 row.finish_reason = "stop"
             elif len(row.token_ids) >= row.request.budget:
@@ -363,6 +403,7 @@ class EngineCore:
             "logprobs": row.logprobs,
             "finish_reason": row.finish_reason,
             "version": req.version,
+            "token_versions": row.versions,  # per token: the weights that sampled it (differs after an interrupt)
             "cached_tokens": row.cached,
             "prefill_tokens": len(req.prompt) - row.cached,
             "routed_experts": routed,
