@@ -69,13 +69,14 @@ def load_policy(directory: str | Path) -> nn.Module:
     return k3.from_pretrained(directory)
 
 
-def save_policy(model: nn.Module, directory: str | Path, tokenizer=None) -> Path:
+def save_policy(model: nn.Module, directory: str | Path, tokenizer=None, state_dict: dict | None = None) -> Path:
+    """``state_dict`` replaces the model's own (K3 only): the whole model when the model holds one rank's experts."""
     if hasattr(model, "source_path"):
         model.save_pretrained(str(directory))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
         return Path(directory)
-    return k3.save_pretrained(model, directory, tokenizer=tokenizer)
+    return k3.save_pretrained(model, directory, tokenizer=tokenizer, state_dict=state_dict)
 
 
 def after_optimizer_step(model: nn.Module, all_reduce=None) -> dict[str, float]:

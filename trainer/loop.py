@@ -107,7 +107,13 @@ class RLJob:
     def push_weights(self) -> None:
         import ray
 
-        ray.get(self.engine.load_weights.remote(self.ranks[0].get_weights.remote(), self.version))
+        # with expert parallelism the experts are spread over the ranks: all of them take part in gathering the whole
+        # model, and rank 0's copy goes to the engine
+        ranks = self.ranks if self.cfg.trainer.expert_parallel > 1 else self.ranks[:1]
+        weights = [rank.get_weights.remote() for rank in ranks]
+        ray.get(self.engine.load_weights.remote(weights[0], self.version))
+        if len(weights) > 1:
+            ray.wait(weights[1:], num_returns=len(weights) - 1)  # the other ranks' copies are not fetched
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included."""

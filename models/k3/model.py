@@ -139,14 +139,15 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_pretrained(model: K3Model, directory: str | Path, tokenizer=None) -> Path:
-    """``config.json`` + ``model.safetensors`` (the MoE selection biases included), and ``tokenizer.json`` if given."""
+def save_pretrained(model: K3Model, directory: str | Path, tokenizer=None, state_dict: dict | None = None) -> Path:
+    """``config.json`` + ``model.safetensors`` (the MoE selection biases included), and ``tokenizer.json`` if given.
+    ``state_dict`` (default: the model's) lets an expert-parallel rank save the gathered whole model."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_NAME).write_text(json.dumps(model.config.to_dict(), indent=1) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or model.state_dict()).items()}
     if model.config.tie_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
