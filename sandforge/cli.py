@@ -6,7 +6,6 @@ cluster start-up.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -34,42 +33,45 @@ def validate_job(cfg: JobConfig, source: str = "config") -> None:
         TaskSampler(cfg.environments, cfg.run.seed)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
-    n_experts = 0
     if cfg.model.arch == "k3":
         from sandforge.models.k3.config import preset_config  # plain dataclasses, no torch
 
         try:
-            n_experts = preset_config(cfg.model.preset, cfg.model.k3).n_experts
+            preset_config(cfg.model.preset, cfg.model.k3)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{source}: {e}") from None
-        if cfg.model.init_from is not None:  # a checkpoint brings its own sizes
-            n_experts = json.loads((Path(cfg.model.init_from) / "config.json").read_text()).get("n_experts", 0)
-    ep = cfg.trainer.expert_parallel
-    if ep > 1 and cfg.model.arch != "k3":
-        raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep}: expert parallelism shards the K3 LatentMoE "
-                          f"(model.arch k3); model.arch {cfg.model.arch} cannot use it")
-    if ep > 1 and n_experts % ep:
-        raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep} must divide the model's n_experts "
-                          f"({n_experts}); change model.k3.n_experts or trainer.expert_parallel")
 
 
 @app.command()
 def train(
     config: Path = typer.Argument(..., help="Job YAML, e.g. configs/quickstart.yaml"),
     overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. trainer.steps=2"),
+    resume: bool = typer.Option(False, "--resume", help="Continue a killed run from its newest complete checkpoint: "
+                                "`--resume [DIR]`, DIR defaulting to run.output_dir"),
 ) -> None:
     """Run an RL job: rollouts in Docker sandboxes, verifier rewards, DeepSpeed policy-gradient steps."""
+    overrides = list(overrides or [])
+    run_dirs = [o for o in overrides if "=" not in o]
+    if resume and len(run_dirs) == 1:  # `--resume DIR`: the run directory, not an override
+        overrides = [o for o in overrides if "=" in o] + [f"run.output_dir={run_dirs[0]}"]
     try:
-        cfg = load_config(config, overrides or [])
+        cfg = load_config(config, overrides)
         validate_job(cfg, str(config))
     except ConfigError as e:
         fail(str(e))
+    if resume:
+        from sandforge.trainer.checkpoint import ResumeError, resume_point
+
+        try:
+            resume_point(cfg.run.output_dir)
+        except ResumeError as e:
+            fail(str(e))
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError
     from sandforge.trainer.loop import JobError, run
 
     try:
-        run(cfg)
+        run(cfg, resume=resume)
     except KeyboardInterrupt:
         raise typer.Exit(130)
     except (JobError, SandboxError, ImageError) as e:

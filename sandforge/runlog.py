@@ -27,7 +27,7 @@ def render_messages(traj: Trajectory) -> str:
 
 
 class RunLogger:
-    def __init__(self, output_dir: Path, cfg: JobConfig, run_id: str):
+    def __init__(self, output_dir: Path, cfg: JobConfig, run_id: str, resume: bool = False):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.output_dir / "metrics.jsonl"
@@ -49,6 +49,7 @@ class RunLogger:
                 tags=wb.tags,
                 config=cfg.model_dump(mode="json"),
                 settings=wandb.Settings(console="off"),
+                resume="allow" if resume else None,  # a resumed run continues the same wandb run (same id)
             )
 
     def log(self, phase: str, metrics: dict[str, float]) -> None:

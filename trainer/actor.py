@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from sandforge.trainer.grpo import grpo_token_losses, sft_token_losses
+from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, replaying, routed_ids
 
 
 def pad_right(rows: list[list], value, dtype) -> torch.Tensor:
@@ -64,14 +65,8 @@ class TrainerRank:
             raise ValueError(f"tokenizer {tokenizer!r} has {len(self.tokenizer)} ids but the model only "
                              f"{model.config.vocab_size}")
 
-        self.expert_parallel = trainer_cfg.get("expert_parallel", 1)
-        if self.expert_parallel > 1:  # keep this rank's experts only; the reference copy shares the expert groups
-            from sandforge.trainer.expert_parallel import optimizer_groups, shard_model
-
-            shard_model(model, self.expert_parallel)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
-        params = optimizer_groups(model) if self.expert_parallel > 1 else model.parameters()
-        optimizer = torch.optim.AdamW(params, lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # sequences are packed by us; DeepSpeed counts micro-steps only
             "gradient_accumulation_steps": trainer_cfg["grad_accum_steps"],
@@ -81,12 +76,7 @@ class TrainerRank:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        if self.expert_parallel > 1:
-            from sandforge.trainer import expert_parallel
-
-            self.engine, self.optimizer = expert_parallel.initialize(model, optimizer, ds_config, self.expert_parallel)
-        else:
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.steps = 0
 
     def reset_reference(self) -> None:
@@ -106,6 +96,7 @@ class TrainerRank:
         sums: dict[str, torch.Tensor] = {}
         temperature = 1.0 if mode == "sft" else self.cfg["temperature"]  # RL scores tokens as the engine sampled them
         self.engine.train()
+        router_totals: dict[str, float] = {}
         for micro in split_micro_batches(rows, gas):
             weight = scale
             if not micro:  # keep every rank's backward count equal
@@ -113,7 +104,14 @@ class TrainerRank:
             ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
             attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
             mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
-            logprobs, aux = token_logprobs(self.engine, ids, attn, temperature=temperature)
+            engine_ids = routed_ids(micro, ids.shape[1]) if mode == "rl" else None  # trainer/routing_replay.py
+            forward = replaying(self.engine, engine_ids if self.cfg.get("routing_replay") else None)
+            with RouterRecorder(self.engine.module) as router:
+                logprobs, aux = token_logprobs(forward, ids, attn, temperature=temperature)
+            if mode == "rl":
+                router_sums = mismatch_counts(router.own_ids(), engine_ids, attn)
+                for k, v in router_sums.items():
+                    router_totals[k] = router_totals.get(k, 0.0) + float(v)
             if mode == "sft":
                 loss, stats = sft_token_losses(logprobs, mask)
             else:
@@ -130,7 +128,18 @@ class TrainerRank:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
         self.steps += 1
-        return self._reduce(sums, total_tokens, gas) | self._after_step()
+        return self._reduce(sums, total_tokens, gas) | self._router_rate(router_totals) | self._after_step()
+
+    def _router_rate(self, totals: dict[str, float]) -> dict[str, float]:
+        """``router/mismatch_rate`` over all ranks (trainer/routing_replay.py); every rank reduces the same keys."""
+        import torch.distributed as dist
+
+        if not totals:
+            return {}
+        vec = torch.tensor([totals["router/mismatched"], totals["router/known"]], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(vec)
+        return mismatch_rate({"router/mismatched": vec[0].item(), "router/known": vec[1].item()})
 
     def _after_step(self) -> dict[str, float]:
         import torch.distributed as dist
@@ -164,12 +173,18 @@ class TrainerRank:
         return out
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """The whole policy's weights on CPU. With expert parallelism every rank must call it: experts are gathered."""
-        if self.expert_parallel > 1:
-            from sandforge.models.k3.expert_parallel import full_state_dict
-
-            return full_state_dict(self.engine.module)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
+
+    def open_weight_channel(self, host: str, port: int) -> None:
+        """Rank 0's end of the collective weight sync (models/weight_sync.py); the engine opens the other end."""
+        from sandforge.models.weight_sync import WeightChannel
+
+        self.channel = WeightChannel(host, port, rank=0)
+
+    def send_weights(self, version: int) -> int:
+        """Broadcast the policy to the engine over the weight channel (rank 0 sends)."""
+        weights = self.get_weights()
+        return self.channel.send(weights, version) if self.rank == 0 else version
 
     def model_config_dict(self) -> dict:
         from sandforge.models.policy import policy_config
@@ -182,7 +197,32 @@ class TrainerRank:
 
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
         policy_dir = Path(directory) / tag / "policy"
-        whole = self.get_weights() if self.expert_parallel > 1 else None  # a collective: every rank takes part
         if self.rank == 0:
-            save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
+            save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer)
+        # what DeepSpeed does not keep: this rank's RNG and its step count
+        torch.save({"torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                    "steps": self.steps},
+                   Path(directory) / tag / f"trainer_rank_{self.rank}.pt")
         return str(policy_dir)
+
+    def load_checkpoint(self, directory: str, tag: str, reference: str | None = None) -> dict:
+        """Restore what ``save_checkpoint`` wrote (weights, balancing biases, optimizer, RNG); returns the client
+        state. ``reference``: a policy directory to restore the frozen KL reference from."""
+        if not (Path(directory) / tag).is_dir():
+            raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
+        path, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
+                                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
+        extra = torch.load(Path(directory) / tag / f"trainer_rank_{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(extra["torch_rng"])
+        if extra["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(extra["cuda_rng"])
+        self.steps = extra["steps"]
+        if reference:
+            from sandforge.models.policy import load_policy
+
+            device = next(self.reference.parameters()).device
+            self.reference.load_state_dict({k: v.to(device) for k, v in load_policy(reference).state_dict().items()})
+        return client_state or {}

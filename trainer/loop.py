@@ -7,6 +7,7 @@ reference-solution episodes comes first, so RL starts from a policy that already
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from dataclasses import asdict
@@ -16,7 +17,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -26,6 +26,7 @@ from sandforge.rollout.metrics import rollout_metrics
 from sandforge.rollout.tasks import TaskSampler
 from sandforge.runlog import RunLogger
 from sandforge.trainer.grpo import group_advantages
+from sandforge.trainer.weight_sync import WeightSync
 from sandforge.types import Task, Trajectory
 
 console = Console(stderr=True)
@@ -37,6 +38,12 @@ class JobError(RuntimeError):
 
 def make_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def episode_seed(run_seed: int, group: str, index: int) -> int:
+    """Sampling seed of episode ``index`` of ``group`` (the group names the step): the same on a resumed run."""
+    digest = hashlib.blake2b(f"{run_seed}/{group}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
 
 
 def free_port() -> int:
@@ -53,7 +60,7 @@ def progress() -> Progress:
 def training_rows(trajs: list[Trajectory], advantages: list[float] | None) -> list[dict]:
     return [
         {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
-         "advantage": advantages[i] if advantages else 0.0}
+         "routed_experts": t.routed_experts, "advantage": advantages[i] if advantages else 0.0}
         for i, t in enumerate(trajs)
     ]
 
@@ -102,30 +109,26 @@ class RLJob:
         self.workers = [worker_actor.remote(i, job, run_id, self.engine, images, sandbox_labels)
                         for i in range(cfg.rollout.workers)]
         self.version = 0
+        self.sync = WeightSync(cfg.trainer.weight_sync, self.ranks, self.engine, gather_all=False)
         self.push_weights()
 
     def push_weights(self) -> None:
-        import ray
-
-        # with expert parallelism the experts are spread over the ranks: all of them take part in gathering the whole
-        # model, and rank 0's copy goes to the engine
-        ranks = self.ranks if self.cfg.trainer.expert_parallel > 1 else self.ranks[:1]
-        weights = [rank.get_weights.remote() for rank in ranks]
-        ray.get(self.engine.load_weights.remote(weights[0], self.version))
-        if len(weights) > 1:
-            ray.wait(weights[1:], num_returns=len(weights) - 1)  # the other ranks' copies are not fetched
+        self.sync.push(self.version)
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included."""
         import ray
 
-        shards = [([], []) for _ in self.workers]
+        shards = [([], [], []) for _ in self.workers]
+        seen: dict[str, int] = {}
         for i, (task, group) in enumerate(zip(tasks, groups)):
+            seen[group] = seen.get(group, -1) + 1  # the episode's index within its group
             shards[i % len(self.workers)][0].append(asdict(task))
             shards[i % len(self.workers)][1].append(group)
+            shards[i % len(self.workers)][2].append(episode_seed(self.cfg.run.seed, group, seen[group]))
         pending = {
-            w.run_episodes.remote(ts, gs, self.version, scripted): len(ts)
-            for w, (ts, gs) in zip(self.workers, shards) if ts
+            w.run_episodes.remote(ts, gs, self.version, scripted, ss): len(ts)
+            for w, (ts, gs, ss) in zip(self.workers, shards) if ts
         }
         out: list[Trajectory] = []
         job = self.bar.add_task(label, total=len(tasks))
@@ -216,43 +219,85 @@ class RLJob:
         return metrics
 
     def checkpoint(self, step: int) -> str:
+        """Everything a resumed run needs after ``step`` RL steps (trainer/checkpoint.py); ``complete`` goes last."""
         import ray
+        import torch
+
+        from sandforge.trainer.checkpoint import checkpoint_dir, config_hash, mark_complete, save_driver_state
 
         directory = str(self.output_dir / "checkpoints")
         state = {"step": step, "policy_version": self.version, "run_id": self.run_id}
         paths = ray.get([rank.save_checkpoint.remote(directory, f"step_{step}", state) for rank in self.ranks])
+        where = checkpoint_dir(self.output_dir, step)
+        save_driver_state(where, {
+            **state,
+            "sampler_rng": self.sampler.rng.getstate(),  # the data cursor: which tasks come next
+            "driver_rng": self.rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "engine_rng": ray.get(self.engine.rng_state.remote()),
+            "config_hash": config_hash(self.cfg.model_dump(mode="json")),
+        })
+        mark_complete(where)
         (self.output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
         return paths[0]
 
+    def restore(self, step: int) -> None:
+        """Continue from checkpoint ``step``: ranks reload (DeepSpeed), RNGs, data cursor and version come back, and the
+        engine gets the restored weights."""
+        import ray
+        import torch
 
-def rl_steps(job: RLJob, start: int = 0) -> Iterator[tuple[int, dict[str, float]]]:
-    """(step, metrics) as each RL step ends: one after the other (``trainer.mode: sync``), or from the async driver,
-    whose rollouts go on while the trainer steps (``trainer.mode: async``, trainer/async_loop.py)."""
-    if job.cfg.trainer.mode == "async":
-        from sandforge.trainer.async_loop import async_steps
+        from sandforge.trainer.checkpoint import checkpoint_dir, config_hash, load_driver_state
 
-        return async_steps(job, start)
-    return ((step, job.rl_step(step)) for step in range(start, job.cfg.trainer.steps))
+        where = checkpoint_dir(self.output_dir, step)
+        driver = load_driver_state(where)
+        if driver["config_hash"] != config_hash(self.cfg.model_dump(mode="json")):
+            console.print(f"[yellow]resume: the config differs from the one {where} was written with (beyond "
+                          "run.output_dir, trainer.steps, trainer.checkpoint_every, logging); continuing anyway[/]")
+        reference = checkpoint_dir(self.output_dir, 0) / "policy"  # the policy RL started from: the KL reference
+        ray.get([rank.load_checkpoint.remote(str(self.output_dir / "checkpoints"), where.name,
+                                             str(reference) if reference.is_dir() else None)
+                 for rank in self.ranks])
+        self.sampler.rng.setstate(driver["sampler_rng"])
+        self.rng.setstate(driver["driver_rng"])
+        torch.set_rng_state(driver["torch_rng"])
+        self.version = driver["policy_version"]
+        self.push_weights()
+        ray.get(self.engine.set_rng_state.remote(driver["engine_rng"]))
 
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run(cfg: JobConfig) -> Path:
-    """Run a whole job; returns the run directory. Ctrl-C (or SIGTERM) stops cleanly and removes the run's containers."""
+def run(cfg: JobConfig, resume: bool = False) -> Path:
+    """Run a whole job; returns the run directory. Ctrl-C (or SIGTERM) stops cleanly and removes the run's containers.
+
+    ``resume``: continue the run in ``run.output_dir`` from its newest complete checkpoint (same run id and wandb run;
+    rows logged after that checkpoint are dropped, the killed run's containers reaped)."""
     import ray
 
     from sandforge.environments.sandbox.docker_sandbox import docker_client, remove_run_containers
     from sandforge.environments.sandbox.images import build_images
     from sandforge.environments.sandbox.lifecycle import driver_labels, reap_dead_runs
 
+    from sandforge.trainer.checkpoint import resume_point, truncate_jsonl
+
     out = Path(cfg.run.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    run_id = make_run_id(cfg.run.name)
-    dump_config(cfg, out / "config.yaml")
-    (out / "run_id").write_text(run_id + "\n")
-    console.print(f"[bold]sandforge[/] run [cyan]{run_id}[/] → {out}")
+    start = 0
+    if resume:
+        start, _ = resume_point(out)
+        run_id = (out / "run_id").read_text().strip()
+        # rows past the checkpoint are about to be made again
+        truncate_jsonl(out / "metrics.jsonl", lambda r: r.get("phase") != "rl" or r.get("step", 0) < start)
+        truncate_jsonl(out / "trajectories.jsonl", lambda r: r.get("phase") != "rl" or r.get("step", 0) < start)
+        console.print(f"[bold]sandforge[/] resuming run [cyan]{run_id}[/] after step {start} → {out}")
+    else:
+        run_id = make_run_id(cfg.run.name)
+        dump_config(cfg, out / "config.yaml")
+        (out / "run_id").write_text(run_id + "\n")
+        console.print(f"[bold]sandforge[/] run [cyan]{run_id}[/] → {out}")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     logger = job = None
     try:
@@ -265,14 +310,18 @@ def run(cfg: JobConfig) -> Path:
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which installs an aborting handler of its own
-        logger = RunLogger(out, cfg, run_id)
+        logger = RunLogger(out, cfg, run_id, resume=resume)
         with progress() as bar:
             job = RLJob(cfg, run_id, images, logger, bar, driver_labels(run_id))
-            if cfg.warmup.steps:
-                job.warmup()
-            job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
-            steps = bar.add_task("RL steps", total=cfg.trainer.steps)
-            for step, metrics in rl_steps(job):
+            if resume:
+                job.restore(start)
+            else:
+                if cfg.warmup.steps:
+                    job.warmup()
+                job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
+            steps = bar.add_task("RL steps", total=cfg.trainer.steps, completed=start)
+            for step in range(start, cfg.trainer.steps):
+                metrics = job.rl_step(step)
                 logger.log("rl", metrics)
                 bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
                 bar.console.print(step_line(step, cfg.trainer.steps, metrics), soft_wrap=True)  # stays above the bars

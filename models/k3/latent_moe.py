@@ -35,11 +35,9 @@ DeepSeek-V3's rule instead, b_j += γ·sign(mean load − load_j); ``"none"`` ke
 
 Routing replay: ``forward(..., forced_ids=...)`` uses the given experts (recorded by the inference engine as
 ``MoEResult.expert_ids``) instead of choosing; weights are still p_i = s_i / Σ s over those experts, so the output is
-bitwise the output of the run that recorded them (same parameters; the bias is not consulted). Balancing statistics
+bitwise the output of the run that recorded them (same parameters; the bias is not consulted). A token whose forced ids
+hold a -1 (routing unknown) routes by itself. Balancing statistics
 always describe the router's own choice.
-
-Expert parallelism (``expert_parallel.shard_experts``) keeps only one rank's routed experts and moves tokens to them
-with all-to-all; everything else in the layer, the bias included, stays replicated.
 
 Shapes: B batch, T tokens, D model, L latent, N = B·T flattened tokens, n experts, k experts per token.
 """
@@ -120,7 +118,6 @@ class LatentMoE(nn.Module):
         self.router = nn.Linear(d_model, n_experts, bias=False)  # applied in float32 whatever the module dtype
         self.w_down = nn.Linear(d_model, self.latent_dim, bias=False)
         self.experts = nn.ModuleList(SituGLU(self.latent_dim, self.d_expert) for _ in range(n_experts))
-        self.ep = None  # an expert_parallel.ExpertGroup once shard_experts() keeps only this rank's experts
         self.norm = nn.RMSNorm(self.latent_dim, eps=1e-6)
         self.w_up = nn.Linear(self.latent_dim, d_model, bias=False)
         self.shared = nn.ModuleList(SituGLU(d_model, self.d_expert) for _ in range(n_shared))
@@ -149,7 +146,9 @@ class LatentMoE(nn.Module):
         """Chosen ids [N, k], weights p [N, k], and the top-(k+1) biased values [N, k+1] (for balancing)."""
         k_plus = min(self.top_k + 1, self.n_experts)
         top_vals, top_ids = (s + self.bias).topk(k_plus, dim=-1)
-        ids = top_ids[:, : self.top_k] if forced_ids is None else forced_ids
+        ids = top_ids[:, : self.top_k]
+        if forced_ids is not None:  # replay; a token with an unknown (-1) entry routes by itself
+            ids = torch.where((forced_ids >= 0).all(-1, keepdim=True), forced_ids, ids)
         chosen = s.gather(-1, ids)
         return ids, chosen / chosen.sum(-1, keepdim=True), top_vals
 
@@ -170,15 +169,12 @@ class LatentMoE(nn.Module):
             self._accumulate(s[real], top_vals[real])
 
         z = self.w_down(xf)  # [N, L]
-        if self.ep is None:
-            per_slot = torch.zeros(B * T, self.top_k, self.latent_dim, dtype=torch.float32, device=x.device)  # [N,k,L]
-            for e, expert in enumerate(self.experts):
-                tok, slot = (ids == e).nonzero(as_tuple=True)  # each (token, slot) pair is written once
-                if tok.numel():
-                    per_slot[tok, slot] = expert(z[tok]).float() * p[tok, slot, None]
-            mixed = per_slot.sum(1)  # Σ_i p_i E_i(z), summed in slot order  [N, L]
-        else:  # experts spread over ranks: the same sum, tokens sent to their experts' ranks and back
-            mixed = self.ep.mix(z, ids, p, self.experts)
+        per_slot = torch.zeros(B * T, self.top_k, self.latent_dim, dtype=torch.float32, device=x.device)  # [N, k, L]
+        for e, expert in enumerate(self.experts):
+            tok, slot = (ids == e).nonzero(as_tuple=True)  # each (token, slot) pair is written once
+            if tok.numel():
+                per_slot[tok, slot] = expert(z[tok]).float() * p[tok, slot, None]
+        mixed = per_slot.sum(1)  # Σ_i p_i E_i(z), summed in slot order  [N, L]
         y = self.w_up(self.norm(mixed.to(x.dtype)))  # [N, D]
         for expert in self.shared:
             y = y + expert(xf)

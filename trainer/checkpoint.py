@@ -1,0 +1,104 @@
+"""Checkpoints of a run and resuming from them.
+
+``<output_dir>/checkpoints/step_N/`` holds, after N RL steps:
+
+    DeepSpeed's files        model (MoE balancing biases included: they are persistent buffers) and optimizer state
+    policy/                  the standalone policy (rank 0), for ``sandforge serve`` and evaluation
+    trainer_rank_R.pt        each rank's torch RNG, step count, and the PPO value head with its optimizer
+    driver.pt                step, policy version, task sampler RNG (the data cursor), the driver's RNGs, the engine's
+                             sampling generator, the config hash
+    complete                 written last: a directory without it is torn (the run died while writing) and is skipped
+
+Nothing here imports torch at module level: the CLI checks ``--resume DIR`` before anything heavy starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+COMPLETE = "complete"
+STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+class ResumeError(ValueError):
+    """Nothing to resume from at the given place; the message says what was looked for."""
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step_{step}"
+
+
+def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every complete checkpoint, oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    found = []
+    for d in root.iterdir() if root.is_dir() else []:
+        m = STEP_DIR.match(d.name)
+        if m and (d / COMPLETE).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def resume_point(output_dir: Path) -> tuple[int, Path]:
+    """The newest complete checkpoint of the run in ``output_dir``; ResumeError when there is none."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        raise ResumeError(f"--resume {out}: no such directory; pass a run's output_dir (run.output_dir)")
+    if not (out / "run_id").is_file():
+        raise ResumeError(f"--resume {out}: not a sandforge run directory (no run_id file); pass a run's output_dir")
+    found = complete_checkpoints(out)
+    if not found:
+        raise ResumeError(f"--resume {out}: no complete checkpoint under {out / 'checkpoints'} (a checkpoint counts "
+                          f"once its '{COMPLETE}' marker is written); start the run again without --resume")
+    return found[-1]
+
+
+def config_hash(job: dict) -> str:
+    """What must match for a resumed run to continue the same experiment: everything but where it writes and how long
+    it runs (trainer.steps may grow) or how it logs."""
+    same = {k: v for k, v in job.items() if k not in ("logging",)}
+    same["run"] = {k: v for k, v in job.get("run", {}).items() if k != "output_dir"}
+    same["trainer"] = {k: v for k, v in job.get("trainer", {}).items() if k not in ("steps", "checkpoint_every")}
+    return hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def save_driver_state(directory: Path, state: dict[str, Any]) -> None:
+    import torch
+
+    torch.save(state, Path(directory) / "driver.pt")
+
+
+def load_driver_state(directory: Path) -> dict[str, Any]:
+    import torch
+
+    return torch.load(Path(directory) / "driver.pt", weights_only=False)
+
+
+def mark_complete(directory: Path) -> None:
+    (Path(directory) / COMPLETE).write_text("ok\n")
+
+
+def truncate_jsonl(path: Path, keep: Callable[[dict], bool]) -> int:
+    """Drop the rows of a JSON-lines file that ``keep`` rejects (and a torn last line); returns how many went."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    rows, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the killed run was writing it
+            dropped += 1
+            continue
+        if keep(row):
+            rows.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(r + "\n" for r in rows))
+    tmp.replace(path)
+    return dropped
