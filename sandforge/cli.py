@@ -6,6 +6,7 @@ cluster start-up.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -33,13 +34,23 @@ def validate_job(cfg: JobConfig, source: str = "config") -> None:
         TaskSampler(cfg.environments, cfg.run.seed)
     except (KeyError, ValueError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
+    n_experts = 0
     if cfg.model.arch == "k3":
         from sandforge.models.k3.config import preset_config  # plain dataclasses, no torch
 
         try:
-            preset_config(cfg.model.preset, cfg.model.k3)
+            n_experts = preset_config(cfg.model.preset, cfg.model.k3).n_experts
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{source}: {e}") from None
+        if cfg.model.init_from is not None:  # a checkpoint brings its own sizes
+            n_experts = json.loads((Path(cfg.model.init_from) / "config.json").read_text()).get("n_experts", 0)
+    ep = cfg.trainer.expert_parallel
+    if ep > 1 and cfg.model.arch != "k3":
+        raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep}: expert parallelism shards the K3 LatentMoE "
+                          f"(model.arch k3); model.arch {cfg.model.arch} cannot use it")
+    if ep > 1 and n_experts % ep:
+        raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep} must divide the model's n_experts "
+                          f"({n_experts}); change model.k3.n_experts or trainer.expert_parallel")
 
 
 @app.command()

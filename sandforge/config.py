@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+
+# ZeRO stages that combine with trainer.expert_parallel > 1 (README "Expert parallelism"). 0: DeepSpeed's non-ZeRO
+# gradient clipping averages each rank's own norm, wrong once ranks hold different experts. 3: parameters are gathered
+# and reduced by per-parameter hooks that fire only on ranks whose tokens used the expert, so ranks hang (DeepSpeed
+# rejects its own MoE layers with stage 3 for that reason).
+EXPERT_PARALLEL_ZERO_STAGES = (1, 2)
 
 
 class ConfigError(ValueError):
@@ -120,11 +127,28 @@ class TrainerConfig(Section):
     world_size: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2] = 2
     grad_accum_steps: int = Field(2, ge=1)
+    expert_parallel: int = Field(1, ge=1)  # ranks the routed experts are split over (README "Expert parallelism")
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     # trainer -> engine weights: the Ray object store, or a broadcast over a process group of their own (NCCL on GPU,
     # Gloo on CPU); auto: collective with a GPU, object store without
     weight_sync: Literal["auto", "object_store", "collective"] = "auto"
     routing_replay: bool = False  # R3: the training forward uses the experts the engine routed each token to
+
+    @field_validator("expert_parallel")
+    @classmethod
+    def _expert_parallel_fits(cls, ep: int, info: ValidationInfo) -> int:
+        world, stage = info.data.get("world_size", 1), info.data.get("zero_stage", 2)
+        if ep > 1 and world % ep:
+            raise ValueError(f"{ep} must divide trainer.world_size ({world}): each group of {ep} ranks holds every "
+                             "expert once")
+        if ep > 1 and stage not in EXPERT_PARALLEL_ZERO_STAGES:
+            raise ValueError(f"needs trainer.zero_stage 1 or 2 (got {stage}): without ZeRO, DeepSpeed clips gradients "
+                             "by the mean of the ranks' norms, which is not the model's norm when ranks hold "
+                             "different experts")
+        return ep
+    # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (README "Async mode")
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)  # async: an episode may start only if consumed within this many versions
 
 
 class WandbConfig(Section):

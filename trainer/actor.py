@@ -65,8 +65,14 @@ class TrainerRank:
             raise ValueError(f"tokenizer {tokenizer!r} has {len(self.tokenizer)} ids but the model only "
                              f"{model.config.vocab_size}")
 
+        self.expert_parallel = trainer_cfg.get("expert_parallel", 1)
+        if self.expert_parallel > 1:  # keep this rank's experts only; the reference copy shares the expert groups
+            from sandforge.trainer.expert_parallel import optimizer_groups, shard_model
+
+            shard_model(model, self.expert_parallel)
         self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
-        optimizer = torch.optim.AdamW(model.parameters(), lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
+        params = optimizer_groups(model) if self.expert_parallel > 1 else model.parameters()
+        optimizer = torch.optim.AdamW(params, lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,  # sequences are packed by us; DeepSpeed counts micro-steps only
             "gradient_accumulation_steps": trainer_cfg["grad_accum_steps"],
@@ -76,7 +82,12 @@ class TrainerRank:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        if self.expert_parallel > 1:
+            from sandforge.trainer import expert_parallel
+
+            self.engine, self.optimizer = expert_parallel.initialize(model, optimizer, ds_config, self.expert_parallel)
+        else:
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.steps = 0
 
     def reset_reference(self) -> None:
@@ -173,6 +184,11 @@ class TrainerRank:
         return out
 
     def get_weights(self) -> dict[str, torch.Tensor]:
+        """The whole policy's weights on CPU. With expert parallelism every rank must call it: experts are gathered."""
+        if self.expert_parallel > 1:
+            from sandforge.models.k3.expert_parallel import full_state_dict
+
+            return full_state_dict(self.engine.module)
         return {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
 
     def open_weight_channel(self, host: str, port: int) -> None:
@@ -182,7 +198,8 @@ class TrainerRank:
         self.channel = WeightChannel(host, port, rank=0)
 
     def send_weights(self, version: int) -> int:
-        """Broadcast the policy to the engine over the weight channel (rank 0 sends)."""
+        """Broadcast the policy to the engine over the weight channel (every rank calls it: with expert parallelism
+        the experts are gathered first; rank 0 sends)."""
         weights = self.get_weights()
         return self.channel.send(weights, version) if self.rank == 0 else version
 
@@ -197,8 +214,9 @@ class TrainerRank:
 
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
         policy_dir = Path(directory) / tag / "policy"
+        whole = self.get_weights() if self.expert_parallel > 1 else None  # a collective: every rank takes part
         if self.rank == 0:
-            save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer)
+            save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
         # what DeepSpeed does not keep: this rank's RNG and its step count
         torch.save({"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -223,6 +241,11 @@ class TrainerRank:
         if reference:
             from sandforge.models.policy import load_policy
 
+            ref = load_policy(reference)
+            if self.expert_parallel > 1:  # keep this rank's experts, as the live reference does
+                from sandforge.trainer.expert_parallel import shard_model
+
+                shard_model(ref, self.expert_parallel)
             device = next(self.reference.parameters()).device
-            self.reference.load_state_dict({k: v.to(device) for k, v in load_policy(reference).state_dict().items()})
+            self.reference.load_state_dict({k: v.to(device) for k, v in ref.state_dict().items()})
         return client_state or {}

@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -109,11 +110,14 @@ class RLJob:
         self.workers = [worker_actor.remote(i, job, run_id, self.engine, images, sandbox_labels)
                         for i in range(cfg.rollout.workers)]
         self.version = 0
-        self.sync = WeightSync(cfg.trainer.weight_sync, self.ranks, self.engine, gather_all=False)
+        # with expert parallelism the experts are spread over the ranks: all of them take part in gathering the whole
+        # model, and rank 0's copy goes to the engine
+        self.sync = WeightSync(cfg.trainer.weight_sync, self.ranks, self.engine, cfg.trainer.expert_parallel > 1)
         self.push_weights()
 
     def push_weights(self) -> None:
         self.sync.push(self.version)
+
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included."""
@@ -266,6 +270,16 @@ class RLJob:
         ray.get(self.engine.set_rng_state.remote(driver["engine_rng"]))
 
 
+def rl_steps(job: RLJob, start: int = 0) -> Iterator[tuple[int, dict[str, float]]]:
+    """(step, metrics) as each RL step ends: one after the other (``trainer.mode: sync``), or from the async driver,
+    whose rollouts go on while the trainer steps (``trainer.mode: async``, trainer/async_loop.py)."""
+    if job.cfg.trainer.mode == "async":
+        from sandforge.trainer.async_loop import async_steps
+
+        return async_steps(job, start)
+    return ((step, job.rl_step(step)) for step in range(start, job.cfg.trainer.steps))
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -320,8 +334,7 @@ def run(cfg: JobConfig, resume: bool = False) -> Path:
                     job.warmup()
                 job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
             steps = bar.add_task("RL steps", total=cfg.trainer.steps, completed=start)
-            for step in range(start, cfg.trainer.steps):
-                metrics = job.rl_step(step)
+            for step, metrics in rl_steps(job, start):
                 logger.log("rl", metrics)
                 bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
                 bar.console.print(step_line(step, cfg.trainer.steps, metrics), soft_wrap=True)  # stays above the bars

@@ -39,6 +39,9 @@ bitwise the output of the run that recorded them (same parameters; the bias is n
 hold a -1 (routing unknown) routes by itself. Balancing statistics
 always describe the router's own choice.
 
+Expert parallelism (``expert_parallel.shard_experts``) keeps only one rank's routed experts and moves tokens to them
+with all-to-all; everything else in the layer, the bias included, stays replicated.
+
 Shapes: B batch, T tokens, D model, L latent, N = B·T flattened tokens, n experts, k experts per token.
 """
 
@@ -118,6 +121,7 @@ class LatentMoE(nn.Module):
         self.router = nn.Linear(d_model, n_experts, bias=False)  # applied in float32 whatever the module dtype
         self.w_down = nn.Linear(d_model, self.latent_dim, bias=False)
         self.experts = nn.ModuleList(SituGLU(self.latent_dim, self.d_expert) for _ in range(n_experts))
+        self.ep = None  # an expert_parallel.ExpertGroup once shard_experts() keeps only this rank's experts
         self.norm = nn.RMSNorm(self.latent_dim, eps=1e-6)
         self.w_up = nn.Linear(self.latent_dim, d_model, bias=False)
         self.shared = nn.ModuleList(SituGLU(d_model, self.d_expert) for _ in range(n_shared))
@@ -169,12 +173,15 @@ class LatentMoE(nn.Module):
             self._accumulate(s[real], top_vals[real])
 
         z = self.w_down(xf)  # [N, L]
-        per_slot = torch.zeros(B * T, self.top_k, self.latent_dim, dtype=torch.float32, device=x.device)  # [N, k, L]
-        for e, expert in enumerate(self.experts):
-            tok, slot = (ids == e).nonzero(as_tuple=True)  # each (token, slot) pair is written once
-            if tok.numel():
-                per_slot[tok, slot] = expert(z[tok]).float() * p[tok, slot, None]
-        mixed = per_slot.sum(1)  # Σ_i p_i E_i(z), summed in slot order  [N, L]
+        if self.ep is None:
+            per_slot = torch.zeros(B * T, self.top_k, self.latent_dim, dtype=torch.float32, device=x.device)  # [N,k,L]
+            for e, expert in enumerate(self.experts):
+                tok, slot = (ids == e).nonzero(as_tuple=True)  # each (token, slot) pair is written once
+                if tok.numel():
+                    per_slot[tok, slot] = expert(z[tok]).float() * p[tok, slot, None]
+            mixed = per_slot.sum(1)  # Σ_i p_i E_i(z), summed in slot order  [N, L]
+        else:  # experts spread over ranks: the same sum, tokens sent to their experts' ranks and back
+            mixed = self.ep.mix(z, ids, p, self.experts)
         y = self.w_up(self.norm(mixed.to(x.dtype)))  # [N, D]
         for expert in self.shared:
             y = y + expert(xf)
