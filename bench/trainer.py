@@ -1,8 +1,20 @@
 """Trainer and RL loop benchmarks on CPU.
 
     python bench/trainer.py [--sections weight_sync deepspeed_vs_torch]
+    python bench/trainer.py --sections async_vs_sync [--steps 6] [--delay 30] [--max-staleness 2] [--concurrency 6]
 
 Sections (each returns a dict of JSON keys; ``main`` merges them):
+- async_vs_sync: whole jobs of configs/quickstart.yaml, shrunk, on real parts (Docker, Ray, DeepSpeed): the same job
+  (same seed, steps, tasks and episodes: ``rollout.tasks_per_step`` x ``group_size`` per step, k3-nano, no warm
+  start) in ``trainer.mode: sync`` and ``async``, with a slow environment: every terminal task gets a setup command
+  ``sleep --delay`` (a service that takes seconds to come up), so episodes spend most of their time waiting, as
+  agentic episodes do (model and trainer work are kept small: ``--turns``, ``--tokens``, one micro-batch per step,
+  since on a shared 2-core machine CPU-bound work cannot overlap). Wall time = the sum of the RL steps' ``time/step``
+  (actor start-up and the final checkpoint are the same in both and left out). async_vs_sync = sync wall / async
+  wall (target >= 2), with the async run's measured staleness (mean, max, histogram) and the trainer's and engine's
+  idle fractions. With max_staleness s, up to s + 1 batches are in flight, so a latency-bound job gains up to
+  about (s + 1)x, plus the training time hidden behind rollouts.
+
 - weight_sync: seconds per GB of weights pushed from a trainer actor into the serving engine actor (loaded, version
   reported back), ``trainer.weight_sync`` object_store vs collective (Gloo on CPU; NCCL on GPU). JSON
   ``weight_sync_s_per_gb`` {object_store, collective}.
@@ -19,12 +31,84 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _slow_sampler(delay: float):
+    """A TaskSampler whose tasks each run ``sleep delay`` in their sandbox before the episode starts (the tasks travel
+    to the rollout workers as plain data, so patching the driver's sampler is enough)."""
+    from sandforge.rollout.tasks import TaskSampler
+
+    class SlowTasks(TaskSampler):
+        def sample(self, n: int, split: str = "train"):
+            tasks = super().sample(n, split)
+            for task in tasks:
+                task.setup = {**task.setup, "commands": [*task.setup.get("commands", []), f"sleep {delay}"]}
+            return tasks
+
+    return SlowTasks
+
+
+def _job(mode: str, out: Path, args) -> list[dict]:
+    """Run one job; returns its RL metric rows."""
+    from sandforge.config import load_config
+    from sandforge.trainer import loop
+
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [
+        f"run.output_dir={out}", f"trainer.steps={args.steps}", f"trainer.mode={mode}",
+        f"trainer.max_staleness={args.max_staleness}", "warmup.steps=0", "logging.wandb.mode=disabled",
+        "rollout.workers=2", f"rollout.concurrency={args.concurrency}", "rollout.tasks_per_step=2",
+        "rollout.group_size=2", f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={args.tokens}",
+        "trainer.grad_accum_steps=1",
+        f"sandbox.exec_timeout={args.delay + 30:g}", f"sandbox.warm_pool={args.concurrency}",
+    ])
+    real = loop.TaskSampler
+    loop.TaskSampler = _slow_sampler(args.delay)
+    try:
+        loop.run(cfg)
+    finally:
+        loop.TaskSampler = real
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("phase") == "rl"]
+
+
+def async_vs_sync_section(args, table: Table) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
+        sync = _job("sync", Path(tmp) / "sync", args)
+        async_ = _job("async", Path(tmp) / "async", args)
+    wall_sync = sum(r["time/step"] for r in sync)
+    wall_async = sum(r["time/step"] for r in async_)
+    episodes = [sum(v for k, v in r.items() if k.startswith("async/staleness_count_")) for r in async_]
+    histogram: dict[str, int] = {}
+    for r in async_:
+        for k, v in r.items():
+            if k.startswith("async/staleness_count_"):
+                histogram[k.rsplit("_", 1)[1]] = histogram.get(k.rsplit("_", 1)[1], 0) + int(v)
+    staleness_mean = sum(r["async/staleness_mean"] * n for r, n in zip(async_, episodes)) / max(sum(episodes), 1)
+    staleness_max = max(r["async/staleness_max"] for r in async_)
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    ratio = wall_sync / wall_async
+    table.add_row("sync: wall time of the RL steps", f"{wall_sync:.1f} s",
+                  f"{len(sync)} steps, {args.delay:g} s setup per episode")
+    table.add_row("async: wall time of the same steps", f"{wall_async:.1f} s",
+                  f"max_staleness {args.max_staleness}, {2 * args.concurrency} episodes in flight at most")
+    table.add_row("async_vs_sync", f"{ratio:.2f}x", "target >= 2")
+    table.add_row("async staleness (episodes)", f"mean {staleness_mean:.2f}, max {staleness_max}",
+                  "histogram " + ", ".join(f"{k}: {v}" for k, v in sorted(histogram.items())))
+    table.add_row("async trainer / engine idle", f"{mean(async_, 'time/trainer_idle_frac'):.2f} / "
+                  f"{mean(async_, 'time/engine_idle_frac'):.2f}", "fraction of wall time, mean over steps")
+    return {"async_vs_sync": round(ratio, 2), "async_wall_s": round(wall_async, 1), "sync_wall_s": round(wall_sync, 1),
+            "async_staleness_mean": round(staleness_mean, 3), "async_staleness_max": staleness_max,
+            "async_staleness_histogram": histogram,
+            "async_partial_episodes": sum(int(r.get("async/partial_episodes", 0)) for r in async_),
+            "async_trainer_idle_frac": round(mean(async_, "time/trainer_idle_frac"), 3),
+            "async_engine_idle_frac": round(mean(async_, "time/engine_idle_frac"), 3)}
 
 
 # ---- weight sync and the DeepSpeed step (trainer/weight_sync.py, trainer/actor.py) -------------------------------
@@ -175,11 +259,17 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
 
 
 # Sections run in order; each adds rows to the table and returns its JSON keys.
-SECTIONS = [weight_sync_section, deepspeed_vs_torch_section]
+SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--delay", type=float, default=30.0, help="seconds each episode's environment takes to come up")
+    ap.add_argument("--turns", type=int, default=1, help="rollout.max_turns")
+    ap.add_argument("--tokens", type=int, default=8, help="rollout.max_new_tokens")
+    ap.add_argument("--max-staleness", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=6, help="episodes per rollout worker (2 workers)")
     ap.add_argument("--sync-preset", default="k3-mini", help="model whose weights the weight-sync section pushes")
     ap.add_argument("--sync-repeats", type=int, default=3)
     ap.add_argument("--train-rows", type=int, default=16)
