@@ -4,7 +4,8 @@ The request is the engine contract (``rollout/engine/``, the in-process ``Engine
 ``RemoteEngine`` all answer it)::
 
     {"prompt_ids": [int] (the whole sequence so far), "session_id": str | None, "max_tokens": int,
-     "temperature": float, "top_p": float, "top_k": int, "stop_ids": [int], "n": 1}
+     "temperature": float, "top_p": float, "top_k": int, "stop_ids": [int], "n": 1,
+     "seed": int (optional: sample i of the request draws from a generator seeded from it, whatever else is batched)}
     -> [{"token_ids", "logprobs", "finish_reason": "stop" | "length", "version": int, "cached_tokens": int,
          "prefill_tokens": int, "routed_experts": list | None}, ...]   (one dict per sample)
 
