@@ -95,3 +95,40 @@ def test_rank_broadcasts_its_weights_over_the_channel():
     t.join(60)
     [(weights, version)] = got
     assert version == 5 and all(torch.equal(weights[k], v) for k, v in template.items())
+
+
+def test_resume_point_is_the_newest_complete_checkpoint(tmp_path):
+    from sandforge.trainer.checkpoint import ResumeError, mark_complete, resume_point
+
+    with pytest.raises(ResumeError, match="not a sandforge run directory"):
+        resume_point(tmp_path)
+    (tmp_path / "run_id").write_text("r\n")
+    for step in (0, 2, 10, 3):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    for step in (0, 2, 3):  # step_10 is torn: the run died while writing it
+        mark_complete(tmp_path / "checkpoints" / f"step_{step}")
+    assert resume_point(tmp_path) == (3, tmp_path / "checkpoints" / "step_3")
+
+
+def test_rows_past_the_checkpoint_and_a_torn_line_are_dropped(tmp_path):
+    import json
+
+    from sandforge.trainer.checkpoint import truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"phase": "warmup", "step": 5}] + [{"phase": "rl", "step": s} for s in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"phase": "rl", "st')
+    dropped = truncate_jsonl(path, lambda r: r["phase"] != "rl" or r["step"] < 2)
+    assert dropped == 3
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3]
+
+
+def test_config_hash_ignores_where_and_how_long():
+    from sandforge.config import JobConfig
+    from sandforge.trainer.checkpoint import config_hash
+
+    job = JobConfig().model_dump(mode="json")
+    other = JobConfig.model_validate({"run": {"output_dir": "elsewhere"}, "trainer": {"steps": 99}}).model_dump(
+        mode="json")
+    changed = JobConfig.model_validate({"trainer": {"lr": 0.5}}).model_dump(mode="json")
+    assert config_hash(job) == config_hash(other) != config_hash(changed)
