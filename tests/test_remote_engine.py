@@ -137,6 +137,16 @@ def test_remote_engine_reproduces_the_embedded_engine(server, embedded, tokenize
     assert got_greedy[0]["routed_experts"] is None and got_greedy[0]["version"] == want["version"]
 
 
+def test_a_seeded_request_samples_what_the_embedded_engine_samples(server, embedded, tokenizer):
+    seeded = {"prompt_ids": prompt_of(tokenizer, "echo hi"), "max_tokens": 12, "temperature": 1.0, "stop_ids": [],
+              "seed": 7, "n": 2}
+    want = embedded(seeded)
+    [got] = remote(server, seeded)
+    assert len(got) == 2 and want[0]["token_ids"] != want[1]["token_ids"]
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
 def test_a_session_reuses_the_cache_across_turns(server, embedded, tokenizer):
     turn1 = {"prompt_ids": prompt_of(tokenizer, "first turn"), "max_tokens": 6, "temperature": 0.0, "stop_ids": [],
              "session_id": "episode-1"}
@@ -187,7 +197,7 @@ def test_bad_requests_get_a_400_that_says_why_and_the_server_keeps_serving(serve
         ({**ok, "logprobs": 5}, "logprobs", "between 0 and 1"),
         ({**ok, "stream": True}, "stream", "streaming is not supported"),
         ({**ok, "echo": True}, "echo", "`echo` is not supported"),
-        ({**ok, "seed": 3}, "seed", "`seed` is not supported"),
+        ({**ok, "seed": -3}, "seed", "between 0 and"),
         ({**ok, "stop_token_ids": [-1]}, "stop_token_ids", "outside the vocabulary"),
         ({**ok, "session_id": "s", "prompt": [[1, 2], [3]]}, "session_id", "one prompt"),
     ]

@@ -67,6 +67,7 @@ class RemoteEngine:
             "top_k": int(request.get("top_k", 0)) or -1,  # off: -1 on every server (0 is refused by older vLLM)
             "n": n,
             "stop_token_ids": [int(t) for t in request.get("stop_ids", ())],
+            **({"seed": int(request["seed"])} if "seed" in request else {}),  # vLLM and sandforge serve honour it
             "ignore_eos": True,  # stop exactly at stop_ids, as the embedded engine does; the caller lists EOS there
             "logprobs": 1,
             "return_token_ids": True,

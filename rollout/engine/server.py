@@ -3,10 +3,11 @@
 Prompts go in as token ids (or text, encoded with the checkpoint's tokenizer) and, with ``return_token_ids``,
 completions come back as token ids too (``choices[i].token_ids`` and ``prompt_token_ids``, as vLLM spells them), so
 ``RemoteEngine`` and any OpenAI client can drive the same server. Differences from vLLM, each answered with a 400 rather
-than ignored: no streaming, no echo, no stop strings (stop on ``stop_token_ids``), no per-request seed, and only the
+than ignored: no streaming, no echo, no stop strings (stop on ``stop_token_ids``), and only the
 sampled token's logprob (``logprobs`` 0 or 1; ``top_logprobs`` is null). Extensions: ``session_id`` names an engine
 session, so a multi-turn client that resends its growing sequence reuses the cache; the response's ``sandforge`` object
-carries the policy version and each choice's cache use.
+carries the policy version and each choice's cache use. ``seed`` is the engine's per-request seed: the same request
+samples the same tokens whatever else the server is batching (choice i draws from a generator seeded from it).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ROUTES = "POST /v1/completions, GET /v1/models, GET /health"
 # Fields that would change the completion if honoured, with the values that mean "off".
 UNSUPPORTED = {
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "seed": (None,), "min_tokens": (None, 0), "min_p": (None, 0),
+    "repetition_penalty": (None, 1), "min_tokens": (None, 0), "min_p": (None, 0),
     "prompt_logprobs": (None,), "stream_options": (None,),
 }
 
@@ -168,6 +169,7 @@ def parse_request(body: dict, served: Served) -> Completion:
         "top_k": max(top_k, 0),  # -1 and 0 both mean off
         "stop_ids": stops,
         "n": n,
+        "seed": _integer(body, "seed", None, low=0, high=2**63 - 1),
     }
     return Completion(prompts, request, n, logprobs, bool(body.get("return_token_ids")),
                       bool(body.get("return_tokens_as_token_ids")), session_id)
