@@ -122,6 +122,35 @@ def generate(
             logits, cache = res.logits[:, -1], res.cache
 
 
+@dataclass
+class TokenScores:
+    """Per token t of right-padded ``input_ids``, all read from the logits at t - 1 (column 0 and pads are 0)."""
+
+    logprobs: Tensor  # [B, T] log p(input_ids[:, t] | input_ids[:, <t]) under logits / temperature, with grad
+    aux_loss: Tensor  # the model's MoE balance loss
+    entropy: Tensor | None = None  # [B, T] entropy of that next-token distribution, with grad
+    hidden: Tensor | None = None  # [B, T, D] the final hidden state that predicted token t (a value head reads it)
+
+
+def token_scores(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
+    entropy: bool = False, hidden: bool = False,
+) -> TokenScores:
+    """One forward pass over right-padded ``input_ids``: log-probs (and optionally entropies and hidden states)."""
+    res = model(input_ids, attention_mask=attention_mask, **({"return_hidden": True} if hidden else {}))
+    logits = res.logits[:, :-1] / _scale(temperature)
+    targets = input_ids[:, 1:]
+    keep = attention_mask[:, 1:].to(logits.dtype)
+    lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view_as(targets)
+    out = TokenScores(F.pad(lp * keep, (1, 0)), res.aux_loss)
+    if entropy:
+        logp = F.log_softmax(logits, dim=-1)
+        out.entropy = F.pad(-(logp.exp() * logp).sum(-1) * keep, (1, 0))
+    if hidden:
+        out.hidden = F.pad(res.hidden[:, :-1] * keep[..., None], (0, 0, 1, 0))
+    return out
+
+
 def token_logprobs(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
 ) -> tuple[Tensor, Tensor]:
@@ -129,9 +158,5 @@ def token_logprobs(
 
     ``input_ids`` are right-padded. Returns (logprobs, aux_loss) so the trainer can add the MoE balance loss.
     """
-    res = model(input_ids, attention_mask=attention_mask)
-    logits = res.logits[:, :-1] / _scale(temperature)
-    targets = input_ids[:, 1:]
-    lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view_as(targets)
-    lp = lp * attention_mask[:, 1:].to(lp.dtype)
-    return F.pad(lp, (1, 0)), res.aux_loss
+    s = token_scores(model, input_ids, attention_mask, temperature)
+    return s.logprobs, s.aux_loss

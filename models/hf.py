@@ -119,6 +119,7 @@ class HFOutput:
     cache: HFCache | None
     aux_loss: Tensor  # the model's router auxiliary loss (scaled by its own coefficient), or 0
     router_ids: Tensor | None  # HF models do not report routing
+    hidden: Tensor | None = None  # [B, T, D] the last layer's (normed) hidden state, with return_hidden
 
 
 class HFPolicy(nn.Module):
@@ -155,6 +156,7 @@ class HFPolicy(nn.Module):
         position_ids: Tensor | None = None,
         cache: HFCache | None = None,
         use_cache: bool = False,
+        return_hidden: bool = False,
     ) -> HFOutput:
         """input_ids [B, T] (left padding allowed) -> HFOutput(logits [B, T, V] fp32, cache, aux_loss, None).
 
@@ -171,6 +173,8 @@ class HFPolicy(nn.Module):
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
         want_aux = self._moe and cache is None and not use_cache
         extra = {"output_router_logits": True} if want_aux else {}
+        if return_hidden:
+            extra["output_hidden_states"] = True
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -185,7 +189,8 @@ class HFPolicy(nn.Module):
         else:
             aux = torch.zeros((), device=out.logits.device)
         new_cache = HFCache(out.past_key_values, mask) if use_cache else None
-        return HFOutput(logits=out.logits.float(), cache=new_cache, aux_loss=aux, router_ids=None)
+        hidden = out.hidden_states[-1].float() if return_hidden else None
+        return HFOutput(logits=out.logits.float(), cache=new_cache, aux_loss=aux, router_ids=None, hidden=hidden)
 
 
 # ---------------------------------------------------------------- tool-call parsers

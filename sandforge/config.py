@@ -118,12 +118,28 @@ class WarmupConfig(Section):
 
 class TrainerConfig(Section):
     steps: int = Field(10, ge=0)  # RL steps
-    algorithm: Literal["grpo"] = "grpo"
+    # trainer/algorithms/registry.py; null values below take the algorithm's default (README "Algorithms")
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo", "gspo", "cispo",
+                       "dapo"] = "grpo"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    clip_eps: float = Field(0.2, gt=0)
-    kl_coef: float = Field(0.0, ge=0)
+    clip_eps: float = Field(0.2, gt=0)  # symmetric PPO clip; clip_eps_low / clip_eps_high override either side
+    clip_eps_low: float | None = Field(None, gt=0)
+    clip_eps_high: float | None = Field(None, gt=0)
+    kl_coef: float = Field(0.0, ge=0)  # KL(policy || frozen reference), the reference being the policy RL starts from
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"
+    tis_cap: float | None = Field(2.0, gt=0)  # truncated importance sampling, engine vs trainer log-probs; null: off
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus
+    value_coef: float = Field(0.5, ge=0)  # ppo: weight of the value head's loss
+    gamma: float = Field(1.0, ge=0, le=1)  # ppo and reinforce_pp: discount over policy tokens
+    gae_lambda: float = Field(0.95, ge=0, le=1)  # ppo
+    dynamic_sampling: bool | None = None  # drop groups whose rewards all match and sample more tasks (dapo)
+    dynamic_sampling_max_rounds: int = Field(3, ge=1)  # sampling rounds per step at most, the first one included
+    overlong_buffer: int | None = Field(None, ge=0)  # soft overlong penalty over the budget's last N tokens (0: off)
+    overlong_penalty: float = Field(1.0, ge=0)  # the penalty at the budget: -overlong_penalty
     world_size: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2] = 2
     grad_accum_steps: int = Field(2, ge=1)

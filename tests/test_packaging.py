@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ["trainer", "rollout", "environments", "verifiers", "models", "models.k3"]
+PARTS = ["trainer", "trainer.algorithms", "rollout", "environments", "verifiers", "models", "models.k3"]
 
 
 def test_editable_install_maps_root_folders():

@@ -5,10 +5,12 @@ import os
 import pytest
 import torch
 
+from sandforge.config import TrainerConfig
 from sandforge.trainer.loop import free_port
 
 MODEL = dict(arch="k3", preset="k3-nano", k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
-TRAINER = dict(lr=1e-3, weight_decay=0.0, grad_clip=1.0, clip_eps=0.2, kl_coef=0.0, zero_stage=2, grad_accum_steps=2, temperature=1.0)
+TRAINER = TrainerConfig(lr=1e-3, zero_stage=2, grad_accum_steps=2).model_dump() | dict(temperature=1.0,
+                                                                                       response_budget=64)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,8 @@ def make_rows(rank, advantages):
         n = 12 + 3 * i
         # each row draws from its own token range, so one step's update on one row barely moves the others
         ids = torch.randint(80 * i, 80 * (i + 1), (n,), generator=g).tolist()
-        rows.append({"token_ids": ids, "loss_mask": [0] * 6 + [1] * (n - 6), "logprobs": [0.0] * n, "advantage": adv})
+        rows.append({"token_ids": ids, "loss_mask": [0] * 6 + [1] * (n - 6), "logprobs": [0.0] * n,
+                     "advantages": [adv] * n})
     lp, _ = masked_logprobs(rank, rows)
     for i, r in enumerate(rows):  # on-policy: old log-probs are the current policy's
         r["logprobs"] = lp[i, : len(r["token_ids"])].tolist()
@@ -57,7 +60,12 @@ def test_grpo_step_raises_good_and_lowers_bad_sequences(rank):
     assert metrics["grad_norm"] > 0
     # weights change only at the accumulation boundary, so every micro-batch is exactly on-policy: ratio 1, loss -mean(A)
     assert metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-4)
-    assert metrics["loss"] == pytest.approx(-sum(sum(r["loss_mask"]) * r["advantage"] for r in rows) / total, abs=1e-4)
+    want = -sum(sum(r["loss_mask"]) * r["advantages"][0] for r in rows) / total
+    assert metrics["loss"] == pytest.approx(want, abs=1e-4)
+    assert metrics["tis/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["mismatch/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["ratio/min"] == pytest.approx(1.0) and metrics["ratio/max"] == pytest.approx(1.0)
+    assert metrics["clip_frac"] == 0.0 and metrics["entropy"] > 0
     changed = [k for k, v in rank.get_weights().items() if not torch.equal(v, weights_before[k])]
     assert changed, "no parameter changed"
 
@@ -69,6 +77,23 @@ def test_sft_steps_lower_the_nll(rank):
     for _ in range(5):
         last = rank.train_step(rows, total, mode="sft")["loss"]
     assert last < first
+
+
+def test_ppo_value_head_learns_the_returns_and_scores_rows():
+    from sandforge.trainer.actor import TrainerRank
+
+    ppo = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER | dict(algorithm="ppo", lr=1e-2), None, "bytes",
+                      seed=0, num_threads=2)
+    rows = make_rows(ppo, [1.0, -1.0])
+    for r in rows:
+        r["returns"] = [1.0] * len(r["token_ids"])
+    assert all(v == 0.0 for s in ppo.score(rows) for v in s["values"])  # the head starts at zero
+    total = sum(sum(r["loss_mask"]) for r in rows)
+    losses = [ppo.train_step(rows, total, mode="rl", total_sequences=2)["value/loss"] for _ in range(3)]
+    assert losses[0] == pytest.approx(0.5) and losses[-1] < losses[0]  # 0.5 (0 - 1)^2 at first, then lower
+    scored = ppo.score(rows)
+    assert [len(s["values"]) for s in scored] == [len(r["token_ids"]) for r in rows]
+    assert scored[0]["values"][-1] > 0.1
 
 
 def test_checkpoint_holds_a_loadable_policy(rank, tmp_path):

@@ -2,19 +2,25 @@
 
 N ranks form one torch.distributed group (gloo on CPU). Each rank receives its shard of the step's sequences, splits it
 into exactly ``grad_accum_steps`` micro-batches (empty ones run a zero-weighted dummy so every rank does the same number
-of backward passes), and DeepSpeed averages gradients across ranks and steps the optimizer at the boundary.
+of backward passes), and DeepSpeed averages gradients across ranks and steps the optimizer at the boundary. The loss
+itself (clipping, aggregation, KL, importance weights) lives in ``trainer/algorithms``; this file is plumbing.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 from pathlib import Path
 
 import torch
 
-from sandforge.trainer.grpo import grpo_token_losses, sft_token_losses
+from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_objective, sft_objective
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, replaying, routed_ids
+
+# an empty micro-batch's stand-in: no loss tokens, so it adds nothing but keeps the ranks' backward counts equal
+DUMMY_ROW = {"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "advantages": [0.0, 0.0],
+             "returns": [0.0, 0.0]}
 
 
 def pad_right(rows: list[list], value, dtype) -> torch.Tensor:
@@ -88,6 +94,15 @@ class TrainerRank:
             self.engine, self.optimizer = expert_parallel.initialize(model, optimizer, ds_config, self.expert_parallel)
         else:
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.settings = resolve(trainer_cfg)
+        self.value_head = self.value_optimizer = None
+        if self.settings.algorithm.value_head:  # PPO's critic: a linear head on the policy's last hidden state
+            width = getattr(model.config, "d_model", None) or model.hf_config.hidden_size
+            self.value_head = torch.nn.Linear(width, 1).to(next(model.parameters()).device)
+            torch.nn.init.zeros_(self.value_head.weight)  # V = 0 at first: GAE starts as discounted returns
+            torch.nn.init.zeros_(self.value_head.bias)
+            self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=trainer_cfg["lr"],
+                                                     weight_decay=trainer_cfg["weight_decay"])
         self.steps = 0
 
     def reset_reference(self) -> None:
@@ -97,60 +112,114 @@ class TrainerRank:
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        for group in self.value_optimizer.param_groups if self.value_optimizer else []:
+            group["lr"] = lr
 
-    def train_step(self, rows: list[dict], total_tokens: int, mode: str = "rl") -> dict[str, float]:
-        """One optimizer step over this rank's rows; ``total_tokens`` counts loss tokens over all ranks."""
-        from sandforge.models.generate import token_logprobs
+    def train_step(self, rows: list[dict], total_tokens: int, mode: str = "rl",
+                   total_sequences: int | None = None) -> dict[str, float]:
+        """One optimizer step over this rank's rows. ``total_tokens`` (loss tokens) and ``total_sequences`` count over
+        all ranks, so each micro-batch's loss is its exact share of the step's aggregated loss.
 
+        RL rows carry ``token_ids``, ``loss_mask``, the engine's ``logprobs``, per-token ``advantages`` and, for PPO,
+        per-token ``returns``."""
         gas = self.cfg["grad_accum_steps"]
-        scale = gas * self.world_size / max(total_tokens, 1)  # undo DeepSpeed's 1/gas and 1/world averaging
-        sums: dict[str, torch.Tensor] = {}
-        temperature = 1.0 if mode == "sft" else self.cfg["temperature"]  # RL scores tokens as the engine sampled them
+        totals = Totals(tokens=total_tokens, sequences=total_sequences or len(rows))
+        scale = gas * self.world_size  # undo DeepSpeed's 1/gas and 1/world averaging: each loss is already a share
+        stats = Stats()
         self.engine.train()
-        router_totals: dict[str, float] = {}
         for micro in split_micro_batches(rows, gas):
             weight = scale
             if not micro:  # keep every rank's backward count equal
-                micro, weight = [{"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "advantage": 0.0}], 0.0
+                micro, weight = [DUMMY_ROW], 0.0
+            loss, st, aux = self._micro_batch_loss(micro, totals, mode)
+            aux = aux * (1.0 if weight else 0.0)
+            st.sums["moe/aux_loss"] = aux.detach() / (gas * self.world_size)
+            self.engine.backward(loss * weight + aux)
+            self.engine.step()
+            stats.add(st)
+        if mode == "rl":
+            self._step_value_head()
+        self.steps += 1
+        return mismatch_rate(self._reduce(stats)) | self._after_step()
+
+    def _micro_batch_loss(self, micro: list[dict], totals: Totals,
+                          mode: str) -> tuple[torch.Tensor, Stats, torch.Tensor]:
+        from sandforge.models.generate import token_logprobs, token_scores
+
+        ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
+        attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
+        mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
+        if mode == "sft":
+            scores = token_scores(self.engine, ids, attn)
+            return *sft_objective(scores.logprobs, mask, totals), scores.aux_loss
+        temperature = self.cfg["temperature"]  # RL scores tokens as the engine sampled them
+        engine_ids = routed_ids(micro, ids.shape[1])  # trainer/routing_replay.py
+        forward = replaying(self.engine, engine_ids if self.cfg.get("routing_replay") else None)
+        with RouterRecorder(self.engine.module) as router:
+            scores = token_scores(forward, ids, attn, temperature, entropy=True, hidden=self.value_head is not None)
+        with torch.no_grad():
+            ref, _ = token_logprobs(self.reference, ids, attn, temperature=temperature)
+        batch = MicroBatch(
+            logprobs=scores.logprobs,
+            engine_logprobs=pad_right([r["logprobs"] for r in micro], 0.0, torch.float32),
+            advantages=pad_right([r["advantages"] for r in micro], 0.0, torch.float32),
+            mask=mask,
+            ref_logprobs=ref,
+            entropy=scores.entropy,
+        )
+        if self.value_head is not None:
+            batch.values = self.value_head(scores.hidden).squeeze(-1)
+            batch.returns = pad_right([r["returns"] for r in micro], 0.0, torch.float32)
+        loss, st = rl_objective(batch, self.settings, totals)
+        st.sums |= mismatch_counts(router.own_ids(), engine_ids, attn)
+        return loss, st, scores.aux_loss
+
+    @torch.no_grad()
+    def score(self, rows: list[dict]) -> list[dict]:
+        """What advantages need from the trainer before its step, per row and token: ``kl_penalty`` (kl_coef times
+        KL to the reference, with ``trainer.kl_in: reward``) and ``values`` (PPO's value head). Eval mode: no MoE
+        statistics accumulate."""
+        from sandforge.models.generate import token_logprobs, token_scores
+        from sandforge.trainer.algorithms import kl_estimate
+
+        s, temperature = self.settings, self.cfg["temperature"]
+        size = max(1, -(-len(rows) // self.cfg["grad_accum_steps"]))  # as many rows at once as a training micro-batch
+        self.engine.eval()
+        out = []
+        batches = [rows[start : start + size] for start in range(0, len(rows), size)]
+        if self.expert_parallel > 1:  # every forward is an all-to-all over the expert group: all ranks run gas of them
+            batches += [[DUMMY_ROW]] * (self.cfg["grad_accum_steps"] - len(batches))
+        for micro in batches:
             ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
             attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
-            mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
-            engine_ids = routed_ids(micro, ids.shape[1]) if mode == "rl" else None  # trainer/routing_replay.py
-            forward = replaying(self.engine, engine_ids if self.cfg.get("routing_replay") else None)
-            with RouterRecorder(self.engine.module) as router:
-                logprobs, aux = token_logprobs(forward, ids, attn, temperature=temperature)
-            if mode == "rl":
-                router_sums = mismatch_counts(router.own_ids(), engine_ids, attn)
-                for k, v in router_sums.items():
-                    router_totals[k] = router_totals.get(k, 0.0) + float(v)
-            if mode == "sft":
-                loss, stats = sft_token_losses(logprobs, mask)
-            else:
-                old = pad_right([r["logprobs"] for r in micro], 0.0, torch.float32)
-                adv = torch.tensor([r["advantage"] for r in micro], dtype=torch.float32)
-                with torch.no_grad():
-                    ref, _ = token_logprobs(self.reference, ids, attn, temperature=temperature)
-                loss, stats = grpo_token_losses(
-                    logprobs, old, adv, mask, self.cfg["clip_eps"], ref_logprobs=ref, kl_coef=self.cfg["kl_coef"]
-                )
-            stats["aux_loss"] = aux.detach() * (1.0 if weight else 0.0)
-            self.engine.backward(loss * weight + aux * (1.0 if weight else 0.0))
-            self.engine.step()
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
-        self.steps += 1
-        return self._reduce(sums, total_tokens, gas) | self._router_rate(router_totals) | self._after_step()
+            forced = routed_ids(micro, ids.shape[1]) if self.cfg.get("routing_replay") else None
+            scores = token_scores(replaying(self.engine, forced), ids, attn, temperature,
+                                  hidden=self.value_head is not None)
+            penalty = torch.zeros_like(scores.logprobs)
+            if s.kl_in == "reward" and s.kl_coef:
+                ref, _ = token_logprobs(self.reference, ids, attn, temperature=temperature)
+                penalty = s.kl_coef * kl_estimate(scores.logprobs, ref, s.kl_estimator)
+            values = None if self.value_head is None else self.value_head(scores.hidden).squeeze(-1)
+            for i, r in enumerate(micro):
+                n = len(r["token_ids"])
+                out.append({"kl_penalty": penalty[i, :n].tolist(),
+                            "values": None if values is None else values[i, :n].tolist()})
+        return out[: len(rows)]  # the stand-ins' scores dropped
 
-    def _router_rate(self, totals: dict[str, float]) -> dict[str, float]:
-        """``router/mismatch_rate`` over all ranks (trainer/routing_replay.py); every rank reduces the same keys."""
+    def _step_value_head(self) -> None:
+        """The value head lives outside DeepSpeed: average its gradients over ranks as DeepSpeed does, then step."""
+        if self.value_head is None:
+            return
         import torch.distributed as dist
 
-        if not totals:
-            return {}
-        vec = torch.tensor([totals["router/mismatched"], totals["router/known"]], dtype=torch.float64)
+        params = [p for p in self.value_head.parameters() if p.grad is not None]
         if self.world_size > 1:
-            dist.all_reduce(vec)
-        return mismatch_rate({"router/mismatched": vec[0].item(), "router/known": vec[1].item()})
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world_size
+        torch.nn.utils.clip_grad_norm_(params, self.cfg["grad_clip"])
+        self.value_optimizer.step()
+        self.value_optimizer.zero_grad()
 
     def _after_step(self) -> dict[str, float]:
         import torch.distributed as dist
@@ -159,25 +228,20 @@ class TrainerRank:
 
         return after_optimizer_step(self.engine.module, dist.all_reduce if self.world_size > 1 else None)
 
-    def _reduce(self, sums: dict[str, torch.Tensor], total_tokens: int, gas: int) -> dict[str, float]:
+    def _reduce(self, stats: Stats) -> dict[str, float]:
+        """Sums, minima and maxima over ranks (every rank holds the same keys: same mode, same settings)."""
         import torch.distributed as dist
 
-        keys = sorted(sums)
-        vec = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys])
-        if self.world_size > 1:
-            dist.all_reduce(vec)
         out = {}
-        for k, v in zip(keys, vec.tolist()):
-            if k == "aux_loss":
-                out["moe/aux_loss"] = v / (gas * self.world_size)
-            elif k == "clipped":
-                out["clip_frac"] = v / max(total_tokens, 1)
-            elif k == "ratio":
-                out["ratio/mean"] = v / max(total_tokens, 1)
-            elif k in ("pg_loss", "nll"):
-                out["loss"] = v / max(total_tokens, 1)
-            else:
-                out[k] = v / max(total_tokens, 1)
+        for values, op in ((stats.sums, dist.ReduceOp.SUM), (stats.mins, dist.ReduceOp.MIN),
+                           (stats.maxs, dist.ReduceOp.MAX)):
+            keys = sorted(values)
+            if not keys:
+                continue
+            vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).cpu() for k in keys])
+            if self.world_size > 1:
+                dist.all_reduce(vec, op=op)
+            out |= {k: v for k, v in zip(keys, vec.tolist()) if math.isfinite(v)}  # min/max of no tokens: left out
         norm = self.engine.get_global_grad_norm()
         out["grad_norm"] = float(norm) if norm is not None else 0.0
         out["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -217,16 +281,18 @@ class TrainerRank:
         whole = self.get_weights() if self.expert_parallel > 1 else None  # a collective: every rank takes part
         if self.rank == 0:
             save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
-        # what DeepSpeed does not keep: this rank's RNG and its step count
+        # what DeepSpeed does not keep: this rank's RNG, its step count, the value head (outside DeepSpeed)
         torch.save({"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                    "steps": self.steps},
+                    "steps": self.steps,
+                    "value_head": self.value_head.state_dict() if self.value_head is not None else None,
+                    "value_optimizer": self.value_optimizer.state_dict() if self.value_optimizer else None},
                    Path(directory) / tag / f"trainer_rank_{self.rank}.pt")
         return str(policy_dir)
 
     def load_checkpoint(self, directory: str, tag: str, reference: str | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote (weights, balancing biases, optimizer, RNG); returns the client
-        state. ``reference``: a policy directory to restore the frozen KL reference from."""
+        """Restore what ``save_checkpoint`` wrote (weights, balancing biases, optimizer, RNG, value head); returns the
+        client state. ``reference``: a policy directory to restore the frozen KL reference from."""
         if not (Path(directory) / tag).is_dir():
             raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
         path, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
@@ -238,6 +304,9 @@ class TrainerRank:
         if extra["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["cuda_rng"])
         self.steps = extra["steps"]
+        if self.value_head is not None and extra["value_head"] is not None:
+            self.value_head.load_state_dict(extra["value_head"])
+            self.value_optimizer.load_state_dict(extra["value_optimizer"])
         if reference:
             from sandforge.models.policy import load_policy
 

@@ -1,8 +1,9 @@
 """The RL loop: the one place that drives both the rollout and the trainer.
 
-Each step: sample tasks → rollout workers run G episodes per task in fresh sandboxes → verifiers score them → group
-advantages → one DeepSpeed step over all ranks → new weights to the engine. An optional supervised warm start on verified
-reference-solution episodes comes first, so RL starts from a policy that already calls tools.
+Each step: sample tasks → rollout workers run G episodes per task in fresh sandboxes → verifiers score them → the
+algorithm's advantages (``trainer.algorithm``, see trainer/algorithms) → one DeepSpeed step over all ranks → new weights
+to the engine. An optional supervised warm start on verified reference-solution episodes comes first, so RL starts
+from a policy that already calls tools.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from sandforge.config import JobConfig, dump_config
 from sandforge.rollout.metrics import rollout_metrics
 from sandforge.rollout.tasks import TaskSampler
 from sandforge.runlog import RunLogger
-from sandforge.trainer.grpo import group_advantages
 from sandforge.trainer.weight_sync import WeightSync
+from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
 from sandforge.types import Task, Trajectory
 
 console = Console(stderr=True)
@@ -58,12 +59,9 @@ def progress() -> Progress:
                     TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False)
 
 
-def training_rows(trajs: list[Trajectory], advantages: list[float] | None) -> list[dict]:
-    return [
-        {"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
-         "routed_experts": t.routed_experts, "advantage": advantages[i] if advantages else 0.0}
-        for i, t in enumerate(trajs)
-    ]
+def training_rows(trajs: list[Trajectory]) -> list[dict]:
+    return [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
+             "routed_experts": t.routed_experts} for t in trajs]
 
 
 def step_line(step: int, total: int, m: dict[str, float]) -> str:
@@ -93,6 +91,10 @@ class RLJob:
         init_from = str(cfg.model.init_from) if cfg.model.init_from else None
         # the trainer scores tokens under the same temperature the engine sampled them with, or the ratio is off
         trainer_cfg = cfg.trainer.model_dump() | {"temperature": cfg.rollout.temperature}
+        # the most policy tokens an episode can have: Dr.GRPO's constant and DAPO's L_max
+        budget = cfg.rollout.max_new_tokens * cfg.rollout.max_turns
+        trainer_cfg["response_budget"] = min(budget, cfg.rollout.max_context)
+        self.settings = resolve(trainer_cfg)
         port = free_port()
         rank_actor = ray.remote(num_cpus=0)(TrainerRank)
         self.ranks = [
@@ -117,7 +119,6 @@ class RLJob:
 
     def push_weights(self) -> None:
         self.sync.push(self.version)
-
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included."""
@@ -168,8 +169,20 @@ class RLJob:
 
         total = sum(sum(r["loss_mask"]) for r in rows)
         world = len(self.ranks)
-        results = ray.get([rank.train_step.remote(rows[i::world], total, mode) for i, rank in enumerate(self.ranks)])
+        results = ray.get([rank.train_step.remote(rows[i::world], total, mode, len(rows))
+                           for i, rank in enumerate(self.ranks)])
         return results[0]
+
+    def score(self, rows: list[dict]) -> list[dict]:
+        """Each row's per-token KL penalty and value estimates from the trainer (``TrainerRank.score``), in row order."""
+        import ray
+
+        world = len(self.ranks)
+        shards = ray.get([rank.score.remote(rows[i::world]) for i, rank in enumerate(self.ranks)])
+        out: list[dict] = [{}] * len(rows)
+        for i, shard in enumerate(shards):
+            out[i::world] = shard
+        return out
 
     def warmup(self) -> None:
         w = self.cfg.warmup
@@ -187,7 +200,7 @@ class RLJob:
         losses = []
         for step in range(w.steps):
             batch = self.rng.sample(demos, min(w.batch_size, len(demos)))
-            m = self.train(training_rows(batch, None), mode="sft")
+            m = self.train(training_rows(batch), mode="sft")
             losses.append(m["loss"])
             self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
             self.bar.update(job, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
@@ -198,21 +211,69 @@ class RLJob:
         self.version += 1
         self.push_weights()
 
+    def sample_groups(self, step: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
+        """G episodes for each of ``rollout.tasks_per_step`` tasks: (every episode, the ones to train on, metrics).
+
+        With dynamic sampling (DAPO), groups whose verifier rewards all match (nothing to learn from) are dropped and
+        the missing tasks sampled again, up to ``trainer.dynamic_sampling_max_rounds`` rounds in all."""
+        r, s = self.cfg.rollout, self.settings
+        rounds = s.dynamic_sampling_max_rounds if s.dynamic_sampling else 1
+        trajs: list[Trajectory] = []
+        keep: list[Trajectory] = []
+        need, filtered = r.tasks_per_step, 0
+        for n in range(rounds):
+            tasks = self.sampler.sample(need)
+            tag = f"{step}" if n == 0 else f"{step}.{n}"  # a task drawn again in a later round is a new group
+            episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(r.group_size)]
+            label = f"step {step + 1}: rollouts" + (f" (round {n + 1})" if n else "")
+            got = self.collect([e[0] for e in episodes], [e[1] for e in episodes], scripted=False, label=label)
+            trajs += got
+            ok = [t for t in got if not t.failed]  # failed episodes never reach the gradient
+            if not s.dynamic_sampling:
+                return trajs, ok, {}
+            useful = informative_groups([t.reward.value for t in ok], [t.group for t in ok])
+            filtered += len({t.group for t in got} - useful)
+            keep += [t for t in ok if t.group in useful]
+            need -= len(useful)
+            if need <= 0:
+                break
+        return trajs, keep, {"dapo/filtered_groups": filtered, "dapo/rounds": n + 1}
+
+    def rl_rows(self, ok: list[Trajectory]) -> tuple[list[dict], dict[str, float]]:
+        """Training rows with per-token advantages (and PPO's value targets) from the algorithm."""
+        s = self.settings
+        rows = training_rows(ok)
+        penalties = [overlong_penalty(t.response_tokens, s.response_budget, s.overlong_buffer, s.overlong_penalty)
+                     for t in ok]
+        scores = self.score(rows) if s.needs_scores else None
+        adv, returns = token_advantages(
+            s.algorithm.advantages,
+            [t.reward.value + p for t, p in zip(ok, penalties)],
+            [t.group for t in ok],
+            [t.loss_mask for t in ok],
+            kl_penalty=[x["kl_penalty"] for x in scores] if scores else None,
+            values=[x["values"] for x in scores] if scores and s.algorithm.value_head else None,
+            gamma=s.gamma,
+            lam=s.gae_lambda,
+        )
+        for i, row in enumerate(rows):
+            row["advantages"] = adv[i]
+            if returns is not None:
+                row["returns"] = returns[i]
+        metrics = {"dapo/overlong_penalty": sum(penalties) / len(penalties)} if s.overlong_buffer else {}
+        return rows, metrics
+
     def rl_step(self, step: int) -> dict[str, float]:
-        r = self.cfg.rollout
         t0 = time.perf_counter()
-        tasks = self.sampler.sample(r.tasks_per_step)
-        episodes = [(task, f"{step}/{task.id}") for task in tasks for _ in range(r.group_size)]
-        trajs = self.collect([e[0] for e in episodes], [e[1] for e in episodes], scripted=False,
-                             label=f"step {step + 1}: rollouts")
+        trajs, ok, sampling = self.sample_groups(step)
         t1 = time.perf_counter()
-        ok = [t for t in trajs if not t.failed]  # failed episodes never reach the gradient
-        metrics = rollout_metrics(trajs) | self.sandbox_metrics()
+        metrics = rollout_metrics(trajs) | self.sandbox_metrics() | sampling
         if ok:
-            adv = group_advantages([t.reward.value for t in ok], [t.group for t in ok])
-            metrics |= self.train(training_rows(ok, adv), mode="rl")
+            rows, shaping = self.rl_rows(ok)
+            metrics |= shaping | self.train(rows, mode="rl")
         else:
-            console.print(f"[yellow]step {step + 1}: every episode failed; no update this step[/]")
+            console.print(f"[yellow]step {step + 1}: no episode to learn from (all failed, or no group with differing "
+                          "rewards); no update this step[/]")
         t2 = time.perf_counter()
         self.version += 1
         self.push_weights()

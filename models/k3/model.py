@@ -63,6 +63,7 @@ class K3Output:
     cache: K3Cache | None
     aux_loss: Tensor  # always 0: LatentMoE balances by bias, without an auxiliary loss
     router_ids: Tensor  # [B, T, n_moe_layers, top_k]
+    hidden: Tensor | None = None  # [B, T, D] the normed final hidden state, with return_hidden (a value head reads it)
 
 
 class Layer(nn.Module):
@@ -105,6 +106,7 @@ class K3Model(nn.Module):
         cache: K3Cache | None = None,
         use_cache: bool = False,
         forced_ids: Tensor | None = None,  # [B, T, n_moe_layers, top_k]: routing replay
+        return_hidden: bool = False,
     ) -> K3Output:
         mask = None if attention_mask is None else attention_mask.bool()
         x = self.embed(input_ids)  # [B, T, D]
@@ -132,6 +134,7 @@ class K3Model(nn.Module):
             cache=K3Cache(new_caches) if use_cache else None,
             aux_loss=torch.zeros((), device=logits.device),
             router_ids=torch.stack(router_ids, dim=2),
+            hidden=h if return_hidden else None,
         )
 
 
