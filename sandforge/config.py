@@ -143,12 +143,18 @@ class TrainerConfig(Section):
     world_size: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2] = 2
     grad_accum_steps: int = Field(2, ge=1)
+    # optimizer steps per RL step: the batch is split in this many mini-batches, each one step against the log-probs the
+    # trainer had before the first (PPO-style; with 1 the ratio is 1 and the clip never acts)
+    mini_batches: int = Field(1, ge=1)
     expert_parallel: int = Field(1, ge=1)  # ranks the routed experts are split over (README "Expert parallelism")
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     # trainer -> engine weights: the Ray object store, or a broadcast over a process group of their own (NCCL on GPU,
     # Gloo on CPU); auto: collective with a GPU, object store without
     weight_sync: Literal["auto", "object_store", "collective"] = "auto"
     routing_replay: bool = False  # R3: the training forward uses the experts the engine routed each token to
+    # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (README "Async mode")
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)  # async: an episode may start only if consumed within this many versions
 
     @field_validator("expert_parallel")
     @classmethod
@@ -162,9 +168,6 @@ class TrainerConfig(Section):
                              "by the mean of the ranks' norms, which is not the model's norm when ranks hold "
                              "different experts")
         return ep
-    # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (README "Async mode")
-    mode: Literal["sync", "async"] = "sync"
-    max_staleness: int = Field(1, ge=0)  # async: an episode may start only if consumed within this many versions
 
 
 class WandbConfig(Section):

@@ -104,3 +104,25 @@ def test_checkpoint_holds_a_loadable_policy(rank, tmp_path):
     for k, v in rank.get_weights().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     assert (tmp_path / "step_1").is_dir()
+
+
+def test_later_mini_batches_take_their_ratio_against_the_steps_start(rank):
+    """trainer.mini_batches: score() gives the step's old log-probs; after the first optimizer step the second
+    mini-batch's ratio moves away from 1 (and can be clipped), while without old log-probs it would read exactly 1."""
+    rows = make_rows(rank, [1.0, -1.0, 1.0])
+    for r, s in zip(rows, rank.score(rows)):
+        assert s["old_logprobs"] == pytest.approx(r["logprobs"], abs=1e-5)  # score sees the policy the engine had
+        r["old_logprobs"] = s["old_logprobs"]
+    first, second = rows[:1], rows[1:]
+    m1 = rank.train_step(first, sum(sum(r["loss_mask"]) for r in first), mode="rl")
+    assert m1["ratio/min"] == pytest.approx(1.0, abs=1e-5) and m1["ratio/max"] == pytest.approx(1.0, abs=1e-5)
+    total = sum(sum(r["loss_mask"]) for r in second)
+    plain = [{k: v for k, v in r.items() if k != "old_logprobs"} for r in second]
+    lp_now, mask = masked_logprobs(rank, second)
+    moved = max(abs(a - b) for r, row in zip(second, lp_now) for a, b in zip(r["old_logprobs"][6:], row[6:].tolist()))
+    assert moved > 1e-4  # the first mini-batch's step changed the policy on these rows too
+    m2 = rank.train_step(second, total, mode="rl")
+    assert m2["ratio/max"] - m2["ratio/min"] > 1e-4
+    # the same rows without old log-probs are on-policy again (current == old within the step)
+    m3 = rank.train_step(plain, total, mode="rl")
+    assert m3["ratio/min"] == pytest.approx(1.0, abs=1e-5) and m3["ratio/max"] == pytest.approx(1.0, abs=1e-5)

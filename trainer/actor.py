@@ -167,6 +167,8 @@ class TrainerRank:
             ref_logprobs=ref,
             entropy=scores.entropy,
         )
+        if all("old_logprobs" in r for r in micro):  # later mini-batches of a step: ratio against the step's start
+            batch.old_logprobs = pad_right([r["old_logprobs"] for r in micro], 0.0, torch.float32)
         if self.value_head is not None:
             batch.values = self.value_head(scores.hidden).squeeze(-1)
             batch.returns = pad_right([r["returns"] for r in micro], 0.0, torch.float32)
@@ -176,9 +178,9 @@ class TrainerRank:
 
     @torch.no_grad()
     def score(self, rows: list[dict]) -> list[dict]:
-        """What advantages need from the trainer before its step, per row and token: ``kl_penalty`` (kl_coef times
-        KL to the reference, with ``trainer.kl_in: reward``) and ``values`` (PPO's value head). Eval mode: no MoE
-        statistics accumulate."""
+        """What the trainer knows before its step, per row and token: ``kl_penalty`` (kl_coef times KL to the
+        reference, with ``trainer.kl_in: reward``), ``values`` (PPO's value head) and ``old_logprobs`` (the ratio's
+        denominator when the step takes several mini-batches). Eval mode: no MoE statistics accumulate."""
         from sandforge.models.generate import token_logprobs, token_scores
         from sandforge.trainer.algorithms import kl_estimate
 
@@ -203,7 +205,8 @@ class TrainerRank:
             for i, r in enumerate(micro):
                 n = len(r["token_ids"])
                 out.append({"kl_penalty": penalty[i, :n].tolist(),
-                            "values": None if values is None else values[i, :n].tolist()})
+                            "values": None if values is None else values[i, :n].tolist(),
+                            "old_logprobs": scores.logprobs[i, :n].tolist()})
         return out[: len(rows)]  # the stand-ins' scores dropped
 
     def _step_value_head(self) -> None:

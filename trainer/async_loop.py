@@ -165,7 +165,7 @@ class AsyncDriver:
         metrics = rollout_metrics(trajs) | job.sandbox_metrics() | staleness_metrics(consumed_at, trajs)
         if ok:
             rows, shaping = job.rl_rows(ok)
-            metrics |= shaping | job.train(rows, mode="rl")
+            metrics |= shaping | job.update(rows)
         t1 = time.perf_counter()
         job.version += 1
         job.push_weights()

@@ -173,6 +173,23 @@ class RLJob:
                            for i, rank in enumerate(self.ranks)])
         return results[0]
 
+    def update(self, rows: list[dict]) -> dict[str, float]:
+        """One RL step's optimizer steps: ``trainer.mini_batches`` of them over a shuffled split of ``rows``, each
+        against the log-probs the trainer had before the first. Metrics are averaged over them (``ratio/min|max``:
+        the extremes), so ``ratio/*`` and ``clip_frac`` show how far the later mini-batches moved."""
+        n = min(self.cfg.trainer.mini_batches, len(rows))
+        if n == 1:
+            return self.train(rows, mode="rl")
+        order = list(range(len(rows)))
+        self.rng.shuffle(order)
+        parts = [self.train([rows[i] for i in order[k::n]], mode="rl") for k in range(n)]
+        out = {}
+        for key in parts[0]:
+            values = [p[key] for p in parts if key in p]
+            pick = {"ratio/min": min, "ratio/max": max}.get(key, lambda v: sum(v) / len(v))
+            out[key] = pick(values)
+        return out
+
     def score(self, rows: list[dict]) -> list[dict]:
         """Each row's per-token KL penalty and value estimates from the trainer (``TrainerRank.score``), in row order."""
         import ray
@@ -245,7 +262,8 @@ class RLJob:
         rows = training_rows(ok)
         penalties = [overlong_penalty(t.response_tokens, s.response_budget, s.overlong_buffer, s.overlong_penalty)
                      for t in ok]
-        scores = self.score(rows) if s.needs_scores else None
+        mini = self.cfg.trainer.mini_batches > 1
+        scores = self.score(rows) if s.needs_scores or mini else None
         adv, returns = token_advantages(
             s.algorithm.advantages,
             [t.reward.value + p for t, p in zip(ok, penalties)],
@@ -260,6 +278,8 @@ class RLJob:
             row["advantages"] = adv[i]
             if returns is not None:
                 row["returns"] = returns[i]
+            if mini:
+                row["old_logprobs"] = scores[i]["old_logprobs"]
         metrics = {"dapo/overlong_penalty": sum(penalties) / len(penalties)} if s.overlong_buffer else {}
         return rows, metrics
 
@@ -270,7 +290,7 @@ class RLJob:
         metrics = rollout_metrics(trajs) | self.sandbox_metrics() | sampling
         if ok:
             rows, shaping = self.rl_rows(ok)
-            metrics |= shaping | self.train(rows, mode="rl")
+            metrics |= shaping | self.update(rows)
         else:
             console.print(f"[yellow]step {step + 1}: no episode to learn from (all failed, or no group with differing "
                           "rewards); no update this step[/]")

@@ -36,6 +36,7 @@ class MicroBatch:
     entropy: Tensor | None = None  # [B, T] the trainer's per-token entropy, with grad
     values: Tensor | None = None  # [B, T] the value head's estimates, with grad (PPO)
     returns: Tensor | None = None  # [B, T] value targets (PPO)
+    old_logprobs: Tensor | None = None  # [B, T] the trainer's before this RL step's first update (mini-batches)
 
 
 @dataclass
@@ -61,7 +62,7 @@ def rl_objective(b: MicroBatch, s: Settings, totals: Totals) -> tuple[Tensor, St
     """The loss to backpropagate (this micro-batch's share of the step's aggregated loss) and its statistics."""
     mask = b.mask.float()
     on = mask.bool()
-    old = b.logprobs.detach()
+    old = b.old_logprobs if b.old_logprobs is not None else b.logprobs.detach()
     pl = s.algorithm.loss(b.logprobs, old, b.advantages, mask, s.eps_low, s.eps_high)
     per_token = pl.per_token
     st = Stats()
