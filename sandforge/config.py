@@ -123,6 +123,9 @@ class TrainerConfig(Section):
                        "dapo"] = "grpo"
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
     lr: float = Field(1e-4, gt=0)
+    # over the RL run's optimizer steps (trainer.steps x trainer.mini_batches); the warm start keeps warmup.lr
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)  # optimizer steps of linear ramp-up before the schedule
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)  # symmetric PPO clip; clip_eps_low / clip_eps_high override either side

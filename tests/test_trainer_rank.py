@@ -126,3 +126,34 @@ def test_later_mini_batches_take_their_ratio_against_the_steps_start(rank):
     # the same rows without old log-probs are on-policy again (current == old within the step)
     m3 = rank.train_step(plain, total, mode="rl")
     assert m3["ratio/min"] == pytest.approx(1.0, abs=1e-5) and m3["ratio/max"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_lr_factor_shapes():
+    from sandforge.trainer.lr_schedule import lr_factor
+
+    assert [lr_factor(u, 4) for u in range(4)] == [1.0] * 4
+    assert [lr_factor(u, 6, "linear", warmup=2) for u in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    cosine = [lr_factor(u, 5, "cosine", warmup=1) for u in range(5)]
+    assert cosine[:2] == [1.0, 1.0] and cosine[2] == pytest.approx(0.5 * (1 + 2 ** -0.5))
+    assert cosine == sorted(cosine, reverse=True) and 0 < cosine[-1] < 0.2
+
+
+def test_lr_follows_the_schedule_over_rl_steps_only_and_survives_a_checkpoint(tmp_path):
+    """linear, 2 warmup steps over 3 RL steps x 2 mini-batches: 0.5, 1, 1, 0.75, 0.5, 0.25 of trainer.lr. A warm-start
+    (SFT) step in between runs at the lr set_lr gave it and does not advance the schedule; a reloaded rank goes on."""
+    from sandforge.trainer.actor import TrainerRank
+
+    cfg = TRAINER | dict(lr=1e-3, lr_schedule="linear", lr_warmup_steps=2, steps=3, mini_batches=2)
+    a = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, None, "bytes", seed=0, num_threads=2)
+    rows = make_rows(a, [1.0, -1.0])
+    total = sum(sum(r["loss_mask"]) for r in rows)
+    a.set_lr(5e-3)
+    assert a.train_step(rows, total, mode="sft")["lr"] == 5e-3
+    got = [a.train_step(rows, total, mode="rl")["lr"] for _ in range(3)]
+    assert got == pytest.approx([5e-4, 1e-3, 1e-3])
+    a.save_checkpoint(str(tmp_path), "step_3", {"step": 3})
+    want = [a.train_step(rows, total, mode="rl")["lr"] for _ in range(3)]
+    assert want == pytest.approx([7.5e-4, 5e-4, 2.5e-4])
+    b = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, None, "bytes", seed=0, num_threads=2)
+    b.load_checkpoint(str(tmp_path), "step_3")
+    assert b.train_step(rows, total, mode="rl")["lr"] == want[0]

@@ -104,10 +104,18 @@ class TrainerRank:
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=trainer_cfg["lr"],
                                                      weight_decay=trainer_cfg["weight_decay"])
         self.steps = 0
+        self.rl_updates = 0  # RL optimizer steps taken: where the lr schedule stands (trainer/lr_schedule.py)
 
     def reset_reference(self) -> None:
         """Make the current policy the KL reference (after a warm start, RL is measured from there)."""
         self.reference.load_state_dict(self.engine.module.state_dict())
+
+    def rl_lr(self, update: int) -> float:
+        from sandforge.trainer.lr_schedule import lr_factor
+
+        total = self.cfg.get("steps", 1) * self.cfg.get("mini_batches", 1)
+        return self.cfg["lr"] * lr_factor(update, total, self.cfg.get("lr_schedule", "constant"),
+                                          self.cfg.get("lr_warmup_steps", 0))
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -126,6 +134,8 @@ class TrainerRank:
         totals = Totals(tokens=total_tokens, sequences=total_sequences or len(rows))
         scale = gas * self.world_size  # undo DeepSpeed's 1/gas and 1/world averaging: each loss is already a share
         stats = Stats()
+        if mode == "rl":  # the warm start keeps the lr set_lr gave it; RL follows the schedule
+            self.set_lr(self.rl_lr(self.rl_updates))
         self.engine.train()
         for micro in split_micro_batches(rows, gas):
             weight = scale
@@ -139,6 +149,7 @@ class TrainerRank:
             stats.add(st)
         if mode == "rl":
             self._step_value_head()
+            self.rl_updates += 1
         self.steps += 1
         return mismatch_rate(self._reduce(stats)) | self._after_step()
 
@@ -284,10 +295,11 @@ class TrainerRank:
         whole = self.get_weights() if self.expert_parallel > 1 else None  # a collective: every rank takes part
         if self.rank == 0:
             save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
-        # what DeepSpeed does not keep: this rank's RNG, its step count, the value head (outside DeepSpeed)
+        # what DeepSpeed does not keep: this rank's RNG, its step counts (the lr schedule's too), the value head (outside DeepSpeed)
         torch.save({"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                     "steps": self.steps,
+                    "rl_updates": self.rl_updates,
                     "value_head": self.value_head.state_dict() if self.value_head is not None else None,
                     "value_optimizer": self.value_optimizer.state_dict() if self.value_optimizer else None},
                    Path(directory) / tag / f"trainer_rank_{self.rank}.pt")
@@ -307,6 +319,7 @@ class TrainerRank:
         if extra["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["cuda_rng"])
         self.steps = extra["steps"]
+        self.rl_updates = extra.get("rl_updates", 0)
         if self.value_head is not None and extra["value_head"] is not None:
             self.value_head.load_state_dict(extra["value_head"])
             self.value_optimizer.load_state_dict(extra["value_optimizer"])

@@ -4,7 +4,8 @@
 
     DeepSpeed's files        model (MoE balancing biases included: they are persistent buffers) and optimizer state
     policy/                  the standalone policy (rank 0), for ``sandforge serve`` and evaluation
-    trainer_rank_R.pt        each rank's torch RNG, step count, and the PPO value head with its optimizer
+    trainer_rank_R.pt        each rank's torch RNG, step counts (the lr schedule's position), the PPO value head and
+                             its optimizer
     driver.pt                step, policy version, task sampler RNG (the data cursor), the driver's RNGs, the engine's
                              sampling generator, the config hash
     complete                 written last: a directory without it is torn (the run died while writing) and is skipped
