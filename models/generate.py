@@ -138,7 +138,7 @@ def token_scores(
 ) -> TokenScores:
     """One forward pass over right-padded ``input_ids``: log-probs (and optionally entropies and hidden states)."""
     res = model(input_ids, attention_mask=attention_mask, **({"return_hidden": True} if hidden else {}))
-    logits = res.logits[:, :-1] / _scale(temperature)
+    logits = res.logits[:, :-1].float() / _scale(temperature)  # fp32 log-probs, whatever the weights are in
     targets = input_ids[:, 1:]
     keep = attention_mask[:, 1:].to(logits.dtype)
     lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view_as(targets)

@@ -145,6 +145,7 @@ class TrainerConfig(Section):
     overlong_penalty: float = Field(1.0, ge=0)  # the penalty at the budget: -overlong_penalty
     world_size: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2] = 2
+    bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available
     grad_accum_steps: int = Field(2, ge=1)
     # optimizer steps per RL step: the batch is split in this many mini-batches, each one step against the log-probs the
     # trainer had before the first (PPO-style; with 1 the ratio is 1 and the clip never acts)

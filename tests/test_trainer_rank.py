@@ -157,3 +157,37 @@ def test_lr_follows_the_schedule_over_rl_steps_only_and_survives_a_checkpoint(tm
     b = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, None, "bytes", seed=0, num_threads=2)
     b.load_checkpoint(str(tmp_path), "step_3")
     assert b.train_step(rows, total, mode="rl")["lr"] == want[0]
+
+
+def test_deepspeed_config_for_each_precision_setting():
+    from sandforge.trainer.actor import deepspeed_config
+
+    base = TrainerConfig(zero_stage=1, grad_accum_steps=3, grad_clip=0.5).model_dump()
+    cpu, gpu = deepspeed_config(base, cuda=False), deepspeed_config(base, cuda=True)
+    assert "bf16" not in cpu and gpu["bf16"] == {"enabled": True}  # null: bf16 exactly when CUDA is there
+    assert cpu["zero_optimization"] == {"stage": 1} and cpu["gradient_accumulation_steps"] == 3
+    assert cpu["gradient_clipping"] == 0.5
+    assert "bf16" not in deepspeed_config(base | dict(bf16=False), cuda=True)
+    assert deepspeed_config(base | dict(bf16=True), cuda=False)["bf16"] == {"enabled": True}
+
+
+def test_a_bf16_step_on_cpu_keeps_log_probs_values_and_moe_biases_in_fp32():
+    from sandforge.models.generate import token_scores
+    from sandforge.trainer.actor import TrainerRank, pad_right
+
+    r = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER | dict(bf16=True, algorithm="ppo", lr=1e-2), None,
+                    "bytes", seed=0, num_threads=2)
+    assert next(r.engine.module.parameters()).dtype == torch.bfloat16
+    biases = [b for n, b in r.engine.module.named_buffers() if n.endswith("ffn.bias")]
+    assert biases and all(b.dtype == torch.float32 for b in biases)
+    rows = make_rows(r, [1.0, -1.0])
+    for row in rows:
+        row["returns"] = [1.0] * len(row["token_ids"])
+    ids = pad_right([row["token_ids"] for row in rows], 0, torch.long)
+    attn = pad_right([[1] * len(row["token_ids"]) for row in rows], 0, torch.long)
+    with torch.no_grad():
+        assert token_scores(r.engine, ids, attn).logprobs.dtype == torch.float32
+    total = sum(sum(row["loss_mask"]) for row in rows)
+    m1 = r.train_step(rows, total, mode="rl", total_sequences=2)
+    m2 = r.train_step(rows, total, mode="rl", total_sequences=2)
+    assert m1["grad_norm"] > 0 and m2["value/loss"] < m1["value/loss"] == pytest.approx(0.5)

@@ -34,6 +34,24 @@ def split_micro_batches(rows: list[dict], n: int) -> list[list[dict]]:
     return [order[i::n] for i in range(n)]
 
 
+def deepspeed_config(trainer_cfg: dict, cuda: bool) -> dict:
+    """DeepSpeed's config for ``trainer_cfg``. bf16 (``trainer.bf16``; null: on with CUDA) keeps fp32 master weights,
+    gradients accumulated in fp32 and fp32 buffers (the LatentMoE biases); log-probs are taken from fp32 logits."""
+    bf16 = trainer_cfg.get("bf16")
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,  # sequences are packed by us; DeepSpeed counts micro-steps only
+        "gradient_accumulation_steps": trainer_cfg["grad_accum_steps"],
+        "gradient_clipping": trainer_cfg["grad_clip"],
+        "zero_optimization": {"stage": trainer_cfg["zero_stage"]},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cuda if bf16 is None else bf16:
+        ds_config["bf16"] = {"enabled": True}
+    return ds_config
+
+
 class TrainerRank:
     def __init__(
         self,
@@ -79,15 +97,7 @@ class TrainerRank:
         self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
         params = optimizer_groups(model) if self.expert_parallel > 1 else model.parameters()
         optimizer = torch.optim.AdamW(params, lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
-        ds_config = {
-            "train_micro_batch_size_per_gpu": 1,  # sequences are packed by us; DeepSpeed counts micro-steps only
-            "gradient_accumulation_steps": trainer_cfg["grad_accum_steps"],
-            "gradient_clipping": trainer_cfg["grad_clip"],
-            "zero_optimization": {"stage": trainer_cfg["zero_stage"]},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
+        ds_config = deepspeed_config(trainer_cfg, torch.cuda.is_available())
         if self.expert_parallel > 1:
             from sandforge.trainer import expert_parallel
 
@@ -181,7 +191,7 @@ class TrainerRank:
         if all("old_logprobs" in r for r in micro):  # later mini-batches of a step: ratio against the step's start
             batch.old_logprobs = pad_right([r["old_logprobs"] for r in micro], 0.0, torch.float32)
         if self.value_head is not None:
-            batch.values = self.value_head(scores.hidden).squeeze(-1)
+            batch.values = self.value_head(scores.hidden.float()).squeeze(-1)
             batch.returns = pad_right([r["returns"] for r in micro], 0.0, torch.float32)
         loss, st = rl_objective(batch, self.settings, totals)
         st.sums |= mismatch_counts(router.own_ids(), engine_ids, attn)
@@ -212,7 +222,7 @@ class TrainerRank:
             if s.kl_in == "reward" and s.kl_coef:
                 ref, _ = token_logprobs(self.reference, ids, attn, temperature=temperature)
                 penalty = s.kl_coef * kl_estimate(scores.logprobs, ref, s.kl_estimator)
-            values = None if self.value_head is None else self.value_head(scores.hidden).squeeze(-1)
+            values = None if self.value_head is None else self.value_head(scores.hidden.float()).squeeze(-1)
             for i, r in enumerate(micro):
                 n = len(r["token_ids"])
                 out.append({"kl_penalty": penalty[i, :n].tolist(),
@@ -262,12 +272,15 @@ class TrainerRank:
         return out
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """The whole policy's weights on CPU. With expert parallelism every rank must call it: experts are gathered."""
+        """The whole policy's weights on CPU, in fp32 as the engine and a saved policy hold them (bf16 training keeps
+        bf16 copies). With expert parallelism every rank must call it: experts are gathered."""
         if self.expert_parallel > 1:
             from sandforge.models.k3.expert_parallel import full_state_dict
 
-            return full_state_dict(self.engine.module)
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
+            weights = full_state_dict(self.engine.module)
+        else:
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
+        return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
     def open_weight_channel(self, host: str, port: int) -> None:
         """Rank 0's end of the collective weight sync (models/weight_sync.py); the engine opens the other end."""
@@ -292,7 +305,8 @@ class TrainerRank:
 
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
         policy_dir = Path(directory) / tag / "policy"
-        whole = self.get_weights() if self.expert_parallel > 1 else None  # a collective: every rank takes part
+        # with expert parallelism a collective: every rank takes part
+        whole = self.get_weights() if self.expert_parallel > 1 or self.rank == 0 else None
         if self.rank == 0:
             save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
         # what DeepSpeed does not keep: this rank's RNG, its step counts (the lr schedule's too), the value head (outside DeepSpeed)
