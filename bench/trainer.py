@@ -144,7 +144,6 @@ def weight_sync_section(args, table: Table) -> dict:
     import time
 
     import ray
-    import torch
 
     from sandforge.models.k3.model import PRESETS, K3Model
     from sandforge.models.policy import policy_config

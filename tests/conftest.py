@@ -13,6 +13,18 @@ from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError,
 from sandforge.environments.sandbox.images import build_images
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is fastest, and on a shared 2-core machine far faster than two.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     try:

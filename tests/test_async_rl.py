@@ -17,12 +17,7 @@ from sandforge.trainer.async_loop import admits, episode_staleness
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def test_admission_lets_an_episode_start_only_within_max_staleness_of_its_batch():

@@ -15,13 +15,7 @@ from sandforge.rollout.engine import EngineCore
 CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest, and on a shared 2-core machine far faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def peaky_k3(seed: int = 0, scale: float = 4.0) -> K3Model:

@@ -12,12 +12,7 @@ from sandforge.models.generate import SamplingParams, generate
 from sandforge.models.k3.model import K3Cache
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def observation(rng: random.Random) -> list[int]:

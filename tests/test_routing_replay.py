@@ -17,12 +17,7 @@ from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, re
 CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def episode(model: K3Model) -> dict:

@@ -48,7 +48,7 @@ Shapes: B batch, T tokens, D model, L latent, N = B·T flattened tokens, n exper
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +58,7 @@ BALANCING = ("quantile", "sign", "none")
 QUANTILE_RANGE = 4.0  # s − α lies in (−1 − Δb, 1 + Δb); mean-centred biases keep it well inside ±4
 
 
-@dataclass
-class MoEResult:
+class MoEResult(NamedTuple):  # a tuple, so ZeRO-3's hooks find its tensors and re-gather the experts in backward
     y: Tensor  # [B, T, D] in the input's dtype
     expert_ids: Tensor  # [B, T, k] int64, the experts used (record these for routing replay)
     weights: Tensor  # [B, T, k] float32, p_i = s_i / Σ chosen s
