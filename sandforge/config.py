@@ -144,7 +144,7 @@ class TrainerConfig(Section):
     overlong_buffer: int | None = Field(None, ge=0)  # soft overlong penalty over the budget's last N tokens (0: off)
     overlong_penalty: float = Field(1.0, ge=0)  # the penalty at the budget: -overlong_penalty
     world_size: int = Field(1, ge=1)
-    zero_stage: Literal[0, 1, 2] = 2
+    zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel)
     bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available
     grad_accum_steps: int = Field(2, ge=1)
     # optimizer steps per RL step: the batch is split in this many mini-batches, each one step against the log-probs the
@@ -167,6 +167,9 @@ class TrainerConfig(Section):
         if ep > 1 and world % ep:
             raise ValueError(f"{ep} must divide trainer.world_size ({world}): each group of {ep} ranks holds every "
                              "expert once")
+        if ep > 1 and stage == 3:
+            raise ValueError("needs trainer.zero_stage 1 or 2 (got 3): ZeRO-3 gathers an expert only on the ranks "
+                             "whose tokens chose it, so ranks that hold different experts wait on each other")
         if ep > 1 and stage not in EXPERT_PARALLEL_ZERO_STAGES:
             raise ValueError(f"needs trainer.zero_stage 1 or 2 (got {stage}): without ZeRO, DeepSpeed clips gradients "
                              "by the mean of the ranks' norms, which is not the model's norm when ranks hold "

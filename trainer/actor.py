@@ -8,6 +8,7 @@ itself (clipping, aggregation, KL, importance weights) lives in ``trainer/algori
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -90,6 +91,9 @@ class TrainerRank:
                              f"{model.config.vocab_size}")
 
         self.expert_parallel = trainer_cfg.get("expert_parallel", 1)
+        self.zero3 = trainer_cfg["zero_stage"] == 3  # parameters partitioned over ranks: forwards all-gather them
+        # building the whole model is a collective: every rank must call get_weights / save_checkpoint together
+        self.gathers = self.expert_parallel > 1 or self.zero3
         if self.expert_parallel > 1:  # keep this rank's experts only; the reference copy shares the expert groups
             from sandforge.trainer.expert_parallel import optimizer_groups, shard_model
 
@@ -103,6 +107,13 @@ class TrainerRank:
 
             self.engine, self.optimizer = expert_parallel.initialize(model, optimizer, ds_config, self.expert_parallel)
         else:
+            if self.zero3:  # an expert runs only on ranks whose tokens chose it: gather a MoE layer's experts together
+                from deepspeed.utils import set_z3_leaf_modules
+
+                from sandforge.models.k3.latent_moe import LatentMoE
+
+                if any(isinstance(m, LatentMoE) for m in model.modules()):
+                    set_z3_leaf_modules(model, [LatentMoE])
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.settings = resolve(trainer_cfg)
         self.value_head = self.value_optimizer = None
@@ -117,8 +128,20 @@ class TrainerRank:
         self.rl_updates = 0  # RL optimizer steps taken: where the lr schedule stands (trainer/lr_schedule.py)
 
     def reset_reference(self) -> None:
-        """Make the current policy the KL reference (after a warm start, RL is measured from there)."""
-        self.reference.load_state_dict(self.engine.module.state_dict())
+        """Make the current policy the KL reference (after a warm start, RL is measured from there). With ZeRO-3 or
+        expert parallelism every rank must call it."""
+        if self.expert_parallel > 1:  # the reference holds this rank's experts, as the policy does
+            self.reference.load_state_dict(self.engine.module.state_dict())
+            return
+        self.reference.load_state_dict(self.get_weights())
+
+    def full_parameters(self):
+        """A context in which the module's parameters are whole (ZeRO-3 gathers them: a collective, on every rank)."""
+        if not self.zero3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
 
     def rl_lr(self, update: int) -> float:
         from sandforge.trainer.lr_schedule import lr_factor
@@ -210,7 +233,7 @@ class TrainerRank:
         self.engine.eval()
         out = []
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
-        if self.expert_parallel > 1:  # every forward is an all-to-all over the expert group: all ranks run gas of them
+        if self.gathers:  # every forward is an all-to-all (experts) or all-gathers (ZeRO-3): all ranks run gas of them
             batches += [[DUMMY_ROW]] * (self.cfg["grad_accum_steps"] - len(batches))
         for micro in batches:
             ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
@@ -279,7 +302,8 @@ class TrainerRank:
 
             weights = full_state_dict(self.engine.module)
         else:
-            weights = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
+            with self.full_parameters():
+                weights = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
         return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
     def open_weight_channel(self, host: str, port: int) -> None:
@@ -289,8 +313,8 @@ class TrainerRank:
         self.channel = WeightChannel(host, port, rank=0)
 
     def send_weights(self, version: int) -> int:
-        """Broadcast the policy to the engine over the weight channel (every rank calls it: with expert parallelism
-        the experts are gathered first; rank 0 sends)."""
+        """Broadcast the policy to the engine over the weight channel (every rank calls it: with expert parallelism or
+        ZeRO-3 the whole model is gathered first; rank 0 sends)."""
         weights = self.get_weights()
         return self.channel.send(weights, version) if self.rank == 0 else version
 
@@ -305,10 +329,11 @@ class TrainerRank:
 
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
         policy_dir = Path(directory) / tag / "policy"
-        # with expert parallelism a collective: every rank takes part
-        whole = self.get_weights() if self.expert_parallel > 1 or self.rank == 0 else None
-        if self.rank == 0:
-            save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
+        # with expert parallelism or ZeRO-3 a collective: every rank takes part
+        whole = self.get_weights() if self.gathers or self.rank == 0 else None
+        with self.full_parameters():  # a Hugging Face policy saves its own (gathered) parameters
+            if self.rank == 0:
+                save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
         # what DeepSpeed does not keep: this rank's RNG, its step counts (the lr schedule's too), the value head (outside DeepSpeed)
         torch.save({"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,

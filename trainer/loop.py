@@ -112,9 +112,10 @@ class RLJob:
         self.workers = [worker_actor.remote(i, job, run_id, self.engine, images, sandbox_labels)
                         for i in range(cfg.rollout.workers)]
         self.version = 0
-        # with expert parallelism the experts are spread over the ranks: all of them take part in gathering the whole
-        # model, and rank 0's copy goes to the engine
-        self.sync = WeightSync(cfg.trainer.weight_sync, self.ranks, self.engine, cfg.trainer.expert_parallel > 1)
+        # with expert parallelism (experts) or ZeRO-3 (every parameter) the model is spread over the ranks: all of them
+        # take part in gathering the whole model, and rank 0's copy goes to the engine
+        gather_all = cfg.trainer.expert_parallel > 1 or cfg.trainer.zero_stage == 3
+        self.sync = WeightSync(cfg.trainer.weight_sync, self.ranks, self.engine, gather_all)
         self.push_weights()
 
     def push_weights(self) -> None:

@@ -8,7 +8,7 @@
   (models/weight_sync.py: NCCL on GPU, Gloo on CPU), GPU memory to GPU memory without the object store.
 - ``auto``: collective where there is a GPU, object store otherwise.
 
-With expert parallelism every rank takes part (the experts are gathered to rank 0 first) on either path.
+With expert parallelism or ZeRO-3 every rank takes part (the whole model is gathered first) on either path.
 """
 
 from __future__ import annotations

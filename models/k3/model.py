@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +58,7 @@ class K3Cache:
         return sum(c.nbytes for c in self.layers)
 
 
-@dataclass
-class K3Output:
+class K3Output(NamedTuple):  # a tuple, so ZeRO-3's hooks find its tensors
     logits: Tensor  # [B, T, V] float32
     cache: K3Cache | None
     aux_loss: Tensor  # always 0: LatentMoE balances by bias, without an auxiliary loss
