@@ -32,6 +32,11 @@ def z3_worker(rank: int, world: int, port: int, zero_stage: int, checkpoint: str
     out["reference"] = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
     if checkpoint:
         out["policy_dir"] = trainer.save_checkpoint(checkpoint, "step_2", {"step": 2})
+        out["next"] = trainer.train_step(rows[rank::world], total, "rl")["loss"]
+        trainer.train_step(rows[rank::world], total, "rl")  # moves on past the checkpoint, then goes back to it
+        trainer.load_checkpoint(checkpoint, "step_2")
+        out["resumed"] = trainer.get_weights()
+        out["resumed_next"] = trainer.train_step(rows[rank::world], total, "rl")["loss"]
     return out
 
 
@@ -70,3 +75,10 @@ def test_zero3_exports_the_whole_model_on_every_rank(z3_runs):
     assert [len(r["scored"]) for r in ranks] == [3, 1]
     for got, want in zip(ranks[0]["scored"], single["scored"]):
         assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_zero3_checkpoint_resumes_on_every_rank(z3_runs):
+    _, ranks = z3_runs
+    for rank in ranks:
+        assert all(torch.equal(rank["resumed"][k], v) for k, v in rank["weights"].items())
+        assert rank["resumed_next"] == rank["next"]  # weights, optimizer moments and biases all came back
