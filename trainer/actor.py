@@ -29,6 +29,13 @@ def pad_right(rows: list[list], value, dtype) -> torch.Tensor:
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
+def token_batch(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids and their attention mask [B, T] for a micro-batch of rows."""
+    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
+    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
+    return ids, attn
+
+
 def split_micro_batches(rows: list[dict], n: int) -> list[list[dict]]:
     """Deal sequences longest-first into n micro-batches so their padded sizes stay close."""
     order = sorted(rows, key=lambda r: len(r["token_ids"]), reverse=True)
@@ -190,8 +197,7 @@ class TrainerRank:
                           mode: str) -> tuple[torch.Tensor, Stats, torch.Tensor]:
         from sandforge.models.generate import token_logprobs, token_scores
 
-        ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
-        attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
+        ids, attn = token_batch(micro)
         mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
         if mode == "sft":
             scores = token_scores(self.engine, ids, attn)
@@ -236,8 +242,7 @@ class TrainerRank:
         if self.gathers:  # every forward is an all-to-all (experts) or all-gathers (ZeRO-3): all ranks run gas of them
             batches += [[DUMMY_ROW]] * (self.cfg["grad_accum_steps"] - len(batches))
         for micro in batches:
-            ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
-            attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
+            ids, attn = token_batch(micro)
             forced = routed_ids(micro, ids.shape[1]) if self.cfg.get("routing_replay") else None
             scores = token_scores(replaying(self.engine, forced), ids, attn, temperature,
                                   hidden=self.value_head is not None)
