@@ -48,17 +48,19 @@ class RolloutWorker:
         self.stats = SandboxStats()
         client = docker_client(max_pool_size=max(32, 2 * s.max_live))
         self.pools = {
-            name: SandboxPool(self._spec(image), run_id, size=s.warm_pool, client=client, max_live=s.max_live,
-                              max_creates_per_second=s.creates_per_second, labels=sandbox_labels,
+            name: SandboxPool(self._spec(image, self.env_classes[name]), run_id, size=s.warm_pool, client=client,
+                              max_live=s.max_live, max_creates_per_second=s.creates_per_second, labels=sandbox_labels,
                               stats=self.stats)
             for name, image in images.items()
         }
 
-    def _spec(self, image: str) -> SandboxSpec:
+    def _spec(self, image: str, env_class: type) -> SandboxSpec:
+        """The job's ``sandbox`` config, with what the env declares it needs (``sandbox_defaults``) on top."""
         s = self.cfg.sandbox
-        return SandboxSpec(image=image, memory=s.memory, cpus=s.cpus, pids_limit=s.pids_limit, network=s.network,
-                           runtime=s.runtime, read_only=s.read_only, workspace_size=s.workspace_size,
-                           tmp_size=s.tmp_size, nofile=s.nofile, max_file_size=s.max_file_size)
+        fields = dict(memory=s.memory, cpus=s.cpus, pids_limit=s.pids_limit, network=s.network, runtime=s.runtime,
+                      read_only=s.read_only, workspace_size=s.workspace_size, tmp_size=s.tmp_size, nofile=s.nofile,
+                      max_file_size=s.max_file_size)
+        return SandboxSpec(image=image, **{**fields, **getattr(env_class, "sandbox_defaults", {})})
 
     def _make_env(self, task: Task):
         pool = self.pools[task.env]

@@ -1,0 +1,100 @@
+"""An environment whose episode lives in its own Docker sandbox: the lifecycle every built-in env shares.
+
+The sandbox comes from a ``SandboxPool`` when one is given (``reset`` acquires a warm one, ``close`` releases it), or is
+created by the env itself otherwise. Either way it belongs to one episode only. ``reset`` prepares it from the task's
+``setup``: ``files`` (path -> text, relative to the workdir) are written, then ``commands`` run in the policy's shell
+session (a service they start keeps running). Subclasses add tools; none are declared here.
+
+``sandbox_defaults``: SandboxSpec fields this env needs beyond the job's ``sandbox`` config (e.g. a browser's memory);
+the rollout worker applies them over the config when it builds the env's pool.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any, ClassVar
+
+import docker
+
+from sandforge.environments.base import ToolEnv
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec, docker_client
+from sandforge.environments.sandbox.lifecycle import driver_labels
+from sandforge.environments.sandbox.pool import SandboxPool
+from sandforge.environments.sandbox.stats import SandboxStats
+from sandforge.types import Task
+
+
+class SandboxEnv(ToolEnv):
+    """One task, one container per episode (``reset`` never reuses a sandbox). Close it to remove the container.
+
+    With ``pool``, sandboxes come from it (its spec wins; ``spec`` should match it) and ``client`` and ``labels`` are
+    unused. Without one, the env creates its own, labelled with ``labels`` (default: this process's ``driver_labels``).
+    Exec latency and exec failures go to ``stats`` (default: the pool's stats, if any).
+    """
+
+    sandbox_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(
+        self,
+        task: Task,
+        spec: SandboxSpec,
+        run_id: str,
+        exec_timeout: float = 10.0,
+        client: docker.DockerClient | None = None,
+        pool: SandboxPool | None = None,
+        stats: SandboxStats | None = None,
+        labels: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.task = task
+        self.spec = pool.spec if pool is not None else spec
+        self.run_id = run_id
+        self.exec_timeout = exec_timeout
+        self.pool = pool
+        self.stats = stats if stats is not None else (pool.stats if pool is not None else None)
+        self._client = client
+        self._labels = labels
+        self._sandbox: Sandbox | None = None
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """The live sandbox of the current episode (verifiers read it after the episode)."""
+        if self._sandbox is None:
+            raise RuntimeError("the env has no sandbox: call reset() first")
+        return self._sandbox
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed, options=options)
+        self.close()
+        if self.pool is not None:
+            self._sandbox = self.pool.acquire()
+        else:
+            self._client = self._client or docker_client()  # one client for all of this env's episodes
+            labels = self._labels or driver_labels(self.run_id)
+            self._sandbox = Sandbox.create(self.spec, self.run_id, client=self._client, labels=labels)
+        try:
+            for path, content in self.task.setup.get("files", {}).items():
+                self._sandbox.write_file(posixpath.join(self.spec.workdir, path), content)
+        except (OSError, ValueError) as e:
+            self.close()
+            raise SandboxError(f"task {self.task.id}: setup could not write its files: {e}") from e
+        for command in self.task.setup.get("commands", []):  # e.g. start a service (the session keeps it running)
+            result = self._sandbox.exec(command, timeout=self.exec_timeout)
+            if result.exit_code != 0:
+                self.close()
+                raise SandboxError(f"task {self.task.id}: setup command {command!r} exited {result.exit_code}: "
+                                   f"{result.output[-200:]}")
+        return self.task.instruction, {"task_id": self.task.id, "sandbox": self._sandbox.name}
+
+    def close(self) -> None:
+        """Remove the episode's container (back to the pool, which removes it, when there is one). Never raises."""
+        if self._sandbox is not None:
+            sandbox, self._sandbox = self._sandbox, None
+            if self.pool is not None:
+                self.pool.release(sandbox)
+            else:
+                sandbox.close()
+
+    def _truncate(self, text: str) -> str:
+        limit = self.spec.max_output_bytes
+        return text if len(text) <= limit else text[:limit] + f"\n[... truncated {len(text) - limit} chars]"
