@@ -147,6 +147,9 @@ class TrainerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel)
     bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available
     grad_accum_steps: int = Field(2, ge=1)
+    # K3 policies: a micro-batch's sequences share forward rows instead of padding to the longest (models/packing.py);
+    # Hugging Face policies always pad
+    pack_sequences: bool = True
     # optimizer steps per RL step: the batch is split in this many mini-batches, each one step against the log-probs the
     # trainer had before the first (PPO-style; with 1 the ratio is 1 and the clip never acts)
     mini_batches: int = Field(1, ge=1)
