@@ -77,12 +77,67 @@ def train(
             resume_point(cfg.run.output_dir)
         except ResumeError as e:
             fail(str(e))
+    _run(cfg, resume=resume)
+
+
+@app.command()
+def sft(
+    config: Path = typer.Argument(..., help="Job YAML; its `warmup` section is the SFT cold start"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. warmup.steps=100"),
+) -> None:
+    """Supervised cold start: run every task family's reference solver through the real agent loop and sandboxes,
+    keep the episodes the verifiers accept, and train on their assistant tokens. Writes the checkpoint
+    `sandforge train` starts from (model.init_from=<run.output_dir>/checkpoints/step_0/policy)."""
+    try:
+        cfg = load_config(config, list(overrides or []))
+        validate_job(cfg, str(config))
+        if not cfg.warmup.steps:
+            raise ConfigError(f"{config}: 'warmup.steps' is 0: sandforge sft needs some SFT steps")
+    except ConfigError as e:
+        fail(str(e))
+    _run(cfg, sft_only=True)
+
+
+@app.command("eval")
+def evaluate(
+    config: Path = typer.Argument(..., help="Job YAML: its environments, rollout and eval sections"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. eval.samples=8"),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="A policy directory, e.g. "
+                                    "runs/x/checkpoints/step_20/policy"),
+    out: Optional[Path] = typer.Option(None, "--out", help="JSON file (default: <checkpoint>/eval.json)"),
+) -> None:
+    """Held-out success of a checkpoint per environment, and pass@k (k = eval.samples), as a table and a JSON file.
+    eval.tasks_per_family held-out tasks of every family (8 when the config's is 0)."""
+    try:
+        cfg = load_config(config, list(overrides or []))
+        if not cfg.eval.tasks_per_family:
+            cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"tasks_per_family": 8})})
+        if not (checkpoint / "config.json").is_file():
+            raise ConfigError(f"--checkpoint {checkpoint}: no config.json there; give a policy directory such as "
+                              "runs/<run>/checkpoints/step_N/policy")
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": checkpoint})})
+        validate_job(cfg, str(config))
+    except ConfigError as e:
+        fail(str(e))
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError
+    from sandforge.environments.sandbox.images import ImageError
+    from sandforge.trainer.eval_job import evaluate_checkpoint
+
+    try:
+        evaluate_checkpoint(cfg, checkpoint.resolve(), (out or checkpoint / "eval.json").resolve())
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    except (SandboxError, ImageError) as e:
+        fail(str(e), 1)
+
+
+def _run(cfg: JobConfig, **kwargs) -> None:
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError
     from sandforge.trainer.loop import JobError, run
 
     try:
-        run(cfg, resume=resume)
+        run(cfg, **kwargs)
     except KeyboardInterrupt:
         raise typer.Exit(130)
     except (JobError, SandboxError, ImageError) as e:

@@ -116,6 +116,16 @@ class WarmupConfig(Section):
     lr: float = Field(3e-3, gt=0)
 
 
+class EvalConfig(Section):
+    """Held-out evaluation: the same fixed held-out tasks (seeds 0..tasks_per_family-1 of every family, split
+    "heldout") before RL (after the SFT warm start), every ``every`` RL steps, and at the end; ``samples`` episodes per
+    task give success (pass@1) and pass@k with k = samples. Results: ``eval`` rows in metrics.jsonl and eval.json."""
+
+    tasks_per_family: int = Field(0, ge=0)  # 0: no evaluation
+    samples: int = Field(4, ge=1)
+    every: int = Field(0, ge=0)  # RL steps between evaluations; 0: only before and after
+
+
 class TrainerConfig(Section):
     steps: int = Field(10, ge=0)  # RL steps
     # trainer/algorithms/registry.py; null values below take the algorithm's default (README "Algorithms")
@@ -201,6 +211,7 @@ class JobConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
