@@ -160,7 +160,8 @@ def _call(verifier: Verifier, sandbox: Sandbox, args: dict, deadline: float, whe
     except VerifierError as e:
         if e.located:
             raise
-        raise _located(f"{where}: {e}") from e
+        message = str(e).removeprefix(f"{where.rsplit(' (', 1)[-1].rstrip(')')}: ")  # "(command): command: ..."
+        raise _located(f"{where}: {message}") from e
     except Exception as e:  # a bad argument, a dead sandbox: the episode cannot be scored
         raise _located(f"{where} failed: {type(e).__name__}: {e}") from e
     finally:

@@ -101,6 +101,9 @@ def _http(method: str, url: str, body: dict | None, headers: dict) -> dict:
         raise VerifierError(f"judge endpoint {url} answered HTTP {e.code}: {_excerpt(str(detail), 300)}") from None
     except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as e:
         reason = getattr(e, "reason", e)
+        if isinstance(reason, (socket.timeout, TimeoutError)):
+            raise VerifierError(f"judge endpoint {url} did not answer within the check's timeout (raise the "
+                                "check's `timeout` for a slow judge)") from None
         raise VerifierError(f"judge endpoint {url} unreachable: {reason} (is the server up? check base_url or "
                             "SANDFORGE_JUDGE_BASE_URL)") from None
     try:
@@ -148,14 +151,14 @@ def judge(sandbox: Sandbox, rubric: str, path: str | None = None, command: str |
           api_key_env: str = "SANDFORGE_JUDGE_API_KEY", max_tokens: int = 256, temperature: float = 0.0,
           max_chars: int = MAX_ARTEFACT_CHARS) -> tuple[float, str]:
     """Ask the judge to score the artefact against ``rubric``; see the module docstring for every argument."""
+    api = api or os.environ.get("SANDFORGE_JUDGE_API", "chat")
+    if api not in ("chat", "completions"):
+        raise VerifierError(f"judge: api must be 'chat' or 'completions', got {api!r}")
     base_url = base_url or os.environ.get("SANDFORGE_JUDGE_BASE_URL")
     if not base_url:
         raise VerifierError("judge: no endpoint; give the check a base_url or set SANDFORGE_JUDGE_BASE_URL")
     base = base_url.rstrip("/")
     base = base if base.endswith("/v1") else base + "/v1"
-    api = api or os.environ.get("SANDFORGE_JUDGE_API", "chat")
-    if api not in ("chat", "completions"):
-        raise VerifierError(f"judge: api must be 'chat' or 'completions', got {api!r}")
     key = os.environ.get(api_key_env)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
 
