@@ -152,7 +152,8 @@ def test_judge_sends_the_rubric_and_artefact_and_reads_the_score(sandbox, fixed_
              "model": "m-1", "max_tokens": 64, "api_key_env": "NO_SUCH_KEY_VAR"}
     assert score(sandbox, check) == (0.4, "judge: 0.4 ('only one city')")
     method, path, headers, body = fixed_judge.requests[-1]
-    assert (path, body["model"], body["max_tokens"]) == ("/v1/completions", "m-1", 64) and "Authorization" not in headers
+    assert (path, body["model"], body["max_tokens"]) == ("/v1/completions", "m-1", 64)
+    assert "Authorization" not in headers  # the named key variable is unset: no key is sent
     assert set(body) == {"model", "prompt", "max_tokens", "temperature"}
     assert "Lyon\n" in body["prompt"] and "the output of `echo Lyon; exit 2`, exit code 2" in body["prompt"]
 

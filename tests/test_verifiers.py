@@ -37,7 +37,7 @@ def score(sandbox, check: dict) -> tuple[float, str]:
 
 # --- verifiers registered by the tests: one that hangs, one that raises, one that reports its budget ----------------
 
-RELEASE = threading.Event()  # set at the end of the module so the hung verifier threads exit
+RELEASE = threading.Event()  # set at the end of the module
 
 
 @register("test_hang")
@@ -62,9 +62,11 @@ def _bad_score(sandbox, args):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_hung_threads():
+def _test_verifiers_go_away():
     yield
-    RELEASE.set()
+    RELEASE.set()  # the hung verifier threads exit
+    for name in ("test_hang", "test_raise", "test_budget", "test_bad_score"):
+        VERIFIERS.pop(name)
 
 
 # --- command ------------------------------------------------------------------------------------------------------
@@ -205,7 +207,8 @@ def test_rubric_weights_items_and_reports_each(sandbox):
     ]}
     reward = score_task(sandbox, _task(rubric, {"verifier": "command", "command": "true"}))
     assert reward.breakdown == {"rubric:0": pytest.approx(2.5 / 4), "command:1": 1.0, "rubric:0/readme": 1.0,
-                                "rubric:0/tests": 0.0, "rubric:0/2:rubric": 0.5}
+                                "rubric:0/tests": 0.0, "rubric:0/2:rubric": 0.5, "rubric:0/2:rubric/0:command": 1.0,
+                                "rubric:0/2:rubric/1:command": 0.0}
     assert reward.value == pytest.approx((2.5 / 4 + 1) / 2) and not reward.success
     assert "tests (1): 0.00 `test -e tests.py` exited 1" in reward.reason
     sandbox.write_file("tests.py", "")

@@ -52,14 +52,17 @@ def _default_timeout(args: dict) -> float:
 
 @register("rubric", default_timeout=_default_timeout)
 def rubric(sandbox: Sandbox, args: dict) -> CheckResult:
-    """The weighted mean of the items' scores; breakdown has each item's score under its label."""
+    """The weighted mean of the items' scores; breakdown has each item's score under its label (and a nested
+    rubric's items under "label/item")."""
     items = _items(args)
     scores: dict[str, float] = {}
+    parts: dict[str, float] = {}
     reasons = []
     for j, (label, weight, check) in enumerate(items):
         result = run_check(sandbox, check, f"item {j}")
         scores[label] = result.score
+        parts.update({f"{label}/{part}": s for part, s in result.breakdown.items()})  # a nested rubric's items
         reasons.append(f"{label} ({weight:g}): {result.score:.2f} {result.reason}")
     total = sum(weight for _, weight, _ in items)
     score = sum(weight * scores[label] for label, weight, _ in items) / total
-    return CheckResult(min(1.0, score), f"rubric {score:.2f} [" + "; ".join(reasons) + "]", scores)
+    return CheckResult(min(1.0, score), f"rubric {score:.2f} [" + "; ".join(reasons) + "]", {**scores, **parts})
