@@ -187,6 +187,14 @@ def test_json_match_subset_exact_path_and_partial_credit(sandbox):
     assert "count: expected 4, got 3" in reason and "items.1.name: expected \"x\", got \"b.c\"" in reason
     assert score(sandbox, {**check, "expected": wrong_two})[0] == 0.0  # all or nothing by default
     assert score(sandbox, {**check, "expected": {"items": [{"name": "a"}]}, "partial": True})[0] == 0.0  # length
+    # a missing object fails every value beneath it
+    value, reason = score(sandbox, {**check, "expected": {"status": "ok", "meta": {"a": 1, "b": [2, 3]}},
+                                    "partial": True})
+    assert value == pytest.approx(1 / 4) and reason == "out.json: 1/4 values match (meta: missing)"
+    value, reason = score(sandbox, {**check, "expected": {"count": 3, "items": {"name": "a"}}, "partial": True})
+    assert value == 0.5 and reason.startswith('out.json: 1/2 values match (items: expected an object, got [{"name"')
+    assert score(sandbox, {**check, "expected": {}, "at": "items.0"})[0] == 1.0
+    assert score(sandbox, {**check, "expected": {}, "at": "items.0", "exact": True})[0] == 0.0
     sandbox.write_file("bad.json", "{'status': 'ok'}")
     value, reason = score(sandbox, {**check, "path": "bad.json", "expected": {}})
     assert value == 0.0 and reason.startswith("bad.json: not JSON")

@@ -84,7 +84,7 @@ def time_left() -> float:
     if deadline is None:
         return DEFAULT_TIMEOUT
     left = deadline - time.monotonic()
-    if left <= 0.05:
+    if left <= 0:
         raise _located(f"{_local.where}: ran out of its timeout")
     return left
 
@@ -129,30 +129,31 @@ def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
     args = {k: v for k, v in check.items() if k not in ("verifier", "timeout")}
     deadline = time.monotonic() + timeout if outer is None else min(outer, time.monotonic() + timeout)
     if outer is not None:  # already inside a check's worker thread: that thread's join bounds us
-        return _validated(_call(verifier, sandbox, args, deadline, where), where)
+        return _validated(_call(verifier, name, sandbox, args, deadline, where), where)
 
     box: list = []
-    worker = threading.Thread(target=lambda: box.append(_capture(verifier, sandbox, args, deadline, where)),
+    worker = threading.Thread(target=lambda: box.append(_capture(verifier, name, sandbox, args, deadline, where)),
                               name=f"verifier-{name}", daemon=True)
     worker.start()
     worker.join(max(0.0, deadline - time.monotonic()) + REPORT_GRACE)
     if not box:
-        raise _located(f"{where} did not finish within its {timeout:g} s timeout (set the check's `timeout` "
-                            "if it needs longer)")
+        raise _located(f"{where} did not finish within its {timeout:g} s timeout (set the check's `timeout` if it "
+                       "needs longer)")
     outcome = box[0]
     if isinstance(outcome, BaseException):
         raise outcome
     return _validated(outcome, where)
 
 
-def _capture(verifier: Verifier, sandbox: Sandbox, args: dict, deadline: float, where: str):
+def _capture(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline: float, where: str):
     try:
-        return _call(verifier, sandbox, args, deadline, where)
+        return _call(verifier, name, sandbox, args, deadline, where)
     except BaseException as e:  # handed to the waiting thread, which raises it
         return e
 
 
-def _call(verifier: Verifier, sandbox: Sandbox, args: dict, deadline: float, where: str):
+def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline: float, where: str):
+    """Run ``verifier`` with this thread's budget set to ``deadline``; every error becomes one naming ``where``."""
     saved = getattr(_local, "deadline", None), getattr(_local, "where", None)
     _local.deadline, _local.where = deadline, where
     try:
@@ -160,8 +161,7 @@ def _call(verifier: Verifier, sandbox: Sandbox, args: dict, deadline: float, whe
     except VerifierError as e:
         if e.located:
             raise
-        message = str(e).removeprefix(f"{where.rsplit(' (', 1)[-1].rstrip(')')}: ")  # "(command): command: ..."
-        raise _located(f"{where}: {message}") from e
+        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}") from e  # not "(command): command: ..."
     except Exception as e:  # a bad argument, a dead sandbox: the episode cannot be scored
         raise _located(f"{where} failed: {type(e).__name__}: {e}") from e
     finally:

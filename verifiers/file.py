@@ -146,42 +146,49 @@ def json_match(sandbox: Sandbox, path: str, expected, at: str | list = "", exact
             doc = doc[int(key)]
         else:
             return 0.0, f"{path}: nothing at {'.'.join(map(str, keys))} ({here} has no {str(key)!r})"
-    compared, mismatches = json_mismatches(expected, doc, exact, ".".join(map(str, keys)))
-    score = (compared - len(mismatches)) / compared if partial else float(not mismatches)
+    compared, matched, mismatches = json_mismatches(expected, doc, exact, ".".join(map(str, keys)))
     where = f"{path}" + (f" at {'.'.join(map(str, keys))}" if keys else "")
     if not mismatches:
         return 1.0, f"{where}: matches"
     shown = "; ".join(mismatches[:3]) + (f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else "")
-    return score, f"{where}: {compared - len(mismatches)}/{compared} values match ({shown})"
+    return (matched / compared if partial else 0.0), f"{where}: {matched}/{compared} values match ({shown})"
 
 
-def json_mismatches(expected, actual, exact: bool, at: str = "") -> tuple[int, list[str]]:
-    """(how many expected values were compared, a description of each one that did not match)."""
-    name = at or "the document"
+def json_mismatches(expected, actual, exact: bool, at: str = "") -> tuple[int, int, list[str]]:
+    """(expected values compared, how many matched, a description of each mismatch). A value is a leaf of
+    ``expected`` (or, with ``exact``, a key ``expected`` lacks); a missing or wrongly typed object or list fails all
+    the leaves beneath it."""
+    name, prefix = at or "the document", f"{at}." if at else ""
     if isinstance(expected, dict):
         if not isinstance(actual, dict):
-            return _leaves(expected), [f"{name}: expected an object, got {_js(actual)}"]
-        compared, mismatches = 0, []
+            return _leaves(expected), 0, [f"{name}: expected an object, got {_js(actual)}"]
+        compared, matched, mismatches = 0, 0, []
         for key, value in expected.items():
             if key not in actual:
                 compared += _leaves(value)
-                mismatches.append(f"{at + '.' if at else ''}{key}: missing")
+                mismatches.append(f"{prefix}{key}: missing")
                 continue
-            n, bad = json_mismatches(value, actual[key], exact, f"{at + '.' if at else ''}{key}")
-            compared, mismatches = compared + n, mismatches + bad
+            n, ok, bad = json_mismatches(value, actual[key], exact, f"{prefix}{key}")
+            compared, matched, mismatches = compared + n, matched + ok, mismatches + bad
         extra = sorted(set(actual) - set(expected)) if exact else []
-        return max(compared + len(extra), 1), mismatches + [f"{at + '.' if at else ''}{k}: unexpected" for k in extra]
+        mismatches += [f"{prefix}{k}: unexpected" for k in extra]
+        if compared + len(extra) == 0:  # {} matches any object (exact: only {})
+            return 1, 1, mismatches
+        return compared + len(extra), matched, mismatches
     if isinstance(expected, list):
         if not isinstance(actual, list) or len(actual) != len(expected):
             got = f"{len(actual)} items" if isinstance(actual, list) else _js(actual)
-            return _leaves(expected), [f"{name}: expected {len(expected)} items, got {got}"]
-        compared, mismatches = 0, []
+            return _leaves(expected), 0, [f"{name}: expected {len(expected)} items, got {got}"]
+        if not expected:
+            return 1, 1, []
+        compared, matched, mismatches = 0, 0, []
         for i, (want, got) in enumerate(zip(expected, actual)):
-            n, bad = json_mismatches(want, got, exact, f"{at + '.' if at else ''}{i}")
-            compared, mismatches = compared + n, mismatches + bad
-        return max(compared, 1), mismatches
-    same = expected == actual and isinstance(expected, bool) == isinstance(actual, bool)
-    return 1, [] if same else [f"{name}: expected {_js(expected)}, got {_js(actual)}"]
+            n, ok, bad = json_mismatches(want, got, exact, f"{prefix}{i}")
+            compared, matched, mismatches = compared + n, matched + ok, mismatches + bad
+        return compared, matched, mismatches
+    if expected == actual and isinstance(expected, bool) == isinstance(actual, bool):
+        return 1, 1, []
+    return 1, 0, [f"{name}: expected {_js(expected)}, got {_js(actual)}"]
 
 
 def _js(value, limit: int = 40) -> str:
