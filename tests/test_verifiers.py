@@ -147,6 +147,22 @@ def test_file_contains_text_pattern_and_absence(sandbox):
 
 
 @pytest.mark.docker
+def test_what_is_not_a_regular_file_scores_zero_without_hanging(sandbox):
+    """A FIFO would block a plain read until the file timeout; a directory or device is no answer either."""
+    sandbox.exec("mkfifo pipe.json; mkdir dir.json; ln -s pipe.json link.json; echo '{}' > real.json; "
+                 "ln -s real.json good.json")
+    start = time.monotonic()
+    for path, kind in [("pipe.json", "fifo"), ("dir.json", "directory"), ("link.json", "fifo"),
+                       ("/dev/null", "character special file")]:
+        for check in ({"verifier": "json_match", "path": path, "expected": {}},
+                      {"verifier": "file_hash", "path": path, "sha256": "0" * 64},
+                      {"verifier": "file_contains", "path": path, "text": "x", "absent": True}):
+            assert score(sandbox, {**check, "timeout": 5}) == (0.0, f"{path}: not a regular file ({kind})")
+    assert time.monotonic() - start < 30
+    assert score(sandbox, {"verifier": "json_match", "path": "good.json", "expected": {}})[0] == 1.0
+
+
+@pytest.mark.docker
 def test_file_hash_compares_the_exact_bytes(sandbox):
     blob = bytes(range(256)) * 3 + b"\x00\r\n"
     sandbox.put_file("out.bin", blob)

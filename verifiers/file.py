@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register
+from sandforge.verifiers.base import VerifierError, register, time_left
 
 MAX_BYTES = 64 << 20  # larger files are not the answer anyone asked for: score 0 instead of reading them
 
@@ -21,10 +22,20 @@ def _show(text: str, limit: int = 40) -> str:
 
 
 def _read(sandbox: Sandbox, path: str) -> tuple[bytes | None, str]:
-    """The file's bytes, or None and why it cannot be the answer (missing, a directory, too large)."""
+    """The file's bytes, or None and why it cannot be the answer (missing, a directory, a FIFO, too large).
+
+    A FIFO or device would block the read until the file timeout, so the file's kind is checked first, within the
+    check's budget: a policy that leaves a FIFO as its answer scores 0, it does not make grading hang.
+    """
+    kind = sandbox.exec(f"[ ! -e {shlex.quote(path)} ] || stat -L -c %F -- {shlex.quote(path)}", user="root",
+                        session=False, timeout=time_left())
+    if kind.timed_out or kind.exit_code != 0:
+        return None, f"{path}: unreadable ({kind.output.strip() or 'stat timed out'})"
+    if kind.output.strip() not in ("", "regular file", "regular empty file"):
+        return None, f"{path}: not a regular file ({kind.output.strip()})"
     try:
         data = sandbox.get_file(path, user="root", max_bytes=MAX_BYTES)
-    except OSError as e:  # a directory, a FIFO the policy made, ...: the answer is not a readable file
+    except OSError as e:  # a file swapped under us, one larger than MAX_BYTES
         return None, f"{path}: unreadable ({e})"
     return (None, f"{path}: missing") if data is None else (data, "")
 
