@@ -21,7 +21,7 @@ def _show(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def _read(sandbox: Sandbox, path: str) -> tuple[bytes | None, str]:
+def read_answer(sandbox: Sandbox, path: str) -> tuple[bytes | None, str]:
     """The file's bytes, or None and why it cannot be the answer (missing, a directory, a FIFO, too large).
 
     A FIFO or device would block the read until the file timeout, so the file's kind is checked first, within the
@@ -78,7 +78,7 @@ def file_contains(sandbox: Sandbox, path: str, text: str | None = None, pattern:
     """1.0 if the file holds ``text`` (a substring) or matches ``pattern`` (a Python regex, multiline: ``^`` and ``$``
     match at line ends); with ``absent``, 1.0 if it does not. A missing file scores 0 either way: "no TODO left" in a
     file that was deleted is not an answer."""
-    data, why = _read(sandbox, path)
+    data, why = read_answer(sandbox, path)
     if data is None:
         return 0.0, why
     content = data.decode(errors="replace")
@@ -111,7 +111,7 @@ def _file_contains_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
 
 def file_hash(sandbox: Sandbox, path: str, sha256: str) -> tuple[float, str]:
     """1.0 if the sha256 of the file's exact bytes is ``sha256`` (hex): binary outputs, byte-exact copies."""
-    data, why = _read(sandbox, path)
+    data, why = read_answer(sandbox, path)
     if data is None:
         return 0.0, why
     digest = hashlib.sha256(data).hexdigest()
@@ -141,7 +141,7 @@ def json_match(sandbox: Sandbox, path: str, expected, at: str | list = "", exact
     are not numbers. With ``partial`` the score is the fraction of expected values found (dense reward); otherwise
     1.0 only if all are.
     """
-    data, why = _read(sandbox, path)
+    data, why = read_answer(sandbox, path)
     if data is None:
         return 0.0, why
     try:

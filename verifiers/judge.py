@@ -27,6 +27,7 @@ import urllib.request
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
 from sandforge.verifiers.base import VerifierError, register, time_left
+from sandforge.verifiers.file import read_answer
 
 MAX_ARTEFACT_CHARS = 12000  # head and tail of a longer artefact are sent, with a note of what was cut
 ARGS = {"rubric", "path", "command", "base_url", "model", "api", "api_key_env", "max_tokens", "temperature",
@@ -134,11 +135,8 @@ def _answer_text(api: str, reply: dict, url: str) -> str:
 def _artefact(sandbox: Sandbox, path: str | None, command: str | None) -> tuple[str | None, str]:
     """(the artefact's text, where it came from), or (None, why the policy left none)."""
     if path is not None:
-        try:
-            text = sandbox.read_file(path, user="root")
-        except OSError as e:
-            return None, f"{path}: unreadable ({e})"
-        return (None, f"{path}: missing") if text is None else (text, f"the file {path}")
+        data, why = read_answer(sandbox, path)
+        return (None, why) if data is None else (data.decode(errors="replace"), f"the file {path}")
     # half the budget for the command, so the judge still has time to answer
     result = sandbox.exec(command, timeout=time_left() / 2, user="root", session=False)
     if result.timed_out:
