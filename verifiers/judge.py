@@ -110,7 +110,8 @@ def _http(method: str, url: str, body: dict | None, headers: dict) -> dict:
     try:
         return json.loads(raw)
     except ValueError:
-        raise VerifierError(f"judge endpoint {url} answered with no JSON: {_excerpt(raw.decode(errors='replace'))}")
+        raise VerifierError(f"judge endpoint {url} answered with no JSON: "
+                            f"{_excerpt(raw.decode(errors='replace'))}") from None
 
 
 def judge_request(api: str, model: str | None, prompt: str, max_tokens: int, temperature: float) -> dict:
@@ -128,8 +129,9 @@ def _answer_text(api: str, reply: dict, url: str) -> str:
         choice = reply["choices"][0]
         text = choice["message"]["content"] if api == "chat" else choice["text"]
     except (KeyError, IndexError, TypeError):
-        raise VerifierError(f"judge endpoint {url} answered without choices[0]: {_excerpt(json.dumps(reply))}")
-    return text or ""
+        raise VerifierError(f"judge endpoint {url} answered without choices[0]: "
+                            f"{_excerpt(json.dumps(reply))}") from None
+    return text if isinstance(text, str) else json.dumps(text)  # null content (a refusal), or a list of parts
 
 
 def _artefact(sandbox: Sandbox, path: str | None, command: str | None) -> tuple[str | None, str]:
