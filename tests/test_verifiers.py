@@ -61,11 +61,21 @@ def _bad_score(sandbox, args):
     return args["value"], "out of range"
 
 
+@register("test_returns")
+def _returns(sandbox, args):
+    return args["value"]
+
+
+@register("test_parts")
+def _parts(sandbox, args):
+    return 0.5, json.dumps(args, sort_keys=True), {"fail_to_pass": 1.0, "pass_to_pass": 0.0}
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _test_verifiers_go_away():
     yield
     RELEASE.set()  # the hung verifier threads exit
-    for name in ("test_hang", "test_raise", "test_budget", "test_bad_score"):
+    for name in ("test_hang", "test_raise", "test_budget", "test_bad_score", "test_returns", "test_parts"):
         VERIFIERS.pop(name)
 
 
@@ -290,7 +300,18 @@ def test_a_hanging_or_crashing_verifier_raises_naming_the_check(sandbox, monkeyp
         with pytest.raises(VerifierError, match=r"check 0 \(test_bad_score\) returned score .*, expected \[0, 1\]"):
             score(sandbox, {"verifier": "test_bad_score", "value": bad})
     assert float(score(sandbox, {"verifier": "test_budget", "timeout": 0.5})[1]) <= 0.5
+    for bad in ((1.0,), (1.0, "ok", ["parts"]), 1.0, None):
+        with pytest.raises(VerifierError, match=r"expected \(score, reason\) or \(score, reason, parts\)"):
+            score(sandbox, {"verifier": "test_returns", "value": bad})
     assert sandbox.exec("echo alive").output == "alive\n"  # the sandbox is untouched by all of it
+
+
+def test_parts_go_into_the_breakdown_and_the_timeout_reaches_the_verifier():
+    """Verifiers that bound one step with their ``timeout`` argument (a test run, a query) still get it."""
+    reward = score_task(None, _task({"verifier": "test_parts", "timeout": 7, "x": 1}, {"verifier": "test_budget"}))
+    assert reward.breakdown == {"test_parts:0": 0.5, "test_budget:1": 1.0, "test_parts:0/fail_to_pass": 1.0,
+                                "test_parts:0/pass_to_pass": 0.0}
+    assert reward.value == 0.75 and reward.reason.startswith('{"timeout": 7, "x": 1}; ')
 
 
 @pytest.mark.docker
@@ -298,9 +319,10 @@ def test_a_hanging_or_crashing_verifier_raises_naming_the_check(sandbox, monkeyp
     ({"verifier": "test_raise"}, r"check 1 \(test_raise\) failed: KeyError"),
     ({"verifier": "test_hang", "timeout": 1}, r"check 1 \(test_hang\) did not finish within its 1 s timeout"),
 ])
-def test_a_broken_verifier_fails_only_its_episode(check, failure, terminal_spec, run_id, docker_client):
+def test_a_broken_verifier_fails_only_its_episode(check, failure, terminal_spec, run_id, docker_client, monkeypatch):
     """Through the real agent loop: the reference solution runs, then grading breaks; the episode comes back failed,
     with the reason, its sandbox removed, and the next episode is graded as usual."""
+    monkeypatch.setattr(base, "REPORT_GRACE", 0.5)  # no exec to wait for: do not wait the usual grace
     solved = make_task("write_file", 7)
     broken = Task(**{**solved.__dict__, "id": "terminal/write_file/broken", "checks": [*solved.checks, check]})
     results = []

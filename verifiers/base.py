@@ -1,17 +1,19 @@
 """Verifier registry and ``score_task``: run a task's checks against the sandbox after the episode.
 
 A check is plain data in ``Task.checks``: ``{"verifier": name, **arguments}``. Each verifier takes the sandbox and
-those arguments and returns (score in [0, 1], short reason), or a ``CheckResult`` when its score has parts (a rubric's
-items). Verifiers act through fresh execs (as root), never through the policy's shell, so the policy can influence the
-result only through the state it left behind.
+those arguments and returns (score in [0, 1], short reason), or (score, reason, parts) where the score has parts worth
+showing (a rubric's items, FAIL_TO_PASS and PASS_TO_PASS fractions): they go into the reward's breakdown as
+``<check>/<part>``, but only the score counts. Verifiers act through fresh execs (as root), never through the policy's
+shell, so the policy can influence the result only through the state it left behind.
 
-Every check runs within a timeout: the reserved argument ``timeout`` (seconds; default ``DEFAULT_TIMEOUT``, or what
-the verifier registered, e.g. a rubric's sum over its items) is taken out of the arguments and becomes a deadline.
-Verifiers pass ``time_left()`` to their sandbox execs and HTTP calls, so a command the policy made hang is killed
-inside the container in time and scores 0 for itself. The check runs in a worker thread; one that has not reported
-``REPORT_GRACE`` seconds after its deadline (a verifier stuck in Python, a dead connection) is abandoned and the episode
-fails with a ``VerifierError`` naming the check. Python cannot kill a thread, so such a thread lives on as a daemon
-until whatever it waits for ends (the sandbox it reads is removed with the episode, which ends most waits).
+Every check runs within a timeout: its ``timeout`` argument (seconds; default ``DEFAULT_TIMEOUT``, or what the
+verifier registered, e.g. a rubric's sum over its items) sets a deadline. The argument still reaches the verifier, and
+``time_left()`` says what remains: verifiers pass it to their sandbox execs and HTTP calls, so a command the policy
+made hang is killed inside the container in time and scores 0 for itself. The check runs in a worker thread; one that
+has not reported ``REPORT_GRACE`` seconds after its deadline (a verifier stuck in Python, a dead connection) is
+abandoned and the episode fails with a ``VerifierError`` naming the check. Python cannot kill a thread, so such a
+thread lives on as a daemon until whatever it waits for ends (the sandbox it reads is removed with the episode, which
+ends most waits).
 """
 
 from __future__ import annotations
@@ -23,23 +25,25 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.environments.sandbox.shell import KILL_AFTER
 from sandforge.types import Reward, Task
 
 DEFAULT_TIMEOUT = 60.0  # seconds per check
-REPORT_GRACE = KILL_AFTER + 3.0  # a command killed at the deadline (TERM, then KILL) still reports within this
+# What a check may take beyond its timeout before it counts as hung: a command killed at the deadline (TERM, then KILL
+# a couple of seconds later) reporting back, or a verifier's own setup around the step its ``timeout`` bounds (a grading
+# container's start).
+REPORT_GRACE = 30.0
 
 
 @dataclass
 class CheckResult:
-    """One check's verdict. ``breakdown`` holds the parts of ``score`` (a rubric's items), keyed by part name."""
+    """One check's verdict, validated. ``breakdown`` holds the parts of ``score`` (a rubric's items) by name."""
 
     score: float
     reason: str
     breakdown: dict[str, float] = field(default_factory=dict)
 
 
-Verifier = Callable[[Sandbox, dict], Union[tuple[float, str], CheckResult]]
+Verifier = Callable[[Sandbox, dict], Union[tuple[float, str], tuple[float, str, dict]]]
 VERIFIERS: dict[str, Verifier] = {}
 DEFAULT_TIMEOUTS: dict[str, Callable[[dict], float]] = {}  # verifiers whose default budget depends on their arguments
 
@@ -101,6 +105,11 @@ def check_timeout(check: dict) -> float:
     return float(default({k: v for k, v in check.items() if k != "verifier"})) if default else DEFAULT_TIMEOUT
 
 
+def without_timeout(args: dict) -> dict:
+    """A check's arguments less ``timeout``, for verifiers that bound their work with ``time_left()`` instead."""
+    return {k: v for k, v in args.items() if k != "timeout"}
+
+
 # --- running checks ------------------------------------------------------------------------------------------------
 
 
@@ -126,7 +135,7 @@ def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
         timeout = check_timeout(check)
     except VerifierError as e:
         raise _located(f"{where}: {e}") from None
-    args = {k: v for k, v in check.items() if k not in ("verifier", "timeout")}
+    args = {k: v for k, v in check.items() if k != "verifier"}
     deadline = time.monotonic() + timeout if outer is None else min(outer, time.monotonic() + timeout)
     if outer is not None:  # already inside a check's worker thread: that thread's join bounds us
         return _validated(_call(verifier, name, sandbox, args, deadline, where), where)
@@ -169,15 +178,13 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
 
 
 def _validated(outcome, where: str) -> CheckResult:
-    result = outcome if isinstance(outcome, CheckResult) else None
-    if result is None and isinstance(outcome, tuple) and len(outcome) == 2:
-        result = CheckResult(outcome[0], outcome[1])
-    if result is None:
-        raise _located(f"{where} returned {outcome!r}, expected (score, reason) or a CheckResult")
-    score = result.score
+    shape_ok = isinstance(outcome, tuple) and (len(outcome) == 2 or len(outcome) == 3 and isinstance(outcome[2], dict))
+    if not shape_ok:
+        raise _located(f"{where} returned {outcome!r}, expected (score, reason) or (score, reason, parts)")
+    score, reason, *parts = outcome
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
         raise _located(f"{where} returned score {score!r}, expected [0, 1]")
-    return CheckResult(float(score), str(result.reason), {k: float(v) for k, v in result.breakdown.items()})
+    return CheckResult(float(score), str(reason), {str(k): float(v) for k, v in (parts[0] if parts else {}).items()})
 
 
 def score_task(sandbox: Sandbox, task: Task) -> Reward:

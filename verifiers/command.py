@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left
+from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
 
 _TRUNCATED = re.compile(r"\n\[\.\.\. truncated \d+ bytes\]\n")  # the sandbox's marker where it cut long output
 
@@ -52,9 +52,11 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
 
 @register("command")
 def _command_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+    args = without_timeout(args)
     allowed = {"command", "exit_code", "pattern", "absent", "user", "workdir"}
     if "command" not in args or set(args) - allowed:
-        raise VerifierError(f"command takes command[, exit_code, pattern, absent, user, workdir]; got {sorted(args)}")
+        raise VerifierError(f"command takes command[, exit_code, pattern, absent, user, workdir, timeout]; "
+                            f"got {sorted(args)}")
     if not isinstance(args["command"], str) or not args["command"].strip():
         raise VerifierError(f"command: command must be a non-empty string, got {args['command']!r}")
     code = args.get("exit_code", 0)

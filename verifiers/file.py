@@ -12,7 +12,7 @@ import re
 import shlex
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left
+from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
 
 MAX_BYTES = 64 << 20  # larger files are not the answer anyone asked for: score 0 instead of reading them
 
@@ -44,7 +44,7 @@ def _takes(name: str, args: dict, required: set[str], optional: set[str]) -> Non
     unknown, missing = set(args) - required - optional, required - set(args)
     if unknown or missing:
         optional_text = f"[, {', '.join(sorted(optional))}]" if optional else ""
-        raise VerifierError(f"{name} takes {', '.join(sorted(required))}{optional_text}; got {sorted(args)}")
+        raise VerifierError(f"{name} takes {', '.join(sorted(required))}{optional_text}[, timeout]; got {sorted(args)}")
 
 
 # --- file_equals --------------------------------------------------------------------------------------------------
@@ -64,9 +64,10 @@ def file_equals(sandbox: Sandbox, path: str, content: str, strip: bool = True) -
 
 @register("file_equals")
 def _file_equals_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+    args = without_timeout(args)
     unknown = set(args) - {"path", "content", "strip"}
     if unknown or "path" not in args or "content" not in args:
-        raise VerifierError(f"file_equals takes path, content[, strip]; got {sorted(args)}")
+        raise VerifierError(f"file_equals takes path, content[, strip, timeout]; got {sorted(args)}")
     return file_equals(sandbox, **args)
 
 
@@ -93,6 +94,7 @@ def file_contains(sandbox: Sandbox, path: str, text: str | None = None, pattern:
 
 @register("file_contains")
 def _file_contains_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+    args = without_timeout(args)
     _takes("file_contains", args, {"path"}, {"text", "pattern", "absent"})
     if ("text" in args) == ("pattern" in args):
         raise VerifierError("file_contains takes exactly one of text (a substring) and pattern (a regex)")
@@ -122,6 +124,7 @@ def file_hash(sandbox: Sandbox, path: str, sha256: str) -> tuple[float, str]:
 
 @register("file_hash")
 def _file_hash_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+    args = without_timeout(args)
     _takes("file_hash", args, {"path", "sha256"}, set())
     if not isinstance(args["sha256"], str) or not re.fullmatch(r"[0-9a-fA-F]{64}", args["sha256"]):
         raise VerifierError(f"file_hash: sha256 must be 64 hex digits, got {args['sha256']!r}")
@@ -217,6 +220,7 @@ def _leaves(value) -> int:
 
 @register("json_match")
 def _json_match_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+    args = without_timeout(args)
     _takes("json_match", args, {"path", "expected"}, {"at", "exact", "partial"})
     if not isinstance(args.get("at", ""), (str, list)):
         raise VerifierError(f"json_match: at must be a dotted path or a list of keys, got {args['at']!r}")

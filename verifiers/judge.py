@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left
+from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
 from sandforge.verifiers.file import read_answer
 
 MAX_ARTEFACT_CHARS = 12000  # head and tail of a longer artefact are sent, with a note of what was cut
@@ -187,9 +187,10 @@ def _first_model(base: str, headers: dict) -> str | None:
 
 @register("judge")
 def _judge_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+    args = without_timeout(args)
     if "rubric" not in args or set(args) - ARGS:
         optional = ", ".join(sorted(ARGS - {"rubric", "path", "command"}))
-        raise VerifierError(f"judge takes rubric, path or command[, {optional}]; got {sorted(args)}")
+        raise VerifierError(f"judge takes rubric, path or command[, {optional}, timeout]; got {sorted(args)}")
     if ("path" in args) == ("command" in args):
         raise VerifierError("judge takes exactly one of path (a file to grade) and command (whose output to grade)")
     for name in ("rubric", "path", "command", "base_url", "model", "api", "api_key_env"):

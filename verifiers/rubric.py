@@ -16,14 +16,15 @@ from __future__ import annotations
 import math
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import CheckResult, VerifierError, check_timeout, register, run_check
+from sandforge.verifiers.base import VerifierError, check_timeout, register, run_check
 
 
 def _items(args: dict) -> list[tuple[str, float, dict]]:
     """(label, weight, check) per item; VerifierError naming the item for any malformed one."""
     items = args.get("items")
-    if set(args) != {"items"} or not isinstance(items, list) or not items:
-        raise VerifierError(f"rubric takes items: a non-empty list of {{weight, check[, label]}}; got {sorted(args)}")
+    if set(args) - {"timeout"} != {"items"} or not isinstance(items, list) or not items:
+        raise VerifierError(f"rubric takes items: a non-empty list of {{weight, check[, label]}}[, timeout]; "
+                            f"got {sorted(args)}")
     parsed, labels = [], set()
     for j, item in enumerate(items):
         if not isinstance(item, dict) or "check" not in item or set(item) - {"weight", "check", "label"}:
@@ -51,7 +52,7 @@ def _default_timeout(args: dict) -> float:
 
 
 @register("rubric", default_timeout=_default_timeout)
-def rubric(sandbox: Sandbox, args: dict) -> CheckResult:
+def rubric(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
     """The weighted mean of the items' scores; breakdown has each item's score under its label (and a nested
     rubric's items under "label/item")."""
     items = _items(args)
@@ -65,4 +66,4 @@ def rubric(sandbox: Sandbox, args: dict) -> CheckResult:
         reasons.append(f"{label} ({weight:g}): {result.score:.2f} {result.reason}")
     total = sum(weight for _, weight, _ in items)
     score = sum(weight * scores[label] for label, weight, _ in items) / total
-    return CheckResult(min(1.0, score), f"rubric {score:.2f} [" + "; ".join(reasons) + "]", {**scores, **parts})
+    return min(1.0, score), f"rubric {score:.2f} [" + "; ".join(reasons) + "]", {**scores, **parts}
