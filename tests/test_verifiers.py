@@ -86,6 +86,8 @@ def _test_verifiers_go_away():
 def test_command_scores_exit_code_and_output_as_root_outside_the_policy_session(sandbox):
     # the policy's session: a function shadowing `true`, a variable, a file only it can read
     sandbox.exec("true() { return 1; }; export ANSWER=42; echo secret > mine.txt; chmod 600 mine.txt")
+    for startup in (".bashrc", ".profile", ".bash_profile", ".bash_login"):  # HOME is the workspace
+        sandbox.write_file(startup, "true() { return 1; }; exit 7\n")
     assert sandbox.exec("true").exit_code == 1
     assert score(sandbox, {"verifier": "command", "command": "true"}) == (1.0, "`true` exited 0")
     assert score(sandbox, {"verifier": "command", "command": "id -u; cat /workspace/mine.txt; echo ${ANSWER:-unset}",
