@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.registry import find_verifier
 from sandforge.types import Reward, Task
 
 Verifier = Callable[[Sandbox, dict], tuple[float, str]]
@@ -37,7 +38,7 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
     for i, check in enumerate(task.checks):
         args = {k: v for k, v in check.items() if k != "verifier"}
         name = check.get("verifier")
-        verifier = VERIFIERS.get(name)
+        verifier = VERIFIERS.get(name) or find_verifier(name)  # else a plugin's, or a built-in env's (registry.py)
         if verifier is None:
             known = ", ".join(sorted(VERIFIERS)) or "none"
             raise VerifierError(f"task {task.id}, check {i}: unknown verifier {name!r} (known: {known})")
