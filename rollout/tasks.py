@@ -44,8 +44,13 @@ class TaskSampler:
         return tasks
 
     def images(self) -> dict[str, Path]:
-        """Images the tasks need beyond their environments' own: image name -> folder with its Dockerfile."""
-        return {name: ctx for source in self.sources for name, ctx in source.images.items()}
+        """Images the tasks it can draw need beyond their environments' own: image name -> folder with its
+        Dockerfile (a Harbor task's; tasks of families the job leaves out are not built)."""
+        found = {}
+        for source, families in zip(self.sources, self.families):
+            drawn = {t.setup.get("image") for t in getattr(source, "tasks", []) if t.family in families}
+            found |= {name: ctx for name, ctx in source.images.items() if name in drawn}
+        return found
 
 
 def image_key(task: Task, env_images: dict[str, str | None]) -> str:
