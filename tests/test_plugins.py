@@ -90,7 +90,7 @@ def test_envs_list_shows_the_plugin(plugin_installed):
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
     assert "plugin sandforge-notes-env 0.1.0" in rows["notes"] and "add_notes" in rows["notes"]
-    assert "train seeded  heldout seeded" in rows["notes"] and rows["notes"].endswith("sandforge/terminal")
+    assert "train seeded, heldout seeded" in rows["notes"] and rows["notes"].endswith("sandforge/terminal")
 
 
 @pytest.mark.docker
