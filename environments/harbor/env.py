@@ -13,7 +13,8 @@ class HarborEnv(TerminalEnv):
 
     The root filesystem stays writable because Harbor's grader writes its reward to ``/logs/verifier`` and copies the
     tests to ``/tests``, paths outside the sandbox's tmpfs mounts; only root can create them (``/`` is root's), so
-    the policy gains nothing from it.
+    the policy gains nothing from it. /workspace is a volume rather than a tmpfs, so it starts with whatever the
+    task's image put there (its input files).
     """
 
-    sandbox_defaults: ClassVar[dict[str, Any]] = {"read_only": False}
+    sandbox_defaults: ClassVar[dict[str, Any]] = {"read_only": False, "workspace_size": None}
