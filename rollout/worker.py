@@ -1,10 +1,11 @@
 """A rollout worker: a Ray actor that runs many episodes at once (asyncio tasks), each in its own fresh sandbox.
 
 ``rollout.workers`` actors each run up to ``rollout.concurrency`` episodes at once. Sandboxes come from one warm
-``SandboxPool`` per image (an environment's, or a Harbor task's own, made when a task first needs it), on this worker's node (its local Docker daemon, or ``DOCKER_HOST``); containers
-carry the driver's labels, so a dead driver's sandboxes are found by the reaper.
+``SandboxPool`` per image (an environment's, made at start; or a Harbor task's own, made when a task first needs it),
+on this worker's node (its local Docker daemon, or ``DOCKER_HOST``); containers carry the driver's labels, so a dead
+driver's sandboxes are found by the reaper.
 
-Backpressure: an episode takes one of ``sandbox.max_live`` slots (per environment) before it asks the pool for a
+Backpressure: an episode takes one of ``sandbox.max_live`` slots (per image) before it asks the pool for a
 sandbox and gives it back after the sandbox is removed, so when the pool is full episodes wait in the event loop for a
 sandbox instead of failing, and no thread of the worker ever blocks in ``acquire`` while the episodes that would free a
 sandbox need threads for their tool calls. A failed episode comes back as data (``failed=True``), never as an error.

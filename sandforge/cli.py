@@ -98,13 +98,20 @@ def images_build(
     base_image: Optional[str] = typer.Option(None, help="Base image reference to pull instead of bootstrapping"),
     mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror for the bootstrapped base"),
 ) -> None:
-    """Build the base image (debootstrap when nothing can be pulled) and each environment's image."""
+    """Build the base image (debootstrap when nothing can be pulled) and each environment's image, installed
+    plugins' own images included."""
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError, build_images
+    from sandforge.registry import PluginError, environments
 
     try:
-        tags = build_images(env or None, base_image=base_image, mirror=mirror)
-    except (SandboxError, ImageError) as e:
+        # plugins with an image of their own (not one reusing a built-in's): their Dockerfile is in their package
+        plugins = {name: e for name, e in environments().items()
+                   if e.source != "built-in" and e.image_name == name and (env is None or name in env)}
+        contexts = {name: e.image_context() for name, e in plugins.items()}
+        builtins = None if env is None else [name for name in env if name not in plugins]
+        tags = build_images(builtins, base_image=base_image, mirror=mirror, contexts=contexts)
+    except (SandboxError, ImageError, PluginError) as e:
         fail(str(e), 1)
     for name, tag in tags.items():
         typer.echo(f"{name}: {tag}")

@@ -108,3 +108,27 @@ def test_one_training_step_on_the_plugin_env(plugin_installed, terminal_image, t
     assert all(r["task"]["checks"][0]["verifier"] == "notes_equal" for r in rows)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m.get("phase") == "rl"] == [0]
+
+
+def test_a_plugin_with_its_own_dockerfile_and_broken_plugins(tmp_path, monkeypatch):
+    """Entry points as a plugin declares them: an image from the plugin's own package; wrong shapes name the plugin."""
+    from importlib.metadata import EntryPoint
+
+    package = tmp_path / "own_image_env"
+    package.mkdir()
+    (package / "__init__.py").write_text('SPEC = {"env": "own_image_env.env:E", "tasks": "own_image_env.tasks"}\n'
+                                         'BAD = {"env": "own_image_env.env:E"}\nREUSE = {**SPEC, "image": "nope"}\n')
+    (package / "Dockerfile").write_text("FROM scratch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def entry(value: str) -> EntryPoint:
+        return EntryPoint(name="own", value=value, group=registry.ENVIRONMENT_GROUP)
+
+    own = registry._plugin(entry("own_image_env:SPEC"))
+    assert (own.image_name, own.image_context()) == ("own", package)
+    with pytest.raises(registry.PluginError, match=r"entry point 'own' \(own_image_env:BAD\).*must be a dict with"):
+        registry._plugin(entry("own_image_env:BAD"))
+    with pytest.raises(registry.PluginError, match=r"'image' 'nope' is not a built-in env"):
+        registry._plugin(entry("own_image_env:REUSE"))
+    with pytest.raises(registry.PluginError, match=r"\(missing_module:SPEC\).*cannot be loaded: ModuleNotFoundError"):
+        registry._plugin(entry("missing_module:SPEC"))
