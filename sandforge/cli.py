@@ -127,7 +127,7 @@ def envs_list(
 
     def row(entry, name: str, source: str, tasks: Path | None = None) -> list[str]:
         src = open_source(entry, tasks) if tasks is not None or entry.families() else None
-        counts = "needs tasks: (a JSONL file or Harbor folder)" if src is None else ", ".join(
+        counts = "from `tasks:` in a job (envs list JOB.yaml)" if src is None else ", ".join(
             f"{split} {'seeded' if src.count(split) is None else src.count(split)}"
             for split in getattr(entry.tasks(), "SPLITS", ("train", "heldout")))
         if entry.image_name is not None:
