@@ -28,13 +28,13 @@ class TaskSourceError(ValueError):
 class ProceduralSource:
     """A task module's seeded families (``FAMILIES``, ``make_task``): endless tasks, train/heldout from disjoint pools."""
 
-    families_: list[str]
+    family_names: list[str]
     make: Callable[[str, int, str], Task]
     origin: str = "seeded"
     images: dict[str, Path] = field(default_factory=dict)
 
     def families(self) -> list[str]:
-        return list(self.families_)
+        return list(self.family_names)
 
     def task(self, family: str, seed: int, split: str = "train") -> Task:
         return self.make(family, seed, split)
