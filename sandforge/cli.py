@@ -17,8 +17,10 @@ from sandforge.config import ConfigError, JobConfig, load_config
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL post-training on real sandboxes.")
 images_app = typer.Typer(no_args_is_help=True, help="Build the sandbox images (no registry needed).")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Inspect and clean up sandbox containers.")
+envs_app = typer.Typer(no_args_is_help=True, help="Environments: built-in and installed plugins.")
 app.add_typer(images_app, name="images")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(envs_app, name="envs")
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -28,11 +30,12 @@ def fail(message: str, code: int = 2) -> None:
 
 def validate_job(cfg: JobConfig, source: str = "config") -> None:
     """Checks that need the registry (environment names, task families); still no heavy imports."""
+    from sandforge.registry import PluginError
     from sandforge.rollout.tasks import TaskSampler
 
     try:
         TaskSampler(cfg.environments, cfg.run.seed)
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, PluginError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
     n_experts = 0
     if cfg.model.arch == "k3":
@@ -150,16 +153,56 @@ def images_build(
     base_image: Optional[str] = typer.Option(None, help="Base image reference to pull instead of bootstrapping"),
     mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror for the bootstrapped base"),
 ) -> None:
-    """Build the base image (debootstrap when nothing can be pulled) and each environment's image."""
+    """Build the base image (debootstrap when nothing can be pulled) and each environment's image, installed
+    plugins' own images included."""
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError, build_images
+    from sandforge.registry import PluginError, environments
 
     try:
-        tags = build_images(env or None, base_image=base_image, mirror=mirror)
-    except (SandboxError, ImageError) as e:
+        # plugins with an image of their own (not one reusing a built-in's): their Dockerfile is in their package
+        plugins = {name: e for name, e in environments().items()
+                   if e.source != "built-in" and e.image_name == name and (env is None or name in env)}
+        contexts = {name: e.image_context() for name, e in plugins.items()}
+        builtins = None if env is None else [name for name in env if name not in plugins]
+        tags = build_images(builtins, base_image=base_image, mirror=mirror, contexts=contexts)
+    except (SandboxError, ImageError, PluginError) as e:
         fail(str(e), 1)
     for name, tag in tags.items():
         typer.echo(f"{name}: {tag}")
+
+
+@envs_app.command("list")
+def envs_list(
+    config: Optional[Path] = typer.Argument(None, help="Also list this job's task sources (JSONL files, Harbor folders)"),
+) -> None:
+    """Print every environment: where it comes from, its task families, how many tasks per split, its image."""
+    from sandforge.environments.task_sources import open_source
+    from sandforge.registry import PluginError, environment, environments
+
+    def row(entry, name: str, source: str, tasks: Path | None = None) -> list[str]:
+        src = open_source(entry, tasks) if tasks is not None or entry.families() else None
+        counts = "from `tasks:` in a job (envs list JOB.yaml)" if src is None else ", ".join(
+            f"{split} {'seeded' if src.count(split) is None else src.count(split)}"
+            for split in getattr(entry.tasks(), "SPLITS", ("train", "heldout")))
+        if entry.image_name is not None:
+            image = f"sandforge/{entry.image_name}"
+        else:
+            image = f"per task: {len(src.images)} images" if src is not None and src.images else "per task"
+        return [name, source, ", ".join(src.families()) if src else "-", counts, image]
+
+    try:
+        rows = [row(entry, name, entry.source) for name, entry in environments().items()]
+        if config is not None:
+            cfg = load_config(config)
+            rows += [row(environment(e.name), e.name, f"{config}: environments[{i}].tasks = {e.tasks}", e.tasks)
+                     for i, e in enumerate(cfg.environments) if e.tasks is not None]
+    except (ConfigError, PluginError, KeyError, ValueError) as e:
+        fail(str(e).strip("'\""), 1)
+    header = ["name", "source", "families", "tasks", "image"]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    for r in [header, *rows]:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
 
 
 @sandbox_app.command("reap")

@@ -70,6 +70,17 @@ class EnvironmentConfig(Section):
     name: str = "terminal"
     families: list[str] = Field(default_factory=list)  # empty: every family the environment has
     weight: float = Field(1.0, gt=0)
+    # None: the environment's seeded generators. Else a JSONL file (one Task per line) or, for `harbor`, a Harbor task
+    # directory or a folder of them. Relative to the working directory, like run.output_dir.
+    tasks: Path | None = None
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_exist(cls, tasks: Path | None) -> Path | None:
+        if tasks is not None and not tasks.exists():
+            raise ValueError(f"no such file or directory (from {Path.cwd()}): give a JSONL task file or a Harbor "
+                             "task directory")
+        return tasks
 
 
 class ModelConfig(Section):

@@ -390,6 +390,19 @@ def rl_steps(job: RLJob, start: int = 0) -> Iterator[tuple[int, dict[str, float]
     return ((step, job.rl_step(step)) for step in range(start, job.cfg.trainer.steps))
 
 
+def job_images(cfg: JobConfig) -> dict[str, Path]:
+    """Every image the job's tasks run in (image name -> folder with its Dockerfile): each environment's own (a
+    plugin's may live in its package, or reuse a built-in's), plus the ones tasks bring (a Harbor task's)."""
+    from sandforge.registry import environment
+
+    contexts = {}
+    for env in cfg.environments:
+        entry = environment(env.name)
+        if entry.image_name is not None:
+            contexts[entry.image_name] = entry.image_context()
+    return contexts | TaskSampler(cfg.environments, cfg.run.seed).images()
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -471,8 +484,8 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
         reaped = reap_dead_runs(client)  # containers of drivers that died on this host (crash, SIGKILL)
         if reaped:
             console.print(f"reaped {sum(reaped.values())} container(s) of dead run(s): {', '.join(sorted(reaped))}")
-        images = build_images(sorted({e.name for e in cfg.environments}), base_image=cfg.sandbox.base_image,
-                              client=client, mirror=cfg.sandbox.mirror)
+        images = build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
+                              contexts=job_images(cfg))
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which installs an aborting handler of its own

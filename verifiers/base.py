@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.registry import find_verifier
 from sandforge.types import Reward, Task
 
 DEFAULT_TIMEOUT = 60.0  # seconds per check
@@ -126,7 +127,8 @@ def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
     if not isinstance(check, dict):
         raise _located(f"{where}: a check is a mapping {{'verifier': name, ...}}, got {check!r}")
     name = check.get("verifier")
-    verifier = VERIFIERS.get(name) if isinstance(name, str) else None
+    # a built-in, else a plugin's or a built-in env's (sandforge/registry.py)
+    verifier = (VERIFIERS.get(name) or find_verifier(name)) if isinstance(name, str) else None
     if verifier is None:
         known = ", ".join(sorted(VERIFIERS)) or "none"
         raise _located(f"{where}: unknown verifier {name!r} (known: {known})")
