@@ -12,18 +12,23 @@ from math import comb
 from statistics import fmean
 
 from sandforge.config import EnvironmentConfig
+from sandforge.environments.task_sources import FiniteSource, open_source
 from sandforge.registry import environment
 from sandforge.types import Task, Trajectory
 
 
 def heldout_tasks(envs: list[EnvironmentConfig], per_family: int) -> list[Task]:
-    """``per_family`` held-out tasks of every family of every configured environment, in a fixed order."""
-    tasks = []
+    """``per_family`` held-out tasks of every family of every configured environment, in a fixed order: seeds
+    0..per_family-1 of a generator, or the first ``per_family`` held-out tasks of a task file or folder (a family
+    without held-out tasks there is left out)."""
+    tasks: list[Task] = []
     for env in envs:
-        entry = environment(env.name)
-        make = entry.make_task()
-        for family in env.families or entry.families():
-            tasks += [make(family, seed, "heldout") for seed in range(per_family)]
+        source = open_source(environment(env.name), env.tasks)
+        for family in env.families or source.families():
+            if isinstance(source, FiniteSource):
+                tasks += [t for t in source.tasks if t.family == family and t.split == "heldout"][:per_family]
+            else:
+                tasks += [source.task(family, seed, "heldout") for seed in range(per_family)]
     return tasks
 
 
