@@ -52,7 +52,8 @@ def eval_markers(summary: dict) -> list[Series]:
         point = summary.get(style)
         if not isinstance(point, dict) or not isinstance(point.get("step"), (int, float)):
             continue
-        values = {"all": point.get("success")} | {env: v.get("success") for env, v in (point.get("per_env") or {}).items()
+        per_env = point.get("per_env") or {}
+        values = {"all": point.get("success")} | {env: v.get("success") for env, v in per_env.items()
                                                   if isinstance(v, dict)}
         for env, value in values.items():
             if isinstance(value, (int, float)):
@@ -141,7 +142,8 @@ def summary_rows(run_dir: Path, metrics: dict[str, list[dict]], summary: dict, e
     rl, warm = metrics.get("rl", []), metrics.get("warmup", [])
     last = rl[-1] if rl else {}
     rows = [("run id", run_id(run_dir)), ("RL steps logged", str(len(rl))),
-            ("final reward (mean)", fmt(last.get("reward/mean"))), ("final success rate", fmt(last.get("success/rate")))]
+            ("final reward (mean)", fmt(last.get("reward/mean"))),
+            ("final success rate", fmt(last.get("success/rate")))]
     if warm:
         rows.append(("warm-start SFT loss", f"{fmt(warm[0].get('warmup/loss'))} → {fmt(warm[-1].get('warmup/loss'))} "
                                             f"({len(warm)} steps)"))
@@ -173,50 +175,55 @@ def sample_episodes(episodes: list[dict], n: int = 4) -> list[int]:
     return sorted(picks[:n])
 
 
+def block(css: str, label: str, body: str) -> str:
+    """A labelled part of an episode; ``label`` is escaped here, ``body`` must already be HTML."""
+    return f'<div class="{css}"><span class="label">{html.escape(label)}</span>{body}</div>'
+
+
+def pre(text) -> str:
+    return f"<pre>{html.escape(str(text))}</pre>"
+
+
 def episode_html(index: int, ep: dict) -> str:
     """One episode as escaped HTML: instruction, each turn's reasoning, reply and tool calls, observations, reward."""
-    e = html.escape
     task, reward = ep.get("task") or {}, ep.get("reward") or {}
     mark = "✗ failed" if ep.get("failed") else ("✓" if reward.get("success") else "✗")
-    head = (f"#{index} · {e(str(ep.get('phase', '?')))} step {e(str(ep.get('step', '?')))} · "
-            f"{e(str(task.get('id', '?')))} · reward {fmt(reward.get('value'), 2)} {mark} · "
-            f"{e(str(ep.get('finish_reason') or '?'))}")
+    head = html.escape(f"#{index} · {ep.get('phase', '?')} step {ep.get('step', '?')} · {task.get('id', '?')} · "
+                       f"reward {fmt(reward.get('value'), 2)} {mark} · {ep.get('finish_reason') or '?'}")
     parts = []
     messages = ep.get("messages") or []
     if not any(m.get("role") == "user" for m in messages) and task.get("instruction"):
-        parts.append(f'<div class="user"><span class="label">instruction</span><pre>{e(task["instruction"])}</pre></div>')
+        parts.append(block("user", "instruction", pre(task["instruction"])))
     for m in messages:
         role = m.get("role", "?")
         if role == "assistant":
-            inner = ""
-            if m.get("reasoning"):
-                inner += f'<div class="think"><span class="label">reasoning</span><pre>{e(m["reasoning"])}</pre></div>'
-            if m.get("content"):
-                inner += f'<pre>{e(m["content"])}</pre>'
+            inner = block("think", "reasoning", pre(m["reasoning"])) if m.get("reasoning") else ""
+            inner += pre(m["content"]) if m.get("content") else ""
             for c in m.get("tool_calls") or []:
                 args = json.dumps(c.get("arguments") or {}, indent=2, ensure_ascii=False)
-                inner += f'<div class="call"><span class="label">call {e(str(c.get("name")))}</span><pre>{e(args)}</pre></div>'
-            parts.append(f'<div class="assistant"><span class="label">assistant</span>{inner}</div>')
+                inner += block("call", f"call {c.get('name')}", pre(args))
+            parts.append(block("assistant", "assistant", inner))
+        elif role == "tool":
+            parts.append(block("tool", f"tool: {m.get('name')}", pre(clip_observation(m.get("content", "")))))
         else:
-            label = f"tool: {m.get('name')}" if role == "tool" else role
-            text = clip_observation(m.get("content", "")) if role == "tool" else m.get("content", "")
-            parts.append(f'<div class="{e(role)}"><span class="label">{e(label)}</span><pre>{e(text)}</pre></div>')
-    breakdown = "".join(f"<tr><td>{e(str(k))}</td><td>{fmt(v, 2)}</td></tr>"
+            parts.append(block("user" if role == "user" else "other", str(role), pre(m.get("content", ""))))
+    breakdown = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{fmt(v, 2)}</td></tr>"
                         for k, v in (reward.get("breakdown") or {}).items())
-    parts.append(f'<div class="reward"><span class="label">reward {fmt(reward.get("value"), 2)} {mark}</span>'
-                 + (f"<table>{breakdown}</table>" if breakdown else "")
-                 + (f'<pre>{e(reward["reason"])}</pre>' if reward.get("reason") else "") + "</div>")
+    parts.append(block("reward", f"reward {fmt(reward.get('value'), 2)} {mark}",
+                       (f"<table>{breakdown}</table>" if breakdown else "")
+                       + (pre(reward["reason"]) if reward.get("reason") else "")))
     if ep.get("failed"):
-        parts.append(f'<div class="failure"><span class="label">failure</span><pre>{e(ep.get("failure", ""))}</pre></div>')
+        parts.append(block("failure", "failure", pre(ep.get("failure", ""))))
     return f'<details open><summary>{head}</summary>{"".join(parts)}</details>'
 
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}
 img{max-width:100%}table.summary td{padding:2px 12px 2px 0}pre{white-space:pre-wrap;margin:.3em 0;font-size:13px}
 details{border:1px solid #ccc;border-radius:6px;margin:1em 0;padding:.5em}summary{font-weight:600;cursor:pointer}
-details>div{margin:.5em 0;padding:.3em .6em;border-left:4px solid #bbb}.user{border-color:#4a7}.assistant{border-color:#47c}
-.think pre{color:#666;font-style:italic}.call{border-left:2px solid #c84;padding-left:.5em}.tool{border-color:#999;background:#f6f6f6}
-.reward{border-color:#a4a}.failure{border-color:#c33;background:#fee}.label{font-size:12px;font-weight:600;color:#555}"""
+details>div{margin:.5em 0;padding:.3em .6em;border-left:4px solid #bbb}.user{border-color:#4a7}
+.assistant{border-color:#47c}.think pre{color:#666;font-style:italic}.call{border-left:2px solid #c84;padding-left:.5em}
+.tool{border-color:#999;background:#f6f6f6}.reward{border-color:#a4a}.failure{border-color:#c33;background:#fee}
+.label{font-size:12px;font-weight:600;color:#555}"""
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, Path]:
@@ -233,7 +240,8 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     plt.close(fig)
 
     e = html.escape
-    table = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in summary_rows(run_dir, metrics, summary, episodes))
+    table = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>"
+                    for k, v in summary_rows(run_dir, metrics, summary, episodes))
     empty = [p.title for p in panel_list if not p.series]
     note = f"<p>No data yet for: {e(', '.join(empty))}.</p>" if empty else ""
     samples = "".join(episode_html(i, episodes[i]) for i in sample_episodes(episodes))

@@ -1,4 +1,4 @@
-"""Reading a run directory back: its metrics rows and recorded episodes, for ``sandforge report`` and ``sandforge show``.
+"""Reading a run directory back (metrics rows, recorded episodes) for ``sandforge report`` and ``sandforge show``.
 
 Only plain JSON is read (metrics.jsonl, trajectories.jsonl, eval.json, run_id), so a run can be inspected on a laptop
 without torch, Ray or Docker, and while the run is still writing: a torn last line is skipped, not an error.
@@ -17,7 +17,8 @@ class RunDirError(Exception):
 def check_run_dir(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise RunDirError(f"{run_dir} is not a directory; pass a run directory (run.output_dir of a job, e.g. runs/quickstart)")
+        raise RunDirError(f"{run_dir} is not a directory; pass a run directory (run.output_dir of a job, "
+                          "e.g. runs/quickstart)")
     if not (run_dir / "metrics.jsonl").is_file() and not (run_dir / "trajectories.jsonl").is_file():
         raise RunDirError(f"{run_dir} holds neither metrics.jsonl nor trajectories.jsonl; pass the run.output_dir "
                           "of a job that has started (sandforge train writes them there)")

@@ -51,7 +51,8 @@ def episode_table(episodes: list[dict]) -> Table:
         finish = Text(str(ep.get("finish_reason") or "?"))
         if ep.get("failed"):
             finish.append(" (failed)", style="red")
-        table.add_row(str(i), str(ep.get("step", "")), str(ep.get("phase", "")), str((ep.get("task") or {}).get("id", "?")),
+        task = ep.get("task") or {}
+        table.add_row(str(i), str(ep.get("step", "")), str(ep.get("phase", "")), str(task.get("id", "?")),
                       fmt_reward(ep.get("reward") or {}), str(len(ep.get("turns") or [])), finish)
     return table
 

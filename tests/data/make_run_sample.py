@@ -26,7 +26,7 @@ T0 = 1796040000.0
 def episode(task: Task, group: str, session: str, replies: list[tuple[str, str, list[ToolCall]]],
             observations: list[list[tuple[str, str]]], reward: Reward | None, finish: str, version: int,
             failure: str = "", parse_errors: dict[int, str] | None = None) -> Trajectory:
-    """One episode: ``replies[i]`` = (reasoning, content, calls) of turn i, ``observations[i]`` = its (tool, output)s."""
+    """One episode: ``replies[i]`` = (reasoning, content, calls) of turn i; ``observations[i]``: its (tool, output)s."""
     traj = Trajectory(task=task, group=group, policy_version=version, finish_reason=finish,
                       metadata={"session": session, "sandbox": f"sf-{session[-6:]}", "seconds": 3.2})
     traj.messages.append(Message("user", task.instruction))
