@@ -172,8 +172,9 @@ def show(
     episode: Optional[str] = typer.Option(None, "--episode", "-e", help="Index into trajectories.jsonl (-1: the "
                                           "last), or a task id, session id or group (substrings match)"),
 ) -> None:
-    """Print a recorded episode: reasoning, tool calls, observations, verifier breakdown (without --episode: list
-    the episodes and show the last)."""
+    """Print a recorded episode: reasoning, tool calls, observations, verifier breakdown.
+
+    Without --episode: list the run's episodes and show the last one."""
     from rich.console import Console
 
     from sandforge.rundir import RunDirError, check_run_dir, find_episodes, read_episodes
