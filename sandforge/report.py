@@ -66,7 +66,7 @@ def panels(metrics: dict[str, list[dict]], summary: dict) -> list[Panel]:
     success = Panel("success per environment", "no rl rows with success/<env> in metrics.jsonl")
     for env in suffixes(rl, "success/", skip=("rate",)):
         success.series += curve(rl, f"success/{env}", env, env)
-    if success.series:
+    if len(success.series) > 1:  # with one environment the overall rate is the same line
         success.series += curve(rl, "success/rate", "all envs", "all")
     held = Panel("held-out success", "no eval rows in metrics.jsonl and no eval.json")
     for env in suffixes(ev, "eval/success/"):

@@ -42,12 +42,15 @@ def outcome(ep: dict) -> Text:
     return Text("success", style="green") if reward.get("success") else Text("no success", style="yellow")
 
 
-def episode_table(episodes: list[dict]) -> Table:
-    """One line per recorded episode, so a user can pick one with --episode."""
-    table = Table(title=f"{len(episodes)} episodes (trajectories.jsonl)", title_justify="left")
+def episode_table(episodes: list[dict], last: int = 40) -> Table:
+    """One line for each of the ``last`` episodes recorded, so a user can pick one with --episode (a long run records
+    thousands; the latest are the ones people look at)."""
+    first = max(0, len(episodes) - last)
+    title = f"{len(episodes)} episodes (trajectories.jsonl)" + (f", the last {last} shown" if first else "")
+    table = Table(title=title, title_justify="left")
     for col in ("#", "step", "phase", "task", "reward", "turns", "finish"):
         table.add_column(col, justify="right" if col in ("#", "step", "reward", "turns") else "left")
-    for i, ep in enumerate(episodes):
+    for i, ep in enumerate(episodes[first:], start=first):
         finish = Text(str(ep.get("finish_reason") or "?"))
         if ep.get("failed"):
             finish.append(" (failed)", style="red")

@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sandforge.rundir import find_episodes, read_episodes
-from sandforge.show import render_episode
+from sandforge.show import episode_table, render_episode
 
 SAMPLE = Path(__file__).parent / "data" / "run_sample"
 SANDFORGE = Path(sys.executable).parent / "sandforge"
@@ -70,6 +70,16 @@ def test_without_episode_lists_all_and_shows_the_last():
         assert ep["task"]["id"] in line and ep["phase"] in line and (ep["finish_reason"] or "?") in line
     assert "(failed)" in next(line for line in table.splitlines() if "│ 4 " in line)
     assert shown.startswith(f"{len(episodes) - 1}") and "Write the file as asked." in shown
+
+
+def test_long_runs_list_their_latest_episodes():
+    episodes = read_episodes(SAMPLE) * 20
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    console.print(episode_table(episodes))
+    text = console.file.getvalue()
+    assert f"{len(episodes)} episodes (trajectories.jsonl), the last 40 shown" in text
+    numbers = [int(line.split("│")[1]) for line in text.splitlines() if line.startswith("│")]
+    assert numbers == list(range(len(episodes) - 40, len(episodes)))  # indices stay those --episode takes
 
 
 def test_episode_by_task_session_or_group_substring():
