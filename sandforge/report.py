@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +35,16 @@ class Panel:
 
 
 def curve(rows: list[dict], key: str, label: str, env: str = "", x_key: str = "step") -> list[Series]:
-    points = [(r[x_key], r[key]) for r in rows
-              if isinstance(r.get(key), (int, float)) and isinstance(r.get(x_key), (int, float))]
+    points = [(r[x_key], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+              and isinstance(r.get(x_key), (int, float))]
     return [Series(label, [p[0] for p in points], [p[1] for p in points], env)] if points else []
+
+
+def rolling_mean(y: list[float], window: int) -> list[float]:
+    """Each point averaged with its neighbours, ``window // 2`` either side (fewer at the ends): RL curves are noisy
+    step to step and people read them for the trend. Centred, so a drop shows where it happened, not later."""
+    half = window // 2
+    return [sum(y[max(0, i - half) : i + half + 1]) / len(y[max(0, i - half) : i + half + 1]) for i in range(len(y))]
 
 
 def suffixes(rows: list[dict], prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
@@ -89,6 +97,7 @@ def panels(metrics: dict[str, list[dict]], summary: dict) -> list[Panel]:
 
 
 MARKERS = {"before": "o", "after": "*"}
+SMOOTH_FROM = 20  # points in a curve from which it is drawn smoothed
 
 
 def plot_curves(panel_list: list[Panel]):
@@ -115,7 +124,11 @@ def plot_curves(panel_list: list[Panel]):
         for s in panel.series:
             color = colors.get(s.env, "C0")
             if s.style == "line":
-                ax.plot(s.x, s.y, color=color, label=s.label, marker="." if len(s.x) < 30 else None,
+                y = s.y
+                if len(s.x) >= SMOOTH_FROM:  # the raw values faint, their rolling mean on top
+                    ax.plot(s.x, s.y, color=color, alpha=0.25, linewidth=0.8)
+                    y = rolling_mean(s.y, max(5, len(s.y) // 10))
+                ax.plot(s.x, y, color=color, label=s.label, marker="." if len(s.x) < SMOOTH_FROM else None,
                         linestyle="--" if s.env == "all" and len(panel.series) > 1 else "-")
             else:  # eval.json: hollow circle before RL, star after; the legend names the shape once, not per env
                 ax.scatter(s.x, s.y, color=color, s=90 if s.style == "after" else 45, zorder=3,

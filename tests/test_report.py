@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandforge.report import panels, plot_curves, write_report
+from sandforge.report import panels, plot_curves, rolling_mean, write_report
 from sandforge.rundir import read_eval, read_metrics
 
 SAMPLE = Path(__file__).parent / "data" / "run_sample"
@@ -92,6 +92,16 @@ def test_curves_follow_the_metrics_rows():
     assert markers["terminal before"] == ([0], [0.3]) and markers["all after"] == ([10], [0.7])
     sft = panel(p, "warm-start SFT loss").series[0]
     assert sft.x == [0, 1, 2, 3, 4] and sft.y[0] > sft.y[-1]
+
+
+def test_long_noisy_curves_are_drawn_smoothed_over_the_raw_values():
+    assert rolling_mean([0, 3, 0, 3, 0, 3], 3) == [1.5, 1, 2, 1, 2, 1.5]
+    rows = [{"phase": "rl", "step": s, "reward/mean": float(s % 2)} for s in range(40)]
+    ax = plot_curves(panels({"rl": rows}, {})).axes[0]
+    raw, smooth = ax.lines
+    assert list(raw.get_ydata()) == [float(s % 2) for s in range(40)]
+    middle = smooth.get_ydata()[5:-5]  # the ends average fewer points
+    assert max(middle) - min(middle) < 0.25  # the trend, not the zigzag
 
 
 def test_panels_without_data_say_so(tmp_path):
