@@ -73,7 +73,7 @@ def test_summary_shows_final_metrics_and_eval_before_after(reported):
     assert rows["episodes recorded"] == "7 (1 failed)"
     assert rows["held-out success, terminal"].startswith("0.300 → 0.800")  # eval.json before -> after
     assert rows["held-out success, repo"].startswith("0.000 → 0.500")
-    assert "pass@4 0.400 → 0.850" in rows["held-out success, all"]
+    assert "pass@4 0.400 → 0.900" in rows["held-out success, all"]
 
 
 def test_curves_follow_the_metrics_rows():

@@ -115,7 +115,7 @@ def episodes() -> list[tuple[int, str, Trajectory]]:
             [[("bash", "....\n4 passed in 0.05s\n[exit code 0]"), ("submit", "submitted")]],
             Reward(1.0, True, {"tests_pass:0": 1.0}, "4 passed"), "submit", 10)),
         (10, "eval", episode(  # a held-out episode from the final evaluation
-            held, f"eval/{held.id}", f"eval/{held.id}/eeeeeeeeeeee", [("Write the file as asked.", "", held.solution)],
+            held, f"eval10/{held.id}", f"eval10/{held.id}/eeeeeeeeeeee", [("Write the file as asked.", "", held.solution)],
             [[("write_file", f"wrote {len(held.checks[0]['content'])} bytes to {held.checks[0]['path']}"),
               ("submit", "submitted")]],
             Reward(1.0, True, {f"file_equals:{held.checks[0]['path']}": 1.0}, "content matches"), "submit", 10)),
@@ -136,9 +136,11 @@ def metrics() -> list[dict]:
                      "entropy": round(1.9 - 0.5 * p, 4), "loss": round(0.05 - 0.03 * p, 4), "grad_norm": 0.8,
                      "episodes/failed": 1 if s == 7 else 0, "time/step": 5.0})
     for s, (t, r) in zip((0, 5, 10), ((0.3, 0.0), (0.55, 0.25), (0.8, 0.5))):
-        rows.append({"phase": "eval", "time": T0 + 10 + 5 * s + 1, "step": s, "eval/success": round((2 * t + r) / 3, 4),
-                     "eval/success/terminal": t, "eval/success/repo": r, "eval/pass@k/terminal": min(1.0, t + 0.2),
-                     "eval/pass@k/repo": min(1.0, r + 0.25), "eval/k": 4})
+        success = round((2 * t + r) / 3, 4)
+        rows.append({"phase": "eval", "time": T0 + 10 + 5 * s + 1, "step": s, "eval/success": success,
+                     "eval/pass@k": min(1.0, round(success + 0.2, 4)), "eval/k": 4, "eval/failed": 1,
+                     "eval/success/repo": r, "eval/pass@k/repo": min(1.0, r + 0.25),
+                     "eval/success/terminal": t, "eval/pass@k/terminal": min(1.0, t + 0.2)})
     return rows
 
 
@@ -151,14 +153,26 @@ def main() -> None:
         f.writelines(json.dumps(row) + "\n" for row in metrics())
     with (OUT / "trajectories.jsonl").open("w") as f:
         f.writelines(json.dumps({"step": step, "phase": phase, **t.to_dict()}) + "\n" for step, phase, t in episodes())
-    per_env = lambda t, r: {"terminal": {"success": t, "pass@k": min(1.0, t + 0.2), "episodes": 20},  # noqa: E731
-                            "repo": {"success": r, "pass@k": min(1.0, r + 0.25), "episodes": 8}}
-    (OUT / "eval.json").write_text(json.dumps({
-        "k": 4,
-        "before": {"step": 0, "success": 0.2, "pass@k": 0.4, "per_env": per_env(0.3, 0.0)},
-        "after": {"step": 10, "success": 0.7, "pass@k": 0.85, "per_env": per_env(0.8, 0.5)},
-    }, indent=1) + "\n")
+    (OUT / "eval.json").write_text(json.dumps(eval_record(), indent=1) + "\n")
 
+
+def eval_record() -> dict:
+    """eval.json as trainer/loop.py writes it (rollout/evaluate.py EvalRecord): every evaluation, before and after."""
+    def summary(step: int, terminal: float, repo: float) -> dict:
+        envs = {"repo": {"success": repo, "pass@k": min(1.0, repo + 0.25), "tasks": 2, "episodes": 8, "failed": 0},
+                "terminal": {"success": terminal, "pass@k": min(1.0, terminal + 0.2), "tasks": 4, "episodes": 16,
+                             "failed": 1}}
+        success = round((2 * terminal + repo) / 3, 4)
+        return {"step": step, "policy_version": step + 1, "k": 4, "success": success,
+                "pass@k": min(1.0, round(success + 0.2, 4)), "tasks": 6, "episodes": 24, "failed": 1, "per_env": envs}
+
+    history = [summary(0, 0.3, 0.0), summary(5, 0.55, 0.25), summary(10, 0.8, 0.5)]
+    before, after = history[0], history[-1]
+    return {"k": 4, "tasks_per_family": 2, "history": history, "before": before, "after": after,
+            "delta_points": {"success": round(100 * (after["success"] - before["success"]), 2),
+                             "per_env": {env: round(100 * (after["per_env"][env]["success"]
+                                                           - before["per_env"][env]["success"]), 2)
+                                         for env in sorted(after["per_env"])}}}
 
 if __name__ == "__main__":
     main()
