@@ -251,6 +251,55 @@ def serve(
         raise typer.Exit(130)
 
 
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="Run directory (run.output_dir of a job)")) -> None:
+    """Write the run's curves (report.png) and a page with a summary and sample episodes (report.html) into RUN_DIR."""
+    from sandforge.report import write_report
+    from sandforge.rundir import RunDirError
+
+    try:
+        png, page = write_report(run_dir)
+    except RunDirError as e:
+        fail(str(e))
+    typer.echo(f"curves: {png}\npage:   {page}")
+
+
+@app.command()
+def show(
+    run_dir: Path = typer.Argument(..., help="Run directory (run.output_dir of a job)"),
+    episode: Optional[str] = typer.Option(None, "--episode", "-e", help="Index into trajectories.jsonl (-1: the "
+                                          "last), or a task id, session id or group (substrings match)"),
+) -> None:
+    """Print a recorded episode: reasoning, tool calls, observations, verifier breakdown.
+
+    Without --episode: list the run's episodes and show the last one."""
+    from rich.console import Console
+
+    from sandforge.rundir import RunDirError, check_run_dir, find_episodes, read_episodes
+    from sandforge.show import episode_table, render_episode
+
+    try:
+        episodes = read_episodes(check_run_dir(run_dir))
+    except RunDirError as e:
+        fail(str(e))
+    if not episodes:
+        fail(f"{run_dir}/trajectories.jsonl holds no episodes yet; they are written after each step's rollouts")
+    console = Console()
+    if episode is None:
+        console.print(episode_table(episodes))
+        matches = [len(episodes) - 1]
+    else:
+        matches = find_episodes(episodes, episode)
+        if not matches:
+            fail(f"no episode matches {episode!r}: pass an index 0..{len(episodes) - 1}, a task id, a session id or "
+                 f"a group (`sandforge show {run_dir}` lists them)")
+        if len(matches) > 1:
+            console.print(f"{len(matches)} episodes match {episode!r} (#{', #'.join(map(str, matches))}); "
+                          f"showing the last", style="yellow", highlight=False)
+    console.print(f"\nepisode #{matches[-1]}", style="bold", highlight=False)
+    console.print(render_episode(episodes[matches[-1]]))
+
+
 def main() -> None:
     app()
 
