@@ -407,6 +407,18 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _write_report(out: Path) -> None:
+    """The curves as report.png and report.html (``sandforge report``); a plotting failure never fails the run."""
+    from sandforge.report import write_report
+
+    try:
+        png, html = write_report(out)
+    except Exception as e:  # noqa: BLE001 - the run's data is safe in metrics.jsonl; report can be rerun
+        console.print(f"[yellow]report: {type(e).__name__}: {e} (rerun `sandforge report {out}`)[/]")
+    else:
+        console.print(f"report: {png} and {html}", soft_wrap=True)
+
+
 def _kept_on_resume(row: dict, start: int) -> bool:
     """Rows a run resumed after ``start`` RL steps keeps: the warm start's, RL steps before ``start``, evaluations of
     the policy at ``start`` or earlier (an evaluation at step s measures the policy after s steps)."""
@@ -523,6 +535,7 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
         if record is not None:
             console.print(eval_summary(record.as_dict()), soft_wrap=True)
         console.print(f"[green]done[/]: metrics in {out / 'metrics.jsonl'}, policy in {policy}", soft_wrap=True)
+        _write_report(out)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping actors and removing this run's containers[/]")
         raise
