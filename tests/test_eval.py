@@ -97,6 +97,7 @@ def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_im
     evals = [r for r in evals if r["phase"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1, 2] and all("eval/success/terminal" in r for r in evals)
     assert "held-out success (eval.json)" in proc.stderr
+    assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (run / "report.html").is_file()
 
     out = tmp_path / "eval.json"
     proc = _cli("eval", "configs/quickstart.yaml", "--checkpoint", str(run / "checkpoints" / "step_2" / "policy"),
