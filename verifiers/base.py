@@ -1,8 +1,10 @@
 """Verifier registry and ``score_task``: run a task's checks against the sandbox after the episode.
 
 A check is plain data in ``Task.checks``: ``{"verifier": name, **arguments}``. Each verifier takes the sandbox and
-those arguments and returns (score in [0, 1], short reason). Verifiers act through fresh execs (as root), never through
-the policy's shell, so the policy can influence the result only through the state it left behind.
+those arguments and returns (score in [0, 1], short reason), or (score, reason, parts) where the score has parts worth
+showing (e.g. the FAIL_TO_PASS and PASS_TO_PASS fractions: they go into the reward's breakdown as ``<check>/<part>``,
+but only the score counts). Verifiers act through fresh execs (as root), never through the policy's shell, so the
+policy can influence the result only through the state it left behind.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
     if not task.checks:
         raise VerifierError(f"task {task.id} has no checks: nothing can score it")
     scores: dict[str, float] = {}
+    parts: dict[str, float] = {}
     reasons: list[str] = []
     for i, check in enumerate(task.checks):
         args = {k: v for k, v in check.items() if k != "verifier"}
@@ -42,7 +45,7 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
             known = ", ".join(sorted(VERIFIERS)) or "none"
             raise VerifierError(f"task {task.id}, check {i}: unknown verifier {name!r} (known: {known})")
         try:
-            score, reason = verifier(sandbox, args)
+            score, reason, *extra = verifier(sandbox, args)
         except VerifierError:
             raise
         except Exception as e:  # a bad argument, a dead sandbox: the episode cannot be scored
@@ -50,16 +53,19 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
         if not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
             raise VerifierError(f"task {task.id}, check {i} ({name}) returned score {score!r}, expected [0, 1]")
         key = f"{name}:{args.get('path', i)}"
-        scores[key if key not in scores else f"{key}#{i}"] = float(score)
+        key = key if key not in scores else f"{key}#{i}"
+        scores[key] = float(score)
+        parts.update({f"{key}/{part}": float(v) for part, v in (extra[0] if extra else {}).items()})
         reasons.append(reason)
     value = sum(scores.values()) / len(scores)
     return Reward(
         value=value,
         success=all(s == 1.0 for s in scores.values()),
-        breakdown=scores,
+        breakdown={**scores, **parts},
         reason="; ".join(reasons),
     )
 
 
 # The built-in verifiers register themselves on import.
 from sandforge.verifiers import file as _file  # noqa: E402,F401
+from sandforge.verifiers import tests as _tests  # noqa: E402,F401
