@@ -7,9 +7,14 @@ seed gives the same task and the same scores.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
+
+from pathlib import Path
 
 from sandforge.environments.repo.env import RepoEnv
 from sandforge.environments.repo.functions import FUNCTIONS
@@ -166,3 +171,22 @@ def test_setup_leaves_one_commit_of_the_buggy_base(repo_spec, run_id, docker_cli
             assert env.sandbox.read_file(path) == content
     finally:
         env.close()
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_configs_repo_yaml_trains_one_step(tmp_path, repo_spec):
+    out = tmp_path / "run"
+    small = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
+             "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=16",
+             "logging.wandb.mode=disabled", f"run.output_dir={out}"]
+    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/repo.yaml", *small],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [0] and rl[0]["episodes/count"] == 2
+    assert rl[0]["episodes/failed"] == 0
+    episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(episodes) == 2 and all(e["task"]["env"] == "repo" for e in episodes)
+    assert all("repo_tests:0/fail_to_pass" in e["reward"]["breakdown"] for e in episodes)  # graded by repo_tests

@@ -46,7 +46,7 @@ print(json.dumps(out))
 
 
 @dataclass
-class TestResult:
+class CaseResult:
     """One test case from a JUnit report: ``test_id`` is pytest's node id ("tests/test_x.py::test_y")."""
 
     test_id: str
@@ -54,7 +54,7 @@ class TestResult:
     message: str = ""
 
 
-def parse_junit(xml_text: str, test_files: list[str] | None = None) -> dict[str, TestResult]:
+def parse_junit(xml_text: str, test_files: list[str] | None = None) -> dict[str, CaseResult]:
     """Outcome of every test case in a JUnit XML report (pytest's xunit1 or xunit2, one or more testsuites).
 
     JUnit names a case by ``classname`` ("tests.test_x" or "tests.test_x.TestClass") and ``name``; with the test file
@@ -69,7 +69,7 @@ def parse_junit(xml_text: str, test_files: list[str] | None = None) -> dict[str,
         raise ValueError(f"not a JUnit XML report: root element <{root.tag}>")
     modules = {posixpath.splitext(p)[0].replace("/", "."): p for p in test_files or []}
     rank = {PASSED: 0, SKIPPED: 1, FAILED: 2, ERROR: 3}
-    results: dict[str, TestResult] = {}
+    results: dict[str, CaseResult] = {}
     for case in root.iter("testcase"):
         test_id = _node_id(case.get("classname", ""), case.get("name", ""), modules)
         outcome, message = PASSED, ""
@@ -81,7 +81,7 @@ def parse_junit(xml_text: str, test_files: list[str] | None = None) -> dict[str,
                 break
         old = results.get(test_id)
         if old is None or rank[outcome] > rank[old.outcome]:
-            results[test_id] = TestResult(test_id, outcome, message)
+            results[test_id] = CaseResult(test_id, outcome, message)
     return results
 
 
@@ -94,7 +94,7 @@ def _node_id(classname: str, name: str, modules: dict[str, str]) -> str:
     return f"{classname}::{name}" if classname else name
 
 
-def grade_results(results: dict[str, TestResult], fail_to_pass: list[str], pass_to_pass: list[str]
+def grade_results(results: dict[str, CaseResult], fail_to_pass: list[str], pass_to_pass: list[str]
                   ) -> tuple[float, dict[str, float], str]:
     """(1.0 iff every listed test passed, fraction passed per group, a reason naming what did not pass)."""
     breakdown, problems = {}, []

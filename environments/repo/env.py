@@ -19,8 +19,6 @@ _RUN_TESTS = "python3 -m pytest -q --tb=short -p no:cacheprovider tests 2>&1"
 class RepoEnv(TerminalEnv):
     """bash and read_file as in the terminal env; file edits go through str_replace, tests through run_tests."""
 
-    sandbox_defaults = {"pids_limit": 256}
-
     # the terminal's write_file is replaced by str_replace: an edit the policy has to locate exactly
     write_file = None
 
