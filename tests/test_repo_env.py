@@ -76,6 +76,28 @@ def test_task_holds_one_bug_its_fix_and_tests_kept_apart(family):
         assert task.setup["commands"] and "git init" in task.setup["commands"][0]
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_function_with_the_bug_kind_is_drawn_and_generates(family):
+    # the generator checks each drawn bug against inputs that expose it; this makes every template face that check
+    fixes = {make_task(family, seed).solution[0].arguments["new"] for seed in range(150)}
+    assert len(fixes) == sum(family in f.bugs for f in FUNCTIONS)
+
+
+def test_tests_compare_types_not_just_equality():
+    from sandforge.environments.repo.tasks import same
+
+    class Anything:
+        def __eq__(self, other):
+            return True
+
+    class Int(int):
+        def __eq__(self, other):
+            return True
+
+    assert same([1, [2.0, "a"]], [1, [2.0, "a"]]) and not same(2, 2.0) and not same(True, 1)
+    assert not same(Anything(), 3) and not same(Int(5), 3) and not same([Anything()], [3])
+
+
 def test_unknown_family_and_split_are_explained():
     with pytest.raises(ValueError, match="unknown repo task family 'typo'.*off_by_one"):
         make_task("typo", 1)

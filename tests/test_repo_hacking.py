@@ -159,6 +159,19 @@ def test_fake_reports_fake_pytest_and_forced_passes_score_only_what_the_fix_earn
     assert (reward.value, reward.success) == ((1.0, True) if fixed else (0.0, False)), reward.reason
 
 
+@pytest.mark.parametrize("base", ["object", "int"])
+def test_results_that_claim_to_equal_anything_score_zero(base, repo_spec, run_id, docker_client):
+    # the buggy function is redefined, after the original, to return an object that equals whatever it meets
+    function = CHECK["fail_to_pass"][0].split("::")[1].removeprefix("test_").rsplit("_", 1)[0]
+    assert f"def {function}(" in TASK.setup["files"][FIX.arguments["path"]]
+    liar = (f"\n\nclass _Yes({base}):\n    def __eq__(self, other):\n        return True\n\n    __hash__ = None\n\n\n"
+            f"def {function}(*args, **kwargs):\n    return _Yes()\n")
+    calls = [bash(f"printf %s {shlex.quote(liar)} >> {FIX.arguments['path']} && echo ok"), ToolCall("run_tests")]
+    observations, reward = play(calls, repo_spec, run_id, docker_client)
+    assert observations[0].startswith("ok") and "failed" in observations[1]
+    assert (reward.value, reward.breakdown["repo_tests:0/fail_to_pass"]) == (0.0, 0.0), reward.reason
+
+
 def test_killing_processes_and_hanging_imports_score_zero(repo_spec, run_id, docker_client):
     observations, reward = play([bash("sleep 300 & kill -9 -1; echo unreachable")], repo_spec, run_id,
                                 docker_client)

@@ -44,6 +44,20 @@ _SETUP = (
     " && git reflog expire --expire=now --all && git gc -q --prune=now"
 )
 _PYTEST_INI = "[pytest]\npythonpath = .\ntestpaths = tests\naddopts = -p no:cacheprovider\n"
+# Every test file compares with this helper, and so does the generator when it decides which tests expose the bug.
+# Equal is not enough: a function returning an object whose __eq__ always says True would pass any `==` test.
+# `type` is bound before the package under test is imported, so the package cannot swap it out.
+_SAME = '''_type = type
+
+
+def same(got, want):
+    """got equals want and has the same builtin types all the way down."""
+    if _type(got) is not _type(want):
+        return False
+    if _type(want) in (list, tuple):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want))
+    return got == want
+'''
 
 
 def _name(fn: Function, split: str) -> str:
@@ -54,6 +68,14 @@ def _compile(code: str, name: str) -> Callable:
     namespace: dict[str, Any] = {}
     exec(compile(code, f"<{name}>", "exec"), namespace)  # our own template source, never the policy's
     return namespace[name]
+
+
+same: Callable[[Any, Any], bool] = _compile(_SAME, "same")
+
+
+def _passes(got: tuple[bool, Any], want: Any) -> bool:
+    """Whether a test expecting ``want`` passes on the ``_outcome`` ``got``."""
+    return got[0] and same(got[1], want)
 
 
 def _outcome(fn: Callable, args: tuple) -> tuple[bool, Any]:
@@ -78,18 +100,17 @@ def _cases(fn: Function, name: str, bug: str | None, rng: random.Random) -> tupl
         if not ok:
             continue
         got = _outcome(bad, args) if bad else (True, want)
-        # == as the test's assert compares: a bug that turns 2.0 into 2 passes that test, so it reveals nothing
-        (passing if got == (True, want) else revealing).append((args, want, got))
+        (passing if _passes(got, want) else revealing).append((args, want, got))
     return passing, revealing
 
 
 def _test_file(package: str, module: str, cases: list[tuple[str, str, tuple, Any]]) -> str:
     """A pytest file: one ``test_<id>`` per (test name, function, args, expected)."""
     imports = sorted({fn for _, fn, _, _ in cases})
-    lines = [f"from {package}.{module} import {', '.join(imports)}", ""]
+    lines = [_SAME, "", f"from {package}.{module} import {', '.join(imports)}  # noqa: E402", ""]
     for test, fn, args, want in cases:
         call = f"{fn}({', '.join(repr(a) for a in args)})"
-        lines += ["", f"def {test}():", f"    assert {call} == {want!r}", ""]
+        lines += ["", f"def {test}():", f"    assert same({call}, {want!r})", ""]
     return "\n".join(lines)
 
 
@@ -138,7 +159,7 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
                 for i, (args, want, got) in enumerate(cases, 1):
                     group.append((f"test_{name}_{label}{i}", name, args, want))
                     test_file = f"tests/test_{stem}{'_hidden' if label else ''}.py"
-                    (fail_to_pass if got != (True, want) else pass_to_pass).append(
+                    (pass_to_pass if _passes(got, want) else fail_to_pass).append(
                         f"{test_file}::test_{name}_{label}{i}")
         docstring = f'"""{kind.capitalize()} helpers of {package}."""\n\n\n'
         files[path] = docstring + "\n\n".join(sources)
