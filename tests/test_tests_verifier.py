@@ -40,8 +40,8 @@ E       assert 1 == 2</failure></testcase>
 
 # xunit1 with a bare testsuite root, and a test that failed and then errored in teardown (reported twice).
 XUNIT1 = """<testsuite name="pytest" tests="2">
-<testcase classname="tests.test_a" file="tests/test_a.py" line="3" name="test_twice"><failure message="boom"/></testcase>
-<testcase classname="tests.test_a" file="tests/test_a.py" line="3" name="test_twice"><error message="teardown"/></testcase>
+<testcase classname="tests.test_a" file="tests/test_a.py" name="test_twice"><failure message="boom"/></testcase>
+<testcase classname="tests.test_a" file="tests/test_a.py" name="test_twice"><error message="teardown"/></testcase>
 <testcase classname="tests.test_a" name="test_fine"><system-out>hello</system-out></testcase>
 </testsuite>"""
 
@@ -77,8 +77,9 @@ def test_text_that_is_not_junit_is_refused(text):
 
 def test_grade_needs_every_required_test_to_pass():
     results = parse_junit(XUNIT2, FILES)
-    score, parts, reason = grade_results(results, ["tests/test_math.py::test_ok"], ["tests/test_math.py::test_in_class"])
-    assert score == 0.0 and "did not pass: tests/test_math.py::test_in_class not run" in reason  # wrong id: not run
+    score, parts, reason = grade_results(results, ["tests/test_math.py::test_ok"],
+                                         ["tests/test_math.py::test_in_class"])  # the id lacks its class
+    assert score == 0.0 and "did not pass: tests/test_math.py::test_in_class not run" in reason
     score, parts, reason = grade_results(
         results, ["tests/test_math.py::test_ok"], ["tests/test_math.py::TestGroup::test_in_class"])
     assert (score, parts) == (1.0, {"fail_to_pass": 1.0, "pass_to_pass": 1.0}) and "all 1 FAIL_TO_PASS" in reason

@@ -81,8 +81,12 @@ FUNCTIONS: list[Function] = [
         inputs=lambda r: (r.randint(0, 60), r.randint(1, 9)),
         edges=((10, 5), (11, 5), (0, 3)),
         bugs={
-            OFF_BY_ONE: ("    return (items + per_page - 1) // per_page", "    return (items + per_page) // per_page"),
-            WRONG_OPERATOR: ("    return (items + per_page - 1) // per_page", "    return (items - per_page - 1) // per_page"),
+            OFF_BY_ONE: (
+                "    return (items + per_page - 1) // per_page", "    return (items + per_page) // per_page"
+            ),
+            WRONG_OPERATOR: (
+                "    return (items + per_page - 1) // per_page", "    return (items - per_page - 1) // per_page"
+            ),
         },
     ),
     Function(
@@ -142,7 +146,9 @@ FUNCTIONS: list[Function] = [
         inputs=lambda r: (_ints(r, n=(2, 7)), r.randint(1, 3)),
         edges=(([1, 2, 3], 2), ([5, 5], 2), ([4], 1)),
         bugs={
-            OFF_BY_ONE: ("    for start in range(len(values) - width + 1):", "    for start in range(len(values) - width):"),
+            OFF_BY_ONE: (
+                "    for start in range(len(values) - width + 1):", "    for start in range(len(values) - width):"
+            ),
             WRONG_OPERATOR: (
                 "        sums.append(sum(values[start:start + width]))",
                 "        sums.append(sum(values[start:start - width]))",
