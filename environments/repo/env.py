@@ -29,9 +29,7 @@ class RepoEnv(TerminalEnv):
             raise ToolError("str_replace: old must not be empty (to create a file use bash)")
         try:
             content = self.sandbox.read_file(path)
-        except ValueError as e:
-            raise ToolError(f"str_replace: {e}") from e
-        except OSError as e:
+        except (ValueError, OSError) as e:  # a NUL in the path, a directory, a file the policy may not read
             raise ToolError(f"str_replace: {e}") from e
         if content is None:
             raise ToolError(f"str_replace: no such file: {path}")
