@@ -4,6 +4,10 @@ both."""
 
 from __future__ import annotations
 
+import io
+import posixpath
+import tarfile
+
 import pytest
 
 from sandforge.environments.repo.tasks import FAMILIES, make_task
@@ -139,9 +143,10 @@ def _outcomes(box: Sandbox, task: Task, fixed: bool) -> dict[str, str]:
 
 
 @pytest.mark.docker
-@pytest.mark.parametrize("split", ["train", "heldout"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(("family", "split"),
+                         [("off_by_one", "train"), ("wrong_operator", "heldout"), ("wrong_condition", "train")])
 def test_fail_to_pass_fails_before_the_fix_and_pass_to_pass_passes_on_both(family, split, repo_box, docker_client):
+    """Through the grading path itself (a fresh container per run, removed afterwards)."""
     task = make_task(family, 3, split)
     check = task.checks[0]
     required = set(check["fail_to_pass"]) | set(check["pass_to_pass"])
@@ -151,3 +156,49 @@ def test_fail_to_pass_fails_before_the_fix_and_pass_to_pass_passes_on_both(famil
     assert all(buggy[t] == PASSED for t in check["pass_to_pass"]), buggy
     assert all(outcome == PASSED for outcome in fixed.values()), fixed
     assert list_run_containers(repo_box.run_id, docker_client) == [repo_box.id]  # graders removed
+
+
+def _tar(files: dict[str, str]) -> bytes:
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w") as tar:
+        for path, text in files.items():
+            data = text.encode()
+            member = tarfile.TarInfo(path)
+            member.size, member.mode = len(data), 0o644
+            tar.addfile(member, io.BytesIO(data))
+    return archive.getvalue()
+
+
+@pytest.mark.docker
+def test_every_template_bug_has_tests_that_fail_before_and_pass_after_the_fix(repo_box):
+    """One task per (bug kind, function) pair the generator can draw, both splits, buggy and fixed: 2 x 24 pytest
+    runs batched in one container (one archive in, one archive of reports out) to stay quick."""
+    tasks: dict[tuple[str, str], Task] = {}
+    for family in sorted(FAMILIES):
+        for seed in range(150):
+            task = make_task(family, seed, ("train", "heldout")[seed % 2])
+            tasks.setdefault((family, task.solution[0].arguments["new"]), task)
+    assert len(tasks) == 24
+    trees = {}
+    for i, task in enumerate(tasks.values()):
+        check, fix = task.checks[0], task.solution[0].arguments
+        fixed = {**check["files"], fix["path"]: check["files"][fix["path"]].replace(fix["old"], fix["new"])}
+        for state, files in (("buggy", check["files"]), ("fixed", fixed)):
+            trees.update({f"{i}-{state}/{p}": text for p, text in {**files, **check["hidden_tests"]}.items()})
+    repo_box.put_file("/tmp/trees.tar", _tar(trees), user="root")
+    script = ("mkdir -p /tmp/junit && cd /workspace && tar -xf /tmp/trees.tar && for d in *-*; do "
+              "(cd $d && python3 -I -m pytest -q -p no:cacheprovider -o addopts= --junitxml=/tmp/junit/$d.xml tests "
+              ">/dev/null 2>&1); done; tar -cf /tmp/junit.tar -C /tmp/junit .")
+    ran = repo_box.exec(script, timeout=600, user="root", session=False)
+    assert ran.exit_code == 0, ran.output
+    with tarfile.open(fileobj=io.BytesIO(repo_box.get_file("/tmp/junit.tar", user="root"))) as tar:
+        reports = {posixpath.basename(m.name)[:-4]: tar.extractfile(m).read().decode() for m in tar if m.isfile()}
+    for i, task in enumerate(tasks.values()):
+        check = task.checks[0]
+        test_files = [p for p in {**check["files"], **check["hidden_tests"]} if p.startswith("tests/")]
+        buggy = {k: r.outcome for k, r in parse_junit(reports[f"{i}-buggy"], test_files).items()}
+        fixed = {k: r.outcome for k, r in parse_junit(reports[f"{i}-fixed"], test_files).items()}
+        assert set(buggy) == set(fixed) == set(check["fail_to_pass"]) | set(check["pass_to_pass"]), task.id
+        assert all(buggy[t] in (FAILED, ERROR) for t in check["fail_to_pass"]), (task.id, buggy)
+        assert all(buggy[t] == PASSED for t in check["pass_to_pass"]), (task.id, buggy)
+        assert set(fixed.values()) == {PASSED}, (task.id, fixed)
