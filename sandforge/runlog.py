@@ -67,10 +67,12 @@ class RunLogger:
         if self.run is not None and self.samples and trajectories:
             import wandb
 
-            table = wandb.Table(columns=["step", "task", "reward", "failed", "turns", "transcript"])
+            # breakdown: each check's score as JSON, so a reward of 0.5 says which check failed
+            table = wandb.Table(columns=["step", "task", "reward", "breakdown", "failed", "turns", "transcript"])
             for t in trajectories[: self.samples]:
                 reward = t.reward.value if t.reward else None
-                table.add_data(step, t.task.id, reward, t.failure or "", len(t.turns), render_messages(t))
+                breakdown = json.dumps(t.reward.breakdown if t.reward else {})
+                table.add_data(step, t.task.id, reward, breakdown, t.failure or "", len(t.turns), render_messages(t))
             self.run.log({f"samples/{phase}": table})
 
     def close(self) -> None:

@@ -179,7 +179,7 @@ def test_killing_processes_and_hanging_imports_score_zero(repo_spec, run_id, doc
     assert reward.value == 0.0 and "did not pass" in reward.reason
 
     # package code that never returns: the graded run times out instead of hanging the run
-    quick = replace(TASK, checks=[{**CHECK, "timeout": 5.0}])
+    quick = replace(TASK, checks=[{**CHECK, "timeout": 15.0}])
     hang = write(f"{PACKAGE}/__init__.py", "while True:\n    pass\n")
     _, reward = play([hang], repo_spec, run_id, docker_client, task=quick)
     assert reward.value == 0.0 and "pytest wrote no report" in reward.reason

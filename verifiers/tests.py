@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN, Sandbox, docker_client
 from sandforge.environments.sandbox.lifecycle import DRIVER_LABELS
-from sandforge.verifiers.base import VerifierError, register
+from sandforge.verifiers.base import VerifierError, register, time_left
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 MAX_CARRIED_FILES = 200
@@ -111,8 +111,8 @@ def grade_results(results: dict[str, CaseResult], fail_to_pass: list[str], pass_
 
 def policy_package_files(sandbox: Sandbox, package: str) -> dict[str, str]:
     """The package's .py files (path relative to the workdir -> text) as the policy left them, read as root."""
-    result = sandbox.exec(f"python3 -I -c {shlex.quote(_LIST_FILES)} {shlex.quote(package)}", timeout=30, user="root",
-                          session=False)
+    command = f"python3 -I -c {shlex.quote(_LIST_FILES)} {shlex.quote(package)}"
+    result = sandbox.exec(command, timeout=min(30.0, time_left()), user="root", session=False)
     if result.exit_code != 0 or result.timed_out:
         raise VerifierError(f"cannot list the policy's files: {result.output[-300:]}")
     try:
@@ -142,11 +142,12 @@ def graded_tree(package: str, base: dict[str, str], hidden: dict[str, str], poli
     return tree
 
 
-def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float) -> tuple[str | None, str]:
+def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float | None = None) -> tuple[str | None, str]:
     """Write ``tree`` into a fresh container like ``sandbox``, run pytest there as root; (JUnit XML or None, output).
 
-    The container has the episode's image and spec and the same driver labels, so a crash leaves nothing the
-    run's reaper would not remove.
+    pytest gets ``timeout`` seconds, by default what the check has left (``time_left()``: the check's ``timeout``
+    less the container's start). The container has the episode's image and spec and the same driver labels, so a
+    crash leaves nothing the run's reaper would not remove.
     """
     client = docker_client()
     try:
@@ -161,6 +162,7 @@ def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float) -> t
         for path, text in tree.items():
             grader.write_file(posixpath.join(workdir, path), text, user="root")
         xml = f"/tmp/sandforge-grade-{uuid.uuid4().hex}.xml"
+        timeout = time_left() if timeout is None else timeout
         result = grader.exec(_PYTEST.format(xml=xml), timeout=timeout, user="root", session=False)
         report = grader.read_file(xml, user="root")
         output = result.output + (f"\n[timed out after {timeout:g}s]" if result.timed_out else "")
@@ -178,7 +180,7 @@ def repo_tests(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, floa
         raise VerifierError(f"repo_tests takes {', '.join(sorted(needed))}[, timeout]; got {sorted(args)}")
     package = args["package"]
     tree = graded_tree(package, args["files"], args["hidden_tests"], policy_package_files(sandbox, package))
-    report, output = run_tests_fresh(sandbox, tree, float(args.get("timeout", 60.0)))
+    report, output = run_tests_fresh(sandbox, tree)  # bounded by the check's timeout (verifiers/base.py)
     if report is None:
         tail = output.strip().splitlines()[-3:]
         return 0.0, f"pytest wrote no report: {' | '.join(tail)}", {"fail_to_pass": 0.0, "pass_to_pass": 0.0}

@@ -24,7 +24,13 @@ class RepoEnv(TerminalEnv):
 
     @tool
     def str_replace(self, path: str, old: str, new: str) -> str:
-        """Replace the one occurrence of old with new in a file; old must match exactly once, whitespace included."""
+        """Replace the one occurrence of old with new in a file; old must match exactly once, whitespace included.
+
+        Args:
+            path: the file, relative to /workspace or absolute
+            old: the exact text to replace, with enough surrounding lines that it occurs only once
+            new: the text that takes its place
+        """
         if not old:
             raise ToolError("str_replace: old must not be empty (to create a file use bash)")
         try:
