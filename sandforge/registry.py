@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 BUILTIN_ENVIRONMENTS = {
     "terminal": ("sandforge.environments.terminal.env:TerminalEnv", "sandforge.environments.terminal.tasks"),
+    "repo": ("sandforge.environments.repo.env:RepoEnv", "sandforge.environments.repo.tasks"),
     "harbor": ("sandforge.environments.harbor.env:HarborEnv", "sandforge.environments.harbor.tasks"),
 }
 # Verifiers that live beside their environment rather than in sandforge.verifiers (which registers its own on import).

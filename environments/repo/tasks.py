@@ -1,0 +1,205 @@
+"""Procedural SWE-style tasks: a small Python package with one injected bug, visible tests and hidden tests.
+
+Each family is a bug kind (``off_by_one``, ``wrong_operator``, ``wrong_condition``). A seed picks a package name, two
+or three modules of functions drawn from ``functions.FUNCTIONS``, the function that gets the bug and the test inputs.
+Expected values come from running the correct code here; whether a test exposes the bug from running the buggy code,
+so FAIL_TO_PASS (fails before the fix, passes after) and PASS_TO_PASS (passes on both) are measured, never guessed.
+
+What the policy gets: the buggy repository in /workspace as a git repository whose only commit is the buggy base (no
+other refs, no reflog, garbage collected: nothing in .git holds the fix), the visible tests in tests/, and an
+issue-style instruction. The hidden tests exist only in the task's check, driver side; the ``repo_tests`` verifier
+adds them in a fresh container after the episode. Same (family, seed, split) -> same task; held-out tasks use
+package, module and function names the train split never shows.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+from sandforge.environments.repo.functions import (
+    FUNCTIONS,
+    MODULES,
+    OFF_BY_ONE,
+    WRONG_CONDITION,
+    WRONG_OPERATOR,
+    Function,
+)
+from sandforge.types import Task, ToolCall
+
+SPLITS = ("train", "heldout")
+_PACKAGES = {
+    "train": "ledger tally quill abacus sprocket nimbus parcel gadget".split(),
+    "heldout": "fathom kestrel lattice marlin osprey tundra".split(),
+}
+_MODULE_FILES = {  # module kind -> file stem, per split
+    "train": {"numbers": "mathutil", "lists": "listutil", "text": "strutil"},
+    "heldout": {"numbers": "arith", "lists": "seqs", "text": "words"},
+}
+GRADE_TIMEOUT = 60.0  # seconds for the whole graded pytest run
+_CANDIDATE_INPUTS = 24  # random argument tuples tried per function, beyond its edge cases
+_SETUP = (
+    "git init -q -b main . && git add -A"
+    " && git -c user.name=sandforge -c user.email=sandforge@localhost commit -q -m 'Initial import'"
+    " && git reflog expire --expire=now --all && git gc -q --prune=now"
+)
+_PYTEST_INI = "[pytest]\npythonpath = .\ntestpaths = tests\naddopts = -p no:cacheprovider\n"
+# Every test file compares with this helper, and so does the generator when it decides which tests expose the bug.
+# Equal is not enough: a function returning an object whose __eq__ always says True would pass any `==` test.
+# `type` is bound before the package under test is imported, so the package cannot swap it out.
+_SAME = '''_type = type
+
+
+def same(got, want):
+    """got equals want and has the same builtin types all the way down."""
+    if _type(got) is not _type(want):
+        return False
+    if _type(want) in (list, tuple):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want))
+    return got == want
+'''
+
+
+def _name(fn: Function, split: str) -> str:
+    return fn.names[SPLITS.index(split)]
+
+
+def _compile(code: str, name: str) -> Callable:
+    namespace: dict[str, Any] = {}
+    exec(compile(code, f"<{name}>", "exec"), namespace)  # our own template source, never the policy's
+    return namespace[name]
+
+
+same: Callable[[Any, Any], bool] = _compile(_SAME, "same")
+
+
+def _passes(got: tuple[bool, Any], want: Any) -> bool:
+    """Whether a test expecting ``want`` passes on the ``_outcome`` ``got``."""
+    return got[0] and same(got[1], want)
+
+
+def _outcome(fn: Callable, args: tuple) -> tuple[bool, Any]:
+    """(returned, value or exception type name) of fn(*args), on copies so a mutating bug cannot leak."""
+    try:
+        return True, fn(*[list(a) if isinstance(a, list) else a for a in args])
+    except Exception as e:  # noqa: BLE001 - a buggy function raising is one of the symptoms we look for
+        return False, type(e).__name__
+
+
+def _cases(fn: Function, name: str, bug: str | None, rng: random.Random) -> tuple[list, list]:
+    """(passing, revealing) argument tuples with the correct result: revealing ones give another result (or raise)
+    on the buggy code. Without a bug every case is passing."""
+    good, bad = _compile(fn.code(name), name), _compile(fn.code(name, bug), name) if bug else None
+    tried, passing, revealing = set(), [], []
+    for args in list(fn.edges) + [fn.inputs(rng) for _ in range(_CANDIDATE_INPUTS)]:
+        key = repr(args)
+        if key in tried:
+            continue
+        tried.add(key)
+        ok, want = _outcome(good, args)
+        if not ok:
+            continue
+        got = _outcome(bad, args) if bad else (True, want)
+        (passing if _passes(got, want) else revealing).append((args, want, got))
+    return passing, revealing
+
+
+def _test_file(package: str, module: str, cases: list[tuple[str, str, tuple, Any]]) -> str:
+    """A pytest file: one ``test_<id>`` per (test name, function, args, expected)."""
+    imports = sorted({fn for _, fn, _, _ in cases})
+    lines = [_SAME, "", f"from {package}.{module} import {', '.join(imports)}  # noqa: E402", ""]
+    for test, fn, args, want in cases:
+        call = f"{fn}({', '.join(repr(a) for a in args)})"
+        lines += ["", f"def {test}():", f"    assert same({call}, {want!r})", ""]
+    return "\n".join(lines)
+
+
+def _symptom(name: str, args: tuple, want: Any, got: tuple[bool, Any]) -> str:
+    call = f"{name}({', '.join(repr(a) for a in args)})"
+    actual = f"returns {got[1]!r}" if got[0] else f"raises {got[1]}"
+    return f"`{call}` {actual}, but it should return {want!r}"
+
+
+def repo_task(family: str, seed: int, split: str = "train") -> Task:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
+    rng = random.Random(f"repo/{family}/{split}/{seed}")
+    task_id = f"repo/{family}/{seed}" if split == "train" else f"repo/{family}/{split}/{seed}"
+    package = rng.choice(_PACKAGES[split])
+    target = rng.choice([f for f in FUNCTIONS if family in f.bugs])
+    kinds = [target.module] + rng.sample([m for m in MODULES if m != target.module], rng.randint(1, 2))
+
+    files: dict[str, str] = {}
+    hidden: dict[str, str] = {}
+    fail_to_pass: list[str] = []
+    pass_to_pass: list[str] = []
+    fix: tuple[str, str, str] | None = None  # (path, buggy line, correct line)
+    symptom = ""
+    for kind in kinds:
+        stem = _MODULE_FILES[split][kind]
+        pool = [f for f in FUNCTIONS if f.module == kind and f is not target]
+        chosen = rng.sample(pool, rng.randint(1, 2)) + ([target] if kind == target.module else [])
+        rng.shuffle(chosen)
+        path = f"{package}/{stem}.py"
+        sources, visible, secret = [], [], []
+        for fn in chosen:
+            name, bug = _name(fn, split), family if fn is target else None
+            sources.append(fn.code(name, bug))
+            passing, revealing = _cases(fn, name, bug, rng)
+            if fn is target:
+                if not revealing:
+                    raise AssertionError(f"{name}: no input exposes the {family} bug; add an edge case")
+                # the hidden tests repeat the shown symptom when it is the only one (an empty list, say)
+                shown, kept = revealing[:1] + passing[:1], (revealing[1:3] or revealing[:1]) + passing[1:2]
+                symptom = _symptom(name, *revealing[0])
+                fix = (path, *reversed(fn.bugs[family]))
+            else:
+                shown, kept = passing[:1], passing[1:3]
+            for group, cases, label in ((visible, shown, ""), (secret, kept, "hidden_")):
+                for i, (args, want, got) in enumerate(cases, 1):
+                    group.append((f"test_{name}_{label}{i}", name, args, want))
+                    test_file = f"tests/test_{stem}{'_hidden' if label else ''}.py"
+                    (pass_to_pass if _passes(got, want) else fail_to_pass).append(
+                        f"{test_file}::test_{name}_{label}{i}")
+        docstring = f'"""{kind.capitalize()} helpers of {package}."""\n\n\n'
+        files[path] = docstring + "\n\n".join(sources)
+        files[f"tests/test_{stem}.py"] = _test_file(package, stem, visible)
+        hidden[f"tests/test_{stem}_hidden.py"] = _test_file(package, stem, secret)
+    assert fix is not None and files[fix[0]].count(fix[1]) == 1, "the buggy line must be unique in its module"
+    files[f"{package}/__init__.py"] = f'"""{package}: small helpers."""\n'
+    files["pytest.ini"] = _PYTEST_INI
+    files[".gitignore"] = "__pycache__/\n.pytest_cache/\n"
+    files["README.md"] = f"# {package}\n\nSmall helpers. Run the tests with `python3 -m pytest`.\n"
+
+    path, buggy, correct = fix
+    return Task(
+        id=task_id,
+        env="repo",
+        family=family,
+        seed=seed,
+        split=split,
+        instruction=f"Bug report for the `{package}` package in /workspace: {symptom}. Fix the bug, then submit.",
+        setup={"files": files, "commands": [_SETUP]},
+        checks=[{
+            "verifier": "repo_tests",
+            "package": package,
+            "files": files,
+            "hidden_tests": hidden,
+            "fail_to_pass": fail_to_pass,
+            "pass_to_pass": pass_to_pass,
+            "timeout": GRADE_TIMEOUT,
+        }],
+        solution=[ToolCall("str_replace", {"path": path, "old": buggy, "new": correct}), ToolCall("submit")],
+    )
+
+
+FAMILIES: dict[str, Callable[[int, str], Task]] = {
+    kind: (lambda seed, split="train", kind=kind: repo_task(kind, seed, split))
+    for kind in (OFF_BY_ONE, WRONG_OPERATOR, WRONG_CONDITION)
+}
+
+
+def make_task(family: str, seed: int, split: str = "train") -> Task:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown repo task family '{family}': use one of {', '.join(FAMILIES)}")
+    return FAMILIES[family](seed, split)
