@@ -63,3 +63,4 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
 
 # The built-in verifiers register themselves on import.
 from sandforge.verifiers import file as _file  # noqa: E402,F401
+from sandforge.verifiers import state as _state  # noqa: E402,F401
