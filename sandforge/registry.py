@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 BUILTIN_ENVIRONMENTS = {
     "terminal": ("sandforge.environments.terminal.env:TerminalEnv", "sandforge.environments.terminal.tasks"),
+    "slack": ("sandforge.environments.slack.env:SlackEnv", "sandforge.environments.slack.tasks"),
+    "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
 }
 
 
