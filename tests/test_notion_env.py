@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from agent_fakes import CHAT, limits
@@ -152,7 +156,8 @@ def test_nesting_under_the_look_alike_bullet_on_another_page_scores_zero(notion_
 @pytest.mark.docker
 def test_tool_arguments_cannot_escape_the_api(notion_spec, run_id, docker_client):
     env = started("update_property", notion_spec, run_id, docker_client)
-    counts = "SELECT (SELECT count(*) FROM pages), (SELECT count(*) FROM blocks), (SELECT count(*) FROM property_values)"
+    counts = ("SELECT (SELECT count(*) FROM pages), (SELECT count(*) FROM blocks), "
+              "(SELECT count(*) FROM property_values)")
     before = query_rows(env.sandbox, DB, counts)
     assert act(env, "search", query="' OR 1=1 --") == "nothing is titled with \"' OR 1=1 --\""
     assert act(env, "search", query="%_") == "nothing is titled with '%_'"
@@ -193,3 +198,24 @@ def test_filters_and_nested_blocks_round_trip(notion_spec, run_id, docker_client
     assert [line.split("] ", 1)[1] for line in shown[1:]] == ["- one", "[x] two", "# three"]
     assert shown[2].startswith("  [")  # nested under "one"
     env.close()
+
+
+# --- the shipped config trains ------------------------------------------------------------------------------------
+
+ONE_STEP = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
+            "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=16",
+            "logging.wandb.mode=disabled"]
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_configs_notion_yaml_trains_one_step(tmp_path, notion_spec):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "sandforge.cli", "train", "configs/notion.yaml", *ONE_STEP,
+               f"run.output_dir={out}"]
+    proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "rl"] == [0]
+    assert rows[-1]["episodes/count"] == 2 and rows[-1]["episodes/failed"] == 0  # the app started in pooled sandboxes
+    assert "success/notion" in rows[-1]

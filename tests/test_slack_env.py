@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from agent_fakes import CHAT, limits
@@ -138,7 +142,8 @@ def test_a_reply_naming_every_build_scores_zero(env):
 def test_replying_to_a_reply_lands_in_the_same_thread(env):
     question, _, build = question_and_build(env.task)
     reply = next(m[0] for m in env.task.setup["app"]["messages"] if m[4] == question)
-    assert act(env, "reply_in_thread", message_id=reply, text=f"it is build {build}").endswith(f"thread of [{question}]")
+    answer = act(env, "reply_in_thread", message_id=reply, text=f"it is build {build}")
+    assert answer.endswith(f"thread of [{question}]")
     assert score_task(env.sandbox, env.task).value == 1.0
 
 
@@ -156,7 +161,8 @@ def test_tool_arguments_cannot_escape_the_api(env):
     assert query_rows(env.sandbox, DB, "SELECT count(*), (SELECT count(*) FROM users) FROM messages") == \
         [[before[0][0] + 1, before[0][1]]]
     assert query_rows(env.sandbox, DB, "SELECT text FROM messages WHERE user_id = 'U00'") == [[shell]]
-    assert env.sandbox.exec("find /tmp /workspace -name 'pwned*' | wc -l", user="root", session=False).output.strip() == "0"
+    found = env.sandbox.exec("find /tmp /workspace -name 'pwned*' | wc -l", user="root", session=False)
+    assert found.output.strip() == "0"
     assert act(env, "read_channel", channel=7).startswith("Error: read_channel: 'channel' must be string")
     assert act(env, "post_message", channel="#random", text="x" * 5000).startswith("Error: the message is 5000")
 
@@ -183,3 +189,24 @@ def test_the_app_server_keeps_running_through_the_episode(env):
     assert owner == ["root", pid]
     env.sandbox.exec("sleep 1")
     assert "#ci" in act(env, "read_channel", channel="ci") and act(env, "search_messages", query="deploy")
+
+
+# --- the shipped config trains ------------------------------------------------------------------------------------
+
+ONE_STEP = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
+            "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=16",
+            "logging.wandb.mode=disabled"]
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_configs_slack_yaml_trains_one_step(tmp_path, slack_spec):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "sandforge.cli", "train", "configs/slack.yaml", *ONE_STEP,
+               f"run.output_dir={out}"]
+    proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "rl"] == [0]
+    assert rows[-1]["episodes/count"] == 2 and rows[-1]["episodes/failed"] == 0  # the app started in pooled sandboxes
+    assert "success/slack" in rows[-1]

@@ -57,7 +57,8 @@ echo "the app server did not start:"; tail -c 2000 server.log; exit 1
 
 @functools.cache
 def app_bundle(app_module: Path) -> bytes:
-    """A zipapp of the server, the client and ``app_module`` (as ``app``). Fixed timestamps: same sources, same bytes."""
+    """A zipapp of the server, the client and ``app_module`` (as ``app``); fixed timestamps, so same sources, same
+    bytes."""
     sources = {"server.py": _HERE / "server.py", "client.py": _HERE / "client.py", "app.py": app_module}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:

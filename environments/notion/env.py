@@ -80,7 +80,7 @@ class NotionEnv(AppEnv):
         found = self.call("search", query=query)
         if not found:
             return f"nothing is titled with {query!r}"
-        return "\n".join(f"{f['object']} {f['id']}: {f['title']}" + (f" (in {f['parent_id']})" if f["parent_id"] else "")
+        return "\n".join(f"{f['object']} {f['id']}: {f['title']}" + (f" (in {f['parent_id']})" * bool(f["parent_id"]))
                          for f in found)
 
     @tool

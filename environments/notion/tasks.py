@@ -110,7 +110,8 @@ def create_page_task(seed: int, split: str = "train") -> Task:
     parent = pages[parent_title]
     title, heading, todo = f"{ws.phrase()} notes", ws.phrase(), f"{rng.choice(_VERBS[split])} the {ws.phrase(1)}"
     new = f"p{len(ws.pages) + 1:02d}"  # the id the app gives the next page
-    instruction = f'Create a page titled "{title}" under "{parent_title}" with a heading "{heading}" and a to-do "{todo}".'
+    instruction = (f'Create a page titled "{title}" under "{parent_title}" with a heading "{heading}" '
+                   f'and a to-do "{todo}".')
     expect = [["page", new, parent, None, title, None, None],
               ["block", new, None, "heading", heading, None, 0], ["block", new, None, "todo", todo, 0, 1]]
     return _task("create_page", seed, split, task_id, instruction, ws, expect, [

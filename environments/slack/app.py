@@ -121,7 +121,7 @@ def conversations_history(con: sqlite3.Connection, args: dict) -> dict:
 
 
 def chat_post_message(con: sqlite3.Connection, args: dict) -> dict:
-    """Post in a channel, or in a thread with ``thread_id`` (a reply to a reply goes to the same thread, as in Slack)."""
+    """Post in a channel, or in a thread with ``thread_id`` (replying to a reply joins its thread, as in Slack)."""
     text = _str(args, "text")
     if len(text) > MAX_TEXT:
         raise ValueError(f"the message is {len(text)} characters; at most {MAX_TEXT}")
