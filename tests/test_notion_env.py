@@ -169,7 +169,7 @@ def test_tool_arguments_cannot_escape_the_api(notion_spec, run_id, docker_client
     assert act(env, "query_database", database_id="d01; DROP TABLE pages").startswith("Error: no database")
     page = env.task.solution[2].arguments["page_id"]
     assert act(env, "update_page_properties", page_id=page, properties="{Status: Done}").startswith(
-        "Error: update_page_properties: 'properties' must be JSON like {\"Status\": \"Done\"}")
+        "Error: update_page_properties: 'properties' must be a JSON object like {\"Status\": \"Done\"} (Expecting")
     assert act(env, "update_page_properties", page_id=page, properties='{"Points": "3"}').startswith(
         "Error: 'Points' is a number")
     assert act(env, "update_page_properties", page_id=page, properties='{"Owner": "me"}').startswith(

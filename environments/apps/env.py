@@ -140,10 +140,3 @@ class AppEnv(SandboxEnv):
         self.end_episode()
         return "submitted"
 
-
-def parse_json_arg(tool_name: str, arg: str, text: str, shape: str) -> Any:
-    """A tool argument that holds JSON (tools take strings, not objects); a ToolError shows ``shape`` when it is bad."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ToolError(f"{tool_name}: '{arg}' must be JSON like {shape} ({e.msg} at character {e.pos})") from None

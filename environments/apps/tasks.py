@@ -1,4 +1,4 @@
-"""What the mock apps' task families share: seeding, task ids, splits, and SQL literals for their checks."""
+"""What the mock apps' task families share: seeding, task ids and splits."""
 
 from __future__ import annotations
 
@@ -13,15 +13,6 @@ def start(env: str, family: str, seed: int, split: str) -> tuple[random.Random, 
         raise ValueError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
     task_id = f"{env}/{family}/{seed}" if split == "train" else f"{env}/{family}/{split}/{seed}"
     return random.Random(f"{env}/{family}/{seed}"), task_id
-
-
-def sql_literal(value: str | int | None) -> str:
-    """``value`` as an SQL literal, for checks built from seeded names (quotes doubled, never interpolated raw)."""
-    if value is None:
-        return "NULL"
-    if isinstance(value, int):
-        return str(value)
-    return "'" + str(value).replace("'", "''") + "'"
 
 
 def check_family(families: dict, env: str, family: str) -> None:

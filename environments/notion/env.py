@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sandforge.environments.apps.env import AppEnv, parse_json_arg
+from sandforge.environments.apps.env import AppEnv
 from sandforge.environments.tools import ToolError, tool
 
 _MARKS = (("# ", "heading"), ("- ", "bullet"), ("[ ] ", "todo"), ("[x] ", "todo"))
@@ -112,9 +112,14 @@ class NotionEnv(AppEnv):
     @tool
     def update_page_properties(self, page_id: str, properties: str) -> str:
         """Set a database row's properties, given as JSON like {"Status": "Done", "Points": 3}."""
-        values = parse_json_arg("update_page_properties", "properties", properties, '{"Status": "Done"}')
+        shape = 'a JSON object like {"Status": "Done"}'
+        try:
+            values = json.loads(properties)
+        except json.JSONDecodeError as e:
+            raise ToolError(f"update_page_properties: 'properties' must be {shape} ({e.msg} at character {e.pos})") \
+                from None
         if not isinstance(values, dict) or not values:
-            raise ToolError('update_page_properties: properties must be a JSON object like {"Status": "Done"}')
+            raise ToolError(f"update_page_properties: 'properties' must be {shape}")
         page = self.call("pages.update", page_id=page_id, properties=values)
         return f"updated page {page['id']}: {page['title']}; {show_properties(page['properties'])}"
 
