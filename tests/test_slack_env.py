@@ -14,7 +14,7 @@ import pytest
 from agent_fakes import CHAT, limits
 
 from sandforge.environments.apps.env import APP_DIR
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import SandboxError, SandboxSpec, list_run_containers
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.slack import tasks as slack_tasks
 from sandforge.environments.slack.env import SlackEnv
@@ -189,6 +189,24 @@ def test_the_app_server_keeps_running_through_the_episode(env):
     assert owner == ["root", pid]
     env.sandbox.exec("sleep 1")
     assert "#ci" in act(env, "read_channel", channel="ci") and act(env, "search_messages", query="deploy")
+
+
+@pytest.mark.docker
+def test_a_dead_app_fails_the_episode_instead_of_scoring_it(env):
+    pid = env.sandbox.exec(f"cat {APP_DIR}/ready", user="root", session=False).output.strip()
+    env.sandbox.exec(f"kill -9 {pid}", user="root", session=False)
+    with pytest.raises(SandboxError, match="the slack app failed on conversations.list: the app is not answering"):
+        env.step(ToolCall("list_channels"))
+
+
+@pytest.mark.docker
+def test_a_task_whose_seed_the_app_rejects_fails_at_reset(slack_spec, run_id, docker_client):
+    task = make_task("post_message", 1)
+    broken = dataclasses.replace(task, setup={"app": {"me": "U00", "channels": []}})
+    env = SlackEnv(broken, slack_spec, run_id, client=docker_client)
+    with pytest.raises(SandboxError, match="(?s)the slack app could not start: the app server did not start:.*KeyError: .users"):
+        env.reset()
+    assert list_run_containers(run_id, client=docker_client) == []  # the failed sandbox is gone
 
 
 # --- the shipped config trains ------------------------------------------------------------------------------------
