@@ -204,7 +204,7 @@ def test_a_task_whose_seed_the_app_rejects_fails_at_reset(slack_spec, run_id, do
     task = make_task("post_message", 1)
     broken = dataclasses.replace(task, setup={"app": {"me": "U00", "channels": []}})
     env = SlackEnv(broken, slack_spec, run_id, client=docker_client)
-    with pytest.raises(SandboxError, match="(?s)the slack app could not start: the app server did not start:.*KeyError: .users"):
+    with pytest.raises(SandboxError, match="(?s)slack app could not start: the app server did not start:.*KeyError"):
         env.reset()
     assert list_run_containers(run_id, client=docker_client) == []  # the failed sandbox is gone
 
