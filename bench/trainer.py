@@ -20,7 +20,9 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
   ``weight_sync_s_per_gb`` {object_store, collective}.
 - deepspeed_vs_torch: train tokens/s (CPU time) of ``TrainerRank.train_step`` (DeepSpeed ZeRO-2) over a plain torch
   loop (AdamW, the same micro-batches, gradient accumulation, clipping and bias upkeep) on the same k3-nano and batch;
-  target >= 0.9.
+  target >= 0.9. Both pad (packing is measured on its own).
+- packing: train tokens/s of ``TrainerRank.train_step`` with ``trainer.pack_sequences`` on over off, on a batch of
+  agentic episode lengths (lognormal: mostly short, a few long); JSON ``packed_vs_padded`` and the forward's slot use.
 
 ``--sections weight_sync deepspeed_vs_torch`` runs only those.
 
@@ -209,7 +211,9 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     model_cfg = {"arch": "k3", "preset": "k3-nano", "k3": {}}
-    trainer_cfg = TrainerConfig(grad_accum_steps=2).model_dump() | {"temperature": 1.0, "response_budget": 256}
+    # both sides pad every sequence to its micro-batch's longest: this compares the step machinery, not packing
+    trainer_cfg = TrainerConfig(grad_accum_steps=2, pack_sequences=False).model_dump() | {"temperature": 1.0,
+                                                                                          "response_budget": 256}
     rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg, trainer_cfg, None, "bytes", seed=0, num_threads=1)
     torch.manual_seed(0)
     model = build_policy(model_cfg, len(rank.tokenizer))
@@ -257,8 +261,60 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
     return {"deepspeed_vs_torch": round(ratio, 3), "train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
 
 
+def episode_lengths(n: int, longest: int, seed: int = 0) -> list[int]:
+    """Agentic episode lengths: most are short (one or two turns), a few run long (lognormal, capped at ``longest``)."""
+    import random
+
+    rng = random.Random(seed)
+    return [max(32, min(longest, int(rng.lognormvariate(5.6, 0.7)))) for _ in range(n)]
+
+
+def packing_section(args, table: Table) -> dict:
+    """Train tokens/s of TrainerRank.train_step with ``trainer.pack_sequences`` on over off (every sequence padded to
+    its micro-batch's longest), same rank, weights and batch of agentic lengths; plus the forward's slot use."""
+    import os
+    import time
+
+    from sandforge.config import TrainerConfig
+    from sandforge.models.packing import PackedLayout
+    from sandforge.trainer.actor import TrainerRank, split_micro_batches
+    from sandforge.trainer.loop import free_port
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    model_cfg = {"arch": "k3", "preset": "k3-nano", "k3": {}}
+    gas = 2
+    trainer_cfg = TrainerConfig(grad_accum_steps=gas).model_dump() | {"temperature": 1.0, "response_budget": 256}
+    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg, trainer_cfg, None, "bytes", seed=0, num_threads=1)
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = episode_lengths(args.pack_rows, args.pack_longest)
+    rows = [{"token_ids": torch.randint(1, len(rank.tokenizer), (n,), generator=g).tolist(),
+             "loss_mask": [0] * 16 + [1] * (n - 16)} for n in lengths]
+    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(lengths)
+    micro = split_micro_batches(rows, gas)
+    slots = {pack: sum((PackedLayout.pack if pack else lambda n, a: PackedLayout.padded(n))(
+        [len(r["token_ids"]) for r in m], rank.engine.module.pack_align).slots for m in micro) for pack in (True, False)}
+    timings: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(args.train_steps + 1):  # alternate, so machine noise hits both alike; step 0 warms up
+        for pack in (True, False):
+            rank.cfg["pack_sequences"] = pack
+            t0 = time.process_time()
+            rank.train_step(rows, total, mode="sft")
+            if i:
+                timings[pack].append(time.process_time() - t0)
+    tps = {pack: tokens * len(v) / sum(v) for pack, v in timings.items()}
+    ratio = tps[True] / tps[False]
+    table.add_row(f"train step, padded ({len(rows)} episodes of {min(lengths)}-{max(lengths)} tokens, gas {gas})",
+                  f"{tps[False]:.0f} tok/s", f"forward slots {slots[False]} for {tokens} tokens")
+    table.add_row("train step, packed (trainer.pack_sequences)", f"{tps[True]:.0f} tok/s",
+                  f"packed_vs_padded = {ratio:.2f}x; forward slots {slots[True]}")
+    return {"packed_vs_padded": round(ratio, 3),
+            "packing_slot_use": {"packed": round(tokens / slots[True], 3), "padded": round(tokens / slots[False], 3)}}
+
+
 # Sections run in order; each adds rows to the table and returns its JSON keys.
-SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section]
+SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section]
 
 
 def main() -> None:
@@ -274,6 +330,8 @@ def main() -> None:
     ap.add_argument("--train-rows", type=int, default=16)
     ap.add_argument("--train-len", type=int, default=320)
     ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--pack-rows", type=int, default=32, help="episodes in the packing section's batch")
+    ap.add_argument("--pack-longest", type=int, default=1024, help="longest episode in the packing section")
     ap.add_argument("--sections", nargs="+", choices=[s.__name__.removesuffix("_section") for s in SECTIONS],
                     help="run only these sections (default: all)")
     args = ap.parse_args()

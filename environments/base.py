@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import gymnasium
 from gymnasium import spaces
 
@@ -30,6 +32,10 @@ class ToolEnv(gymnasium.Env):
     ``step`` never raises for a bad action: an invalid tool call becomes an "Error: ..." observation (with
     ``info["error"]``) so the policy sees what it did wrong. Only ``SandboxError`` escapes, because a broken sandbox
     fails the whole episode. Rewards come from verifiers after the episode, so ``step`` always returns 0.0.
+
+    The async episode interface (``areset``, ``astep``, ``aclose``) is what an event loop running many episodes
+    awaits: by default each runs its blocking counterpart in a worker thread; an env whose tools do async I/O
+    overrides them and never ties up a thread.
     """
 
     metadata = {"render_modes": []}
@@ -65,3 +71,12 @@ class ToolEnv(gymnasium.Env):
         except ToolError as e:
             observation, info = f"Error: {e}", {"executed": False, "error": str(e)}
         return observation, 0.0, self._done, False, info
+
+    async def areset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        return await asyncio.to_thread(self.reset, seed=seed, options=options)
+
+    async def astep(self, action: ToolCall) -> tuple[str, float, bool, bool, dict]:
+        return await asyncio.to_thread(self.step, action)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)

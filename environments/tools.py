@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 import typing
 from typing import Any, Callable
 
@@ -23,7 +24,8 @@ class ToolError(ValueError):
 
 def tool(fn: Callable) -> Callable:
     """Mark an environment method as a tool. Parameters must be typed str/int/float/bool; the docstring's first
-    line is the description the model reads, so keep it short."""
+    line is the description the model reads, so keep it short. An ``Args:`` section (Google style, ``name: text``
+    or ``name (type): text``, continuation lines indented deeper) describes the parameters in the schema."""
     setattr(fn, _MARK, True)
     return fn
 
@@ -52,6 +54,34 @@ def _params(fn: Callable) -> list[tuple[str, type, bool]]:
     return out
 
 
+_ARG_LINE = re.compile(r"^(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+def param_docs(fn: Callable) -> dict[str, str]:
+    """Parameter name -> description, from the docstring's ``Args:`` section (empty without one)."""
+    lines = (inspect.getdoc(fn) or "").splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.strip() in ("Args:", "Arguments:")), None)
+    if start is None:
+        return {}
+    docs: dict[str, str] = {}
+    indent, current = None, None
+    for line in lines[start:]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent or depth == 0:  # the next section ("Returns:") or the end of the indented block
+            break
+        match = _ARG_LINE.match(line.strip()) if depth == indent else None
+        if match:
+            current = match.group(1)
+            docs[current] = match.group(2).strip()
+        elif current is not None:  # a continuation line
+            docs[current] = f"{docs[current]} {line.strip()}".strip()
+    return docs
+
+
 def _signature(name: str, fn: Callable) -> str:
     args = ", ".join(f"{p}: {_JSON_TYPES[t]}" + ("" if req else "?") for p, t, req in _params(fn))
     return f"{name}({args})"
@@ -62,13 +92,20 @@ def tool_schemas(obj: Any) -> list[dict]:
     schemas = []
     for name, fn in _tools(obj).items():
         params = _params(fn)
+        docs = param_docs(fn)
+        stray = sorted(set(docs) - {p for p, _, _ in params})
+        if stray:
+            raise TypeError(f"tool {name}: its docstring's Args names {', '.join(map(repr, stray))}, not a parameter")
         schemas.append(
             {
                 "name": name,
                 "description": (inspect.getdoc(fn) or "").split("\n")[0].strip(),
                 "parameters": {
                     "type": "object",
-                    "properties": {p: {"type": _JSON_TYPES[t]} for p, t, _ in params},
+                    "properties": {
+                        p: {"type": _JSON_TYPES[t], **({"description": docs[p]} if docs.get(p) else {})}
+                        for p, t, _ in params
+                    },
                     "required": [p for p, _, req in params if req],
                 },
             }

@@ -133,14 +133,23 @@ class TokenScores:
 
 
 def token_scores(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-    entropy: bool = False, hidden: bool = False,
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, temperature: float = 1.0,
+    entropy: bool = False, hidden: bool = False, segment_ids: Tensor | None = None,
 ) -> TokenScores:
-    """One forward pass over right-padded ``input_ids``: log-probs (and optionally entropies and hidden states)."""
-    res = model(input_ids, attention_mask=attention_mask, **({"return_hidden": True} if hidden else {}))
+    """One forward pass over right-padded ``input_ids``: log-probs (and optionally entropies and hidden states).
+
+    With ``segment_ids`` (packed sequences, ``models/packing.py``) the rows hold several sequences: a token is scored
+    only from the previous token of its own segment, so each sequence's first token gets 0 as in the padded layout."""
+    kwargs = {"return_hidden": True} if hidden else {}
+    if segment_ids is not None:
+        kwargs["segment_ids"] = segment_ids
+        attention_mask = segment_ids > 0
+    res = model(input_ids, attention_mask=attention_mask, **kwargs)
     logits = res.logits[:, :-1].float() / _scale(temperature)  # fp32 log-probs, whatever the weights are in
     targets = input_ids[:, 1:]
     keep = attention_mask[:, 1:].to(logits.dtype)
+    if segment_ids is not None:
+        keep = keep * (segment_ids[:, 1:] == segment_ids[:, :-1]).to(logits.dtype)
     lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view_as(targets)
     out = TokenScores(F.pad(lp * keep, (1, 0)), res.aux_loss)
     if entropy:

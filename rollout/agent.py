@@ -68,7 +68,7 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
     traj.metadata["session"] = session
     start = time.monotonic()
     try:
-        observation, info = await asyncio.to_thread(env.reset)
+        observation, info = await env.areset()
         traj.metadata["sandbox"] = info.get("sandbox", "") if isinstance(info, dict) else ""
         traj.metadata["seconds_reset"] = time.monotonic() - start
         user = Message(role="user", content=observation)
@@ -93,7 +93,7 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
             await policy.close_session(session)
         except Exception:  # noqa: BLE001 - the engine evicts the session by itself eventually
             pass
-        await asyncio.to_thread(env.close)
+        await env.aclose()
     if traj.failed:
         traj.finish_reason = "error"
         if traj.reward is None:

@@ -1,10 +1,17 @@
-"""Which tasks a step runs: environments chosen by weight, families uniformly, seeds from the run's RNG."""
+"""Which tasks a step runs: environments chosen by weight, families uniformly, seeds from the run's RNG.
+
+Each configured environment has one task source (``environments/task_sources.py``): its seeded generator, or the
+JSONL file / Harbor folder named by ``tasks``. Sources are opened once, here, so a malformed task file fails the job
+before anything starts.
+"""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from sandforge.config import EnvironmentConfig
+from sandforge.environments.task_sources import TaskSourceError, open_source
 from sandforge.registry import environment
 from sandforge.types import Task
 
@@ -13,21 +20,43 @@ class TaskSampler:
     def __init__(self, envs: list[EnvironmentConfig], seed: int):
         self.rng = random.Random(seed)
         self.envs = envs
-        self.families: dict[str, list[str]] = {}
-        self.makers = {}
+        self.families: list[list[str]] = []  # per configured environment (one env name may appear twice)
+        self.sources = []
         for i, env in enumerate(envs):
             entry = environment(env.name)  # KeyError names the known environments
-            known = entry.families()
+            try:
+                source = open_source(entry, env.tasks)
+            except TaskSourceError as e:
+                raise ValueError(f"environments[{i}].tasks: {e}") from None
+            known = source.families()
             unknown = [f for f in env.families if f not in known]
             if unknown:
                 raise ValueError(f"environments[{i}].families: unknown {unknown} for {env.name!r}; known: {known}")
-            self.families[env.name] = env.families or known
-            self.makers[env.name] = entry.make_task()
+            self.families.append(env.families or known)
+            self.sources.append(source)
 
     def sample(self, n: int, split: str = "train") -> list[Task]:
         tasks = []
         for _ in range(n):
-            env = self.rng.choices(self.envs, weights=[e.weight for e in self.envs])[0]
-            family = self.rng.choice(self.families[env.name])
-            tasks.append(self.makers[env.name](family, self.rng.randrange(2**31), split))
+            i = self.rng.choices(range(len(self.envs)), weights=[e.weight for e in self.envs])[0]
+            family = self.rng.choice(self.families[i])
+            tasks.append(self.sources[i].task(family, self.rng.randrange(2**31), split))
         return tasks
+
+    def images(self) -> dict[str, Path]:
+        """Images the tasks it can draw need beyond their environments' own: image name -> folder with its
+        Dockerfile (a Harbor task's; tasks of families the job leaves out are not built)."""
+        found = {}
+        for source, families in zip(self.sources, self.families):
+            drawn = {t.setup.get("image") for t in getattr(source, "tasks", []) if t.family in families}
+            found |= {name: ctx for name, ctx in source.images.items() if name in drawn}
+        return found
+
+
+def image_key(task: Task, env_images: dict[str, str | None]) -> str:
+    """Which image (and so which sandbox pool) runs ``task``: the task's own (Harbor), else its environment's."""
+    key = task.setup.get("image") or env_images.get(task.env)
+    if not key:
+        raise ValueError(f"task {task.id}: environment {task.env!r} has no image and the task names none "
+                         "(setup.image)")
+    return key

@@ -58,7 +58,7 @@ async def run_tool_calls(env, calls: list[ToolCall], parse_errors: list[str], *,
     answers: list[tuple[str, bool, dict] | None] = [None] * len(run)
 
     async def step(i: int) -> None:
-        observation, _, terminated, _, info = await asyncio.to_thread(env.step, run[i])
+        observation, _, terminated, _, info = await env.astep(run[i])
         answers[i] = (str(observation), bool(terminated), info if isinstance(info, dict) else {})
 
     async def in_order() -> None:

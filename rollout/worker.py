@@ -1,10 +1,11 @@
 """A rollout worker: a Ray actor that runs many episodes at once (asyncio tasks), each in its own fresh sandbox.
 
 ``rollout.workers`` actors each run up to ``rollout.concurrency`` episodes at once. Sandboxes come from one warm
-``SandboxPool`` per environment image, on this worker's node (its local Docker daemon, or ``DOCKER_HOST``); containers
-carry the driver's labels, so a dead driver's sandboxes are found by the reaper.
+``SandboxPool`` per image (an environment's, made at start; or a Harbor task's own, made when a task first needs it),
+on this worker's node (its local Docker daemon, or ``DOCKER_HOST``); containers carry the driver's labels, so a dead
+driver's sandboxes are found by the reaper.
 
-Backpressure: an episode takes one of ``sandbox.max_live`` slots (per environment) before it asks the pool for a
+Backpressure: an episode takes one of ``sandbox.max_live`` slots (per image) before it asks the pool for a
 sandbox and gives it back after the sandbox is removed, so when the pool is full episodes wait in the event loop for a
 sandbox instead of failing, and no thread of the worker ever blocks in ``acquire`` while the episodes that would free a
 sandbox need threads for their tool calls. A failed episode comes back as data (``failed=True``), never as an error.
@@ -24,6 +25,7 @@ from sandforge.models.policy import load_chat
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.policy import EnginePolicy, scripted_policy
+from sandforge.rollout.tasks import image_key
 from sandforge.types import Reward, Task, Trajectory
 
 TOOL_GRACE_S = 30.0  # beyond sandbox.exec_timeout: how long a tool call may outlive the episode's deadline
@@ -36,23 +38,24 @@ class RolloutWorker:
         self.cfg = JobConfig.model_validate(job)
         self.run_id = run_id
         self.policy = EnginePolicy(engine)  # a Ray handle, or an object with async generate(request)
-        self.images = images
+        self.images = images  # image name -> tag, every image the job's tasks use (built by the driver)
         self.chat = load_chat(self.cfg.model.model_dump(mode="json"))
         r, s = self.cfg.rollout, self.cfg.sandbox
         self.limits = EpisodeLimits.from_config(r, self.chat.stop_ids, tool_grace=s.exec_timeout + TOOL_GRACE_S)
-        self.env_classes = {name: environment(name).env_class() for name in images}
+        entries = {e.name: environment(e.name) for e in self.cfg.environments}
+        self.env_classes = {name: entry.env_class() for name, entry in entries.items()}
+        self.env_images = {name: entry.image_name for name, entry in entries.items()}
         self.gate = asyncio.Semaphore(r.concurrency)  # episodes at once
-        self.slots = {name: asyncio.Semaphore(s.max_live) for name in images}  # sandboxes at once, per pool
+        self.slots: dict[str, asyncio.Semaphore] = {}  # sandboxes at once, per pool
         self.episodes = 0  # numbers the engine sessions of this worker
         self.executor: ThreadPoolExecutor | None = None
         self.stats = SandboxStats()
-        client = docker_client(max_pool_size=max(32, 2 * s.max_live))
-        self.pools = {
-            name: SandboxPool(self._spec(image, self.env_classes[name]), run_id, size=s.warm_pool, client=client,
-                              max_live=s.max_live, max_creates_per_second=s.creates_per_second, labels=sandbox_labels,
-                              stats=self.stats)
-            for name, image in images.items()
-        }
+        self.labels = sandbox_labels
+        self.client = docker_client(max_pool_size=max(32, 2 * s.max_live))
+        self.pools: dict[str, SandboxPool] = {}
+        for name, image in self.env_images.items():  # environment images warm up now; a task's own when first used
+            if image is not None:
+                self._pool(image, self.env_classes[name], s.warm_pool)
 
     def _spec(self, image: str, env_class: type) -> SandboxSpec:
         """The job's ``sandbox`` config, with what the env declares it needs (``sandbox_defaults``) on top."""
@@ -62,8 +65,21 @@ class RolloutWorker:
                       max_file_size=s.max_file_size)
         return SandboxSpec(image=image, **{**fields, **getattr(env_class, "sandbox_defaults", {})})
 
+    def _pool(self, image: str, env_class: type, warm: int) -> SandboxPool:
+        if image not in self.pools:
+            if image not in self.images:
+                raise ValueError(f"image {image!r} was not built by the driver (built: {', '.join(self.images)})")
+            s = self.cfg.sandbox
+            self.pools[image] = SandboxPool(self._spec(self.images[image], env_class), self.run_id, size=warm,
+                                            client=self.client, max_live=s.max_live,
+                                            max_creates_per_second=s.creates_per_second, labels=self.labels,
+                                            stats=self.stats)
+            self.slots[image] = asyncio.Semaphore(s.max_live)
+        return self.pools[image]
+
     def _make_env(self, task: Task):
-        pool = self.pools[task.env]
+        # a task's own image (Harbor) keeps no warm sandboxes: that task may not come again for many steps
+        pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0)
         return self.env_classes[task.env](task, pool.spec, self.run_id, exec_timeout=self.cfg.sandbox.exec_timeout,
                                           pool=pool)
 
@@ -89,8 +105,8 @@ class RolloutWorker:
         async with self.gate:
             waited = time.monotonic()
             try:
-                slot = self.slots[task.env]
                 env = self._make_env(task)
+                slot = self.slots[image_key(task, self.env_images)]
             except Exception as e:  # e.g. a plugin env that cannot be built: this episode fails, not the run
                 traj = Trajectory(task=task, group=group, failed=True, failure=f"env: {e}", finish_reason="error",
                                   policy_version=version, reward=Reward(0.0, False, reason=str(e)))

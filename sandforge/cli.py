@@ -17,8 +17,10 @@ from sandforge.config import ConfigError, JobConfig, load_config
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL post-training on real sandboxes.")
 images_app = typer.Typer(no_args_is_help=True, help="Build the sandbox images (no registry needed).")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Inspect and clean up sandbox containers.")
+envs_app = typer.Typer(no_args_is_help=True, help="Environments: built-in and installed plugins.")
 app.add_typer(images_app, name="images")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(envs_app, name="envs")
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -28,11 +30,12 @@ def fail(message: str, code: int = 2) -> None:
 
 def validate_job(cfg: JobConfig, source: str = "config") -> None:
     """Checks that need the registry (environment names, task families); still no heavy imports."""
+    from sandforge.registry import PluginError
     from sandforge.rollout.tasks import TaskSampler
 
     try:
         TaskSampler(cfg.environments, cfg.run.seed)
-    except (KeyError, ValueError) as e:
+    except (KeyError, ValueError, PluginError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
     n_experts = 0
     if cfg.model.arch == "k3":
@@ -77,12 +80,67 @@ def train(
             resume_point(cfg.run.output_dir)
         except ResumeError as e:
             fail(str(e))
+    _run(cfg, resume=resume)
+
+
+@app.command()
+def sft(
+    config: Path = typer.Argument(..., help="Job YAML; its `warmup` section is the SFT cold start"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. warmup.steps=100"),
+) -> None:
+    """Supervised cold start: run every task family's reference solver through the real agent loop and sandboxes,
+    keep the episodes the verifiers accept, and train on their assistant tokens. Writes the checkpoint
+    `sandforge train` starts from (model.init_from=<run.output_dir>/checkpoints/step_0/policy)."""
+    try:
+        cfg = load_config(config, list(overrides or []))
+        validate_job(cfg, str(config))
+        if not cfg.warmup.steps:
+            raise ConfigError(f"{config}: 'warmup.steps' is 0: sandforge sft needs some SFT steps")
+    except ConfigError as e:
+        fail(str(e))
+    _run(cfg, sft_only=True)
+
+
+@app.command("eval")
+def evaluate(
+    config: Path = typer.Argument(..., help="Job YAML: its environments, rollout and eval sections"),
+    overrides: Optional[list[str]] = typer.Argument(None, help="Dotted KEY=VALUE overrides, e.g. eval.samples=8"),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="A policy directory, e.g. "
+                                    "runs/x/checkpoints/step_20/policy"),
+    out: Optional[Path] = typer.Option(None, "--out", help="JSON file (default: <checkpoint>/eval.json)"),
+) -> None:
+    """Held-out success of a checkpoint per environment, and pass@k (k = eval.samples), as a table and a JSON file.
+    eval.tasks_per_family held-out tasks of every family (8 when the config's is 0)."""
+    try:
+        cfg = load_config(config, list(overrides or []))
+        if not cfg.eval.tasks_per_family:
+            cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"tasks_per_family": 8})})
+        if not (checkpoint / "config.json").is_file():
+            raise ConfigError(f"--checkpoint {checkpoint}: no config.json there; give a policy directory such as "
+                              "runs/<run>/checkpoints/step_N/policy")
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": checkpoint})})
+        validate_job(cfg, str(config))
+    except ConfigError as e:
+        fail(str(e))
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError
+    from sandforge.environments.sandbox.images import ImageError
+    from sandforge.trainer.eval_job import evaluate_checkpoint
+
+    try:
+        evaluate_checkpoint(cfg, checkpoint.resolve(), (out or checkpoint / "eval.json").resolve())
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    except (SandboxError, ImageError) as e:
+        fail(str(e), 1)
+
+
+def _run(cfg: JobConfig, **kwargs) -> None:
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError
     from sandforge.trainer.loop import JobError, run
 
     try:
-        run(cfg, resume=resume)
+        run(cfg, **kwargs)
     except KeyboardInterrupt:
         raise typer.Exit(130)
     except (JobError, SandboxError, ImageError) as e:
@@ -95,16 +153,56 @@ def images_build(
     base_image: Optional[str] = typer.Option(None, help="Base image reference to pull instead of bootstrapping"),
     mirror: str = typer.Option("http://deb.debian.org/debian", help="Debian mirror for the bootstrapped base"),
 ) -> None:
-    """Build the base image (debootstrap when nothing can be pulled) and each environment's image."""
+    """Build the base image (debootstrap when nothing can be pulled) and each environment's image, installed
+    plugins' own images included."""
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError, build_images
+    from sandforge.registry import PluginError, environments
 
     try:
-        tags = build_images(env or None, base_image=base_image, mirror=mirror)
-    except (SandboxError, ImageError) as e:
+        # plugins with an image of their own (not one reusing a built-in's): their Dockerfile is in their package
+        plugins = {name: e for name, e in environments().items()
+                   if e.source != "built-in" and e.image_name == name and (env is None or name in env)}
+        contexts = {name: e.image_context() for name, e in plugins.items()}
+        builtins = None if env is None else [name for name in env if name not in plugins]
+        tags = build_images(builtins, base_image=base_image, mirror=mirror, contexts=contexts)
+    except (SandboxError, ImageError, PluginError) as e:
         fail(str(e), 1)
     for name, tag in tags.items():
         typer.echo(f"{name}: {tag}")
+
+
+@envs_app.command("list")
+def envs_list(
+    config: Optional[Path] = typer.Argument(None, help="Also list this job's task sources (JSONL files, Harbor folders)"),
+) -> None:
+    """Print every environment: where it comes from, its task families, how many tasks per split, its image."""
+    from sandforge.environments.task_sources import open_source
+    from sandforge.registry import PluginError, environment, environments
+
+    def row(entry, name: str, source: str, tasks: Path | None = None) -> list[str]:
+        src = open_source(entry, tasks) if tasks is not None or entry.families() else None
+        counts = "from `tasks:` in a job (envs list JOB.yaml)" if src is None else ", ".join(
+            f"{split} {'seeded' if src.count(split) is None else src.count(split)}"
+            for split in getattr(entry.tasks(), "SPLITS", ("train", "heldout")))
+        if entry.image_name is not None:
+            image = f"sandforge/{entry.image_name}"
+        else:
+            image = f"per task: {len(src.images)} images" if src is not None and src.images else "per task"
+        return [name, source, ", ".join(src.families()) if src else "-", counts, image]
+
+    try:
+        rows = [row(entry, name, entry.source) for name, entry in environments().items()]
+        if config is not None:
+            cfg = load_config(config)
+            rows += [row(environment(e.name), e.name, f"{config}: environments[{i}].tasks = {e.tasks}", e.tasks)
+                     for i, e in enumerate(cfg.environments) if e.tasks is not None]
+    except (ConfigError, PluginError, KeyError, ValueError) as e:
+        fail(str(e).strip("'\""), 1)
+    header = ["name", "source", "families", "tasks", "image"]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    for r in [header, *rows]:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
 
 
 @sandbox_app.command("reap")

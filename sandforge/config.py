@@ -70,6 +70,17 @@ class EnvironmentConfig(Section):
     name: str = "terminal"
     families: list[str] = Field(default_factory=list)  # empty: every family the environment has
     weight: float = Field(1.0, gt=0)
+    # None: the environment's seeded generators. Else a JSONL file (one Task per line) or, for `harbor`, a Harbor task
+    # directory or a folder of them. Relative to the working directory, like run.output_dir.
+    tasks: Path | None = None
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_exist(cls, tasks: Path | None) -> Path | None:
+        if tasks is not None and not tasks.exists():
+            raise ValueError(f"no such file or directory (from {Path.cwd()}): give a JSONL task file or a Harbor "
+                             "task directory")
+        return tasks
 
 
 class ModelConfig(Section):
@@ -116,6 +127,16 @@ class WarmupConfig(Section):
     lr: float = Field(3e-3, gt=0)
 
 
+class EvalConfig(Section):
+    """Held-out evaluation: the same fixed held-out tasks (seeds 0..tasks_per_family-1 of every family, split
+    "heldout") before RL (after the SFT warm start), every ``every`` RL steps, and at the end; ``samples`` episodes per
+    task give success (pass@1) and pass@k with k = samples. Results: ``eval`` rows in metrics.jsonl and eval.json."""
+
+    tasks_per_family: int = Field(0, ge=0)  # 0: no evaluation
+    samples: int = Field(4, ge=1)
+    every: int = Field(0, ge=0)  # RL steps between evaluations; 0: only before and after
+
+
 class TrainerConfig(Section):
     steps: int = Field(10, ge=0)  # RL steps
     # trainer/algorithms/registry.py; null values below take the algorithm's default (README "Algorithms")
@@ -147,6 +168,9 @@ class TrainerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel)
     bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available
     grad_accum_steps: int = Field(2, ge=1)
+    # K3 policies: a micro-batch's sequences share forward rows instead of padding to the longest (models/packing.py);
+    # Hugging Face policies always pad
+    pack_sequences: bool = True
     # optimizer steps per RL step: the batch is split in this many mini-batches, each one step against the log-probs the
     # trainer had before the first (PPO-style; with 1 the ratio is 1 and the clip never acts)
     mini_batches: int = Field(1, ge=1)
@@ -198,6 +222,7 @@ class JobConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 

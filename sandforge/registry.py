@@ -1,22 +1,44 @@
-"""Where environments are found: built-ins by import path, plugins by entry point.
+"""Where environments and verifiers are found: built-ins by import path, plugins by entry point.
 
 Core code must not import the parts, so built-ins are named by ``module:attribute`` strings and resolved lazily. An
-environment entry resolves to a dict with ``env`` (the gymnasium env class) and ``make_task``/``families`` (its task source).
-Plugins register the same shape under the ``sandforge.environments`` entry-point group.
+environment entry names its gymnasium env class, its task module (``FAMILIES`` and ``make_task(family, seed, split)``)
+and the image its sandboxes start from.
+
+Plugins are pip packages that declare entry points (see examples/plugin_env/pyproject.toml):
+
+- group ``sandforge.environments``: name -> a dict ``{"env": "module:Class", "tasks": "module"}`` plus, optionally,
+  ``"image": "<built-in env>"`` to reuse that env's image, or ``"dockerfile": "<package>"`` whose folder holds the
+  Dockerfile of the plugin's own image (default: the package of ``tasks``).
+- group ``sandforge.verifiers``: name -> a callable ``(sandbox, args) -> (score, reason)``, the shape of
+  ``sandforge.verifiers.base.Verifier``. Task checks name it like a built-in one.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any, Callable
 
 BUILTIN_ENVIRONMENTS = {
     "terminal": ("sandforge.environments.terminal.env:TerminalEnv", "sandforge.environments.terminal.tasks"),
+    "harbor": ("sandforge.environments.harbor.env:HarborEnv", "sandforge.environments.harbor.tasks"),
     "slack": ("sandforge.environments.slack.env:SlackEnv", "sandforge.environments.slack.tasks"),
     "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
 }
+# Verifiers that live beside their environment rather than in sandforge.verifiers (which registers its own on import).
+BUILTIN_VERIFIERS = {
+    "harbor_tests": "sandforge.environments.harbor.grading:harbor_tests_check",
+}
+ENVIRONMENT_GROUP = "sandforge.environments"
+VERIFIER_GROUP = "sandforge.verifiers"
+
+
+class PluginError(RuntimeError):
+    """An installed plugin's entry point cannot be loaded or has the wrong shape; the message names its package."""
 
 
 @dataclass(frozen=True)
@@ -24,6 +46,9 @@ class EnvironmentEntry:
     name: str
     env_path: str  # "module:Class"
     tasks_module: str  # module with FAMILIES and make_task(family, seed, split)
+    source: str = "built-in"  # or "plugin <distribution> <version>"
+    image_name: str | None = None  # the image its sandboxes use; None: each task brings its own (Harbor)
+    image_package: str | None = None  # the package whose folder holds that image's Dockerfile
 
     def env_class(self) -> type:
         return resolve(self.env_path)
@@ -34,22 +59,95 @@ class EnvironmentEntry:
     def make_task(self) -> Callable[..., Any]:
         return importlib.import_module(self.tasks_module).make_task
 
+    def tasks(self) -> Any:
+        """The task module itself (for optional attributes such as ``SPLITS``)."""
+        return importlib.import_module(self.tasks_module)
+
+    def image_context(self) -> Path | None:
+        """The folder whose Dockerfile builds ``image_name``; None when the env has no image of its own."""
+        if self.image_name is None or self.image_package is None:
+            return None
+        spec = importlib.util.find_spec(self.image_package)
+        if spec is None or not spec.submodule_search_locations:
+            raise PluginError(f"environment {self.name!r}: image package {self.image_package!r} is not an "
+                              "importable package (a folder with __init__.py and a Dockerfile)")
+        return Path(list(spec.submodule_search_locations)[0])
+
 
 def resolve(path: str) -> Any:
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
+def _builtin(name: str, env_path: str, tasks_module: str) -> EnvironmentEntry:
+    package = f"sandforge.environments.{name}"
+    spec = importlib.util.find_spec(package)
+    has_image = spec is not None and any((Path(p) / "Dockerfile").is_file() for p in spec.submodule_search_locations)
+    return EnvironmentEntry(name, env_path, tasks_module, image_name=name if has_image else None,
+                            image_package=package if has_image else None)
+
+
+def _distribution(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"plugin {dist.name} {dist.version}" if dist is not None else "plugin"
+
+
+def _plugin(ep: EntryPoint) -> EnvironmentEntry:
+    where = f"entry point {ep.name!r} ({ep.value}) of {_distribution(ep)}"
+    try:
+        spec = ep.load()
+    except Exception as e:
+        raise PluginError(f"{where} cannot be loaded: {type(e).__name__}: {e}") from e
+    if not isinstance(spec, dict) or not {"env", "tasks"} <= set(spec):
+        raise PluginError(f"{where} must be a dict with 'env' ('module:Class') and 'tasks' ('module'), got {spec!r}")
+    reuse = spec.get("image")
+    if reuse is not None:
+        if reuse not in BUILTIN_ENVIRONMENTS:
+            raise PluginError(f"{where}: 'image' {reuse!r} is not a built-in env ({', '.join(BUILTIN_ENVIRONMENTS)})")
+        base = _builtin(reuse, *BUILTIN_ENVIRONMENTS[reuse])
+        image_name, image_package = base.image_name, base.image_package
+    else:
+        image_name, image_package = ep.name, spec.get("dockerfile") or spec["tasks"].rpartition(".")[0] or spec["tasks"]
+    return EnvironmentEntry(ep.name, spec["env"], spec["tasks"], _distribution(ep), image_name, image_package)
+
+
 def environments() -> dict[str, EnvironmentEntry]:
-    found = {name: EnvironmentEntry(name, *paths) for name, paths in BUILTIN_ENVIRONMENTS.items()}
-    for ep in entry_points(group="sandforge.environments"):
-        spec = ep.load()  # a dict {"env": "module:Class", "tasks": "module"}
-        found[ep.name] = EnvironmentEntry(ep.name, spec["env"], spec["tasks"])
+    """Every environment: the built-ins, then installed plugins (a plugin may not reuse a built-in's name)."""
+    found = {name: _builtin(name, *paths) for name, paths in BUILTIN_ENVIRONMENTS.items()}
+    for ep in entry_points(group=ENVIRONMENT_GROUP):
+        if ep.name in BUILTIN_ENVIRONMENTS:
+            raise PluginError(f"{_distribution(ep)} registers environment {ep.name!r}, which is a built-in name: "
+                              "rename its entry point")
+        found[ep.name] = _plugin(ep)
     return found
 
 
 def environment(name: str) -> EnvironmentEntry:
     envs = environments()
     if name not in envs:
-        raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(envs))}")
+        raise KeyError(f"unknown environment {name!r}; known: {', '.join(sorted(envs))} "
+                       f"(plugins register under the {ENVIRONMENT_GROUP!r} entry-point group)")
     return envs[name]
+
+
+@functools.cache
+def verifier_plugins() -> dict[str, Callable]:
+    """Installed plugins' verifiers: name -> ``(sandbox, args) -> (score, reason)``. Loaded once per process."""
+    found = {}
+    for ep in entry_points(group=VERIFIER_GROUP):
+        try:
+            fn = ep.load()
+        except Exception as e:
+            raise PluginError(f"verifier {ep.name!r} ({ep.value}) of {_distribution(ep)} cannot be loaded: "
+                              f"{type(e).__name__}: {e}") from e
+        if not callable(fn):
+            raise PluginError(f"verifier {ep.name!r} ({ep.value}) of {_distribution(ep)} is not callable")
+        found[ep.name] = fn
+    return found
+
+
+def find_verifier(name: str) -> Callable | None:
+    """A verifier that ``sandforge.verifiers`` does not register itself: a built-in beside its env, or a plugin's."""
+    if name in BUILTIN_VERIFIERS:
+        return resolve(BUILTIN_VERIFIERS[name])
+    return verifier_plugins().get(name)

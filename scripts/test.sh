@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The example plugin, installed from its own folder as users install one: `sandforge envs list` then shows `notes`.
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation ./examples/plugin_env
 .venv/bin/sandforge images build
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export SANDFORGE_REQUIRE_DOCKER=1  # setup.sh started the daemon: container tests must run, not skip

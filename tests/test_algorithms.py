@@ -279,8 +279,12 @@ def fake_rank(model, s, head=None, temperature=1.0):
     """What ``TrainerRank._micro_batch_loss`` reads from its rank, without DeepSpeed or torch.distributed."""
     import copy
 
-    return SimpleNamespace(engine=Engine(model), reference=copy.deepcopy(model), settings=s, value_head=head,
+    from sandforge.trainer.actor import TrainerRank
+
+    rank = SimpleNamespace(engine=Engine(model), reference=copy.deepcopy(model), settings=s, value_head=head,
                            cfg={"temperature": temperature})
+    rank.layout = TrainerRank.layout.__get__(rank)  # the tiny model has no pack_align: one row per sequence
+    return rank
 
 
 def rows_for(n=5):

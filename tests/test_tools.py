@@ -130,3 +130,77 @@ def test_tool_env_turns_bad_calls_into_error_observations():
     obs, _, terminated, _, info = env.step(ToolCall("bump", {"by": 1}))
     assert terminated and not info["executed"] and obs.startswith("Error: the episode is over")
     assert env.count == 2
+
+
+# --- parameter descriptions from an Args: section, the async episode interface ------------------------------------
+
+
+class Search:
+    @tool
+    def grep(self, pattern: str, path: str = ".", limit: int = 0) -> str:
+        """Search files for a pattern.
+
+        Args:
+            pattern: a regular expression,
+                extended syntax.
+            path (str): where to search.
+            limit: stop after this many matches (0: all).
+
+        Returns:
+            the matching lines
+        """
+        return f"{pattern} in {path}"
+
+
+def test_args_section_describes_each_parameter_in_the_schema():
+    (schema,) = tool_schemas(Search())
+    assert schema["description"] == "Search files for a pattern."
+    assert schema["parameters"]["properties"] == {
+        "pattern": {"type": "string", "description": "a regular expression, extended syntax."},
+        "path": {"type": "string", "description": "where to search."},
+        "limit": {"type": "integer", "description": "stop after this many matches (0: all)."},
+    }
+    assert schema["parameters"]["required"] == ["pattern"]
+
+
+def test_args_naming_a_missing_parameter_is_a_definition_error():
+    class Typo:
+        @tool
+        def grep(self, pattern: str) -> str:
+            """Search.
+
+            Args:
+                patern: misspelt.
+            """
+            return pattern
+
+    with pytest.raises(TypeError, match="tool grep: its docstring's Args names 'patern', not a parameter"):
+        tool_schemas(Typo())
+
+
+def test_async_interface_runs_the_same_episode():
+    import asyncio
+
+    class Echo(ToolEnv):
+        @tool
+        def echo(self, text: str) -> str:
+            """Say it back."""
+            return text
+
+        @tool
+        def submit(self) -> str:
+            """Finish."""
+            self.end_episode()
+            return "ok"
+
+    async def episode(env):
+        await env.areset()
+        first = await env.astep(ToolCall("echo", {"text": "hi"}))
+        second = await env.astep(ToolCall("submit"))
+        third = await env.astep(ToolCall("echo", {"text": "late"}))
+        await env.aclose()
+        return first, second, third
+
+    first, second, third = asyncio.run(episode(Echo()))
+    assert first[:3] == ("hi", 0.0, False) and second[:3] == ("ok", 0.0, True)
+    assert third[0].startswith("Error: the episode is over") and third[2] is True

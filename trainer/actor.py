@@ -16,8 +16,11 @@ from pathlib import Path
 
 import torch
 
+from sandforge.models.generate import TokenScores, token_scores
+from sandforge.models.packing import PackedLayout
 from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_objective, sft_objective
-from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, replaying, routed_ids
+from sandforge.trainer.routing_replay import (UNKNOWN, RouterRecorder, mismatch_counts, mismatch_rate, replaying,
+                                              routed_ids)
 
 # an empty micro-batch's stand-in: no loss tokens, so it adds nothing but keeps the ranks' backward counts equal
 DUMMY_ROW = {"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "advantages": [0.0, 0.0],
@@ -34,6 +37,23 @@ def token_batch(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
     attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
     return ids, attn
+
+
+def forward_scores(model, rows: list[dict], layout: PackedLayout, temperature: float = 1.0,
+                   forced: torch.Tensor | None = None, **kwargs) -> TokenScores:
+    """``token_scores`` of right-padded ``rows``, computed in ``layout`` (packed rows, or one row each) and returned
+    in the padded layout, so everything after the forward is the same whether sequences were packed or not.
+    ``forced``: the engine's routing [B, T, layers, k] to replay (padded layout, -1 unknown)."""
+    ids, attn = token_batch(rows)
+    if layout.is_padded:
+        return token_scores(replaying(model, forced), ids, attn, temperature, **kwargs)
+    if forced is not None:
+        forced = layout.pack_tensor(forced, fill=UNKNOWN)
+    s = token_scores(replaying(model, forced), layout.pack_tensor(ids), None, temperature,
+                     segment_ids=layout.segment_ids(), **kwargs)
+    unpack = layout.unpack
+    return TokenScores(unpack(s.logprobs), s.aux_loss, None if s.entropy is None else unpack(s.entropy),
+                       None if s.hidden is None else unpack(s.hidden))
 
 
 def split_micro_batches(rows: list[dict], n: int) -> list[list[dict]]:
@@ -193,22 +213,31 @@ class TrainerRank:
         self.steps += 1
         return mismatch_rate(self._reduce(stats)) | self._after_step()
 
+    def layout(self, rows: list[dict]) -> PackedLayout:
+        """How a micro-batch's sequences share forward rows: packed (``trainer.pack_sequences``, K3 policies) or
+        one row each (Hugging Face policies, whose attention cannot keep packed sequences apart on every backend)."""
+        lengths = [len(r["token_ids"]) for r in rows]
+        align = getattr(self.engine.module, "pack_align", None)
+        if self.cfg.get("pack_sequences", True) and align is not None:
+            return PackedLayout.pack(lengths, align)
+        return PackedLayout.padded(lengths)
+
     def _micro_batch_loss(self, micro: list[dict], totals: Totals,
                           mode: str) -> tuple[torch.Tensor, Stats, torch.Tensor]:
-        from sandforge.models.generate import token_logprobs, token_scores
-
         ids, attn = token_batch(micro)
+        layout = self.layout(micro)
         mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
         if mode == "sft":
-            scores = token_scores(self.engine, ids, attn)
+            scores = forward_scores(self.engine, micro, layout)
             return *sft_objective(scores.logprobs, mask, totals), scores.aux_loss
         temperature = self.cfg["temperature"]  # RL scores tokens as the engine sampled them
         engine_ids = routed_ids(micro, ids.shape[1])  # trainer/routing_replay.py
-        forward = replaying(self.engine, engine_ids if self.cfg.get("routing_replay") else None)
+        forced = engine_ids if self.cfg.get("routing_replay") else None
         with RouterRecorder(self.engine.module) as router:
-            scores = token_scores(forward, ids, attn, temperature, entropy=True, hidden=self.value_head is not None)
+            scores = forward_scores(self.engine, micro, layout, temperature, forced, entropy=True,
+                                    hidden=self.value_head is not None)
         with torch.no_grad():
-            ref, _ = token_logprobs(self.reference, ids, attn, temperature=temperature)
+            ref = forward_scores(self.reference, micro, layout, temperature).logprobs
         batch = MicroBatch(
             logprobs=scores.logprobs,
             engine_logprobs=pad_right([r["logprobs"] for r in micro], 0.0, torch.float32),
@@ -223,7 +252,8 @@ class TrainerRank:
             batch.values = self.value_head(scores.hidden.float()).squeeze(-1)
             batch.returns = pad_right([r["returns"] for r in micro], 0.0, torch.float32)
         loss, st = rl_objective(batch, self.settings, totals)
-        st.sums |= mismatch_counts(router.own_ids(), engine_ids, attn)
+        own = router.own_ids()
+        st.sums |= mismatch_counts(None if own is None else layout.unpack(own), engine_ids, attn)
         return loss, st, scores.aux_loss
 
     @torch.no_grad()
@@ -231,7 +261,6 @@ class TrainerRank:
         """What the trainer knows before its step, per row and token: ``kl_penalty`` (kl_coef times KL to the
         reference, with ``trainer.kl_in: reward``), ``values`` (PPO's value head) and ``old_logprobs`` (the ratio's
         denominator when the step takes several mini-batches). Eval mode: no MoE statistics accumulate."""
-        from sandforge.models.generate import token_logprobs, token_scores
         from sandforge.trainer.algorithms import kl_estimate
 
         s, temperature = self.settings, self.cfg["temperature"]
@@ -242,13 +271,14 @@ class TrainerRank:
         if self.gathers:  # every forward is an all-to-all (experts) or all-gathers (ZeRO-3): all ranks run gas of them
             batches += [[DUMMY_ROW]] * (self.cfg["grad_accum_steps"] - len(batches))
         for micro in batches:
-            ids, attn = token_batch(micro)
-            forced = routed_ids(micro, ids.shape[1]) if self.cfg.get("routing_replay") else None
-            scores = token_scores(replaying(self.engine, forced), ids, attn, temperature,
-                                  hidden=self.value_head is not None)
+            layout = self.layout(micro)
+            width = max(len(r["token_ids"]) for r in micro)
+            forced = routed_ids(micro, width) if self.cfg.get("routing_replay") else None
+            scores = forward_scores(self.engine, micro, layout, temperature, forced,
+                                    hidden=self.value_head is not None)
             penalty = torch.zeros_like(scores.logprobs)
             if s.kl_in == "reward" and s.kl_coef:
-                ref, _ = token_logprobs(self.reference, ids, attn, temperature=temperature)
+                ref = forward_scores(self.reference, micro, layout, temperature).logprobs
                 penalty = s.kl_coef * kl_estimate(scores.logprobs, ref, s.kl_estimator)
             values = None if self.value_head is None else self.value_head(scores.hidden.float()).squeeze(-1)
             for i, r in enumerate(micro):

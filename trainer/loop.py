@@ -64,6 +64,38 @@ def training_rows(trajs: list[Trajectory]) -> list[dict]:
              "routed_experts": t.routed_experts} for t in trajs]
 
 
+def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_seed: int, version: int,
+                     scripted: bool, bar: Progress, label: str) -> list[Trajectory]:
+    """Spread episodes over rollout workers (Ray handles) and gather them all, failed ones included, with a bar."""
+    import ray
+
+    shards = [([], [], []) for _ in workers]
+    seen: dict[str, int] = {}
+    for i, (task, group) in enumerate(zip(tasks, groups)):
+        seen[group] = seen.get(group, -1) + 1  # the episode's index within its group
+        shards[i % len(workers)][0].append(asdict(task))
+        shards[i % len(workers)][1].append(group)
+        shards[i % len(workers)][2].append(episode_seed(run_seed, group, seen[group]))
+    pending = {
+        w.run_episodes.remote(ts, gs, version, scripted, ss): len(ts)
+        for w, (ts, gs, ss) in zip(workers, shards) if ts
+    }
+    out: list[Trajectory] = []
+    job = bar.add_task(label, total=len(tasks))
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
+        bar.advance(job, pending.pop(done[0]))
+    bar.remove_task(job)
+    return out
+
+
+def eval_line(summary: dict) -> str:
+    envs = "  ".join(f"{env} {s['success']:.2f}" for env, s in summary["per_env"].items())
+    return (f"held-out eval after step {summary['step']}: success {summary['success']:.2f}  "
+            f"pass@{summary['k']} {summary['pass@k']:.2f}  ({envs})")
+
+
 def step_line(step: int, total: int, m: dict[str, float]) -> str:
     return (f"step {step + 1}/{total}  reward {m['reward/mean']:.3f}  success {m['success/rate']:.2f}  "
             f"turns {m.get('turns/mean', 0):.1f}  failed {int(m['episodes/failed'])}  "
@@ -123,27 +155,23 @@ class RLJob:
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included."""
-        import ray
+        return collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
+                                label)
 
-        shards = [([], [], []) for _ in self.workers]
-        seen: dict[str, int] = {}
-        for i, (task, group) in enumerate(zip(tasks, groups)):
-            seen[group] = seen.get(group, -1) + 1  # the episode's index within its group
-            shards[i % len(self.workers)][0].append(asdict(task))
-            shards[i % len(self.workers)][1].append(group)
-            shards[i % len(self.workers)][2].append(episode_seed(self.cfg.run.seed, group, seen[group]))
-        pending = {
-            w.run_episodes.remote(ts, gs, self.version, scripted, ss): len(ts)
-            for w, (ts, gs, ss) in zip(self.workers, shards) if ts
-        }
-        out: list[Trajectory] = []
-        job = self.bar.add_task(label, total=len(tasks))
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
-            self.bar.advance(job, pending.pop(done[0]))
-        self.bar.remove_task(job)
-        return out
+    def evaluate(self, step: int) -> dict:
+        """Held-out success of the current policy (``eval`` config): logged as an ``eval`` row; returns the summary."""
+        from sandforge.rollout.evaluate import heldout_tasks, metric_row, summarize
+
+        e = self.cfg.eval
+        tasks = heldout_tasks(self.cfg.environments, e.tasks_per_family)
+        episodes = [(task, f"eval{step}/{task.id}") for task in tasks for _ in range(e.samples)]
+        trajs = self.collect([x[0] for x in episodes], [x[1] for x in episodes], scripted=False,
+                             label=f"held-out eval: {len(tasks)} tasks x {e.samples}")
+        self.logger.log_trajectories(step, "eval", trajs)
+        summary = {"step": step, "policy_version": self.version, **summarize(trajs, e.samples)}
+        self.logger.log("eval", {"step": step, **metric_row(summary)})
+        self.bar.console.print(eval_line(summary), soft_wrap=True)
+        return summary
 
     def sandbox_metrics(self) -> dict[str, float]:
         """Acquire/exec latency percentiles over every worker's samples, live sandboxes, failures by kind."""
@@ -362,22 +390,77 @@ def rl_steps(job: RLJob, start: int = 0) -> Iterator[tuple[int, dict[str, float]
     return ((step, job.rl_step(step)) for step in range(start, job.cfg.trainer.steps))
 
 
+def job_images(cfg: JobConfig) -> dict[str, Path]:
+    """Every image the job's tasks run in (image name -> folder with its Dockerfile): each environment's own (a
+    plugin's may live in its package, or reuse a built-in's), plus the ones tasks bring (a Harbor task's)."""
+    from sandforge.registry import environment
+
+    contexts = {}
+    for env in cfg.environments:
+        entry = environment(env.name)
+        if entry.image_name is not None:
+            contexts[entry.image_name] = entry.image_context()
+    return contexts | TaskSampler(cfg.environments, cfg.run.seed).images()
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run(cfg: JobConfig, resume: bool = False) -> Path:
+def _kept_on_resume(row: dict, start: int) -> bool:
+    """Rows a run resumed after ``start`` RL steps keeps: the warm start's, RL steps before ``start``, evaluations of
+    the policy at ``start`` or earlier (an evaluation at step s measures the policy after s steps)."""
+    phase, step = row.get("phase"), row.get("step", 0)
+    if phase == "rl":
+        return step < start
+    if phase == "eval":
+        return step <= start
+    return True
+
+
+def _eval_record(cfg: JobConfig, out: Path, resume: bool, start: int):
+    """The run's eval.json (None without held-out evaluation); a resumed run drops evaluations after ``start``."""
+    if not cfg.eval.tasks_per_family:
+        return None
+    from sandforge.rollout.evaluate import EvalRecord
+
+    path = out / "eval.json"
+    if not resume:
+        path.unlink(missing_ok=True)
+    record = EvalRecord(path, cfg.eval.samples, cfg.eval.tasks_per_family)
+    record.resume_from(start)
+    return record
+
+
+def eval_summary(result: dict) -> str:
+    """Before -> after held-out success per environment, for the end of a run."""
+    if "before" not in result:
+        return "held-out eval: nothing measured"
+    b, a = result["before"], result["after"]
+    lines = [f"held-out success (eval.json): {100 * b['success']:.1f}% after step {b['step']} -> "
+             f"{100 * a['success']:.1f}% after step {a['step']} ({result['delta_points']['success']:+.1f} points)"]
+    for env, delta in result["delta_points"]["per_env"].items():
+        before = b["per_env"].get(env, {}).get("success", 0.0)
+        after = a["per_env"].get(env, {}).get("success", 0.0)
+        lines.append(f"  {env}: {100 * before:.1f}% -> {100 * after:.1f}% ({delta:+.1f})")
+    return "\n".join(lines)
+
+
+def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
     """Run a whole job; returns the run directory. Ctrl-C (or SIGTERM) stops cleanly and removes the run's containers.
 
     ``resume``: continue the run in ``run.output_dir`` from its newest complete checkpoint (same run id and wandb run;
-    rows logged after that checkpoint are dropped, the killed run's containers reaped)."""
+    rows logged after that checkpoint are dropped, the killed run's containers reaped). ``sft_only`` (``sandforge
+    sft``): the supervised cold start alone, ending with the checkpoint ``sandforge train`` can start from.
+    With ``eval.tasks_per_family``, held-out success is measured before RL, every ``eval.every`` steps and at the end
+    (``eval`` rows, eval.json)."""
     import ray
 
     from sandforge.environments.sandbox.docker_sandbox import docker_client, remove_run_containers
     from sandforge.environments.sandbox.images import build_images
     from sandforge.environments.sandbox.lifecycle import driver_labels, reap_dead_runs
 
-    from sandforge.trainer.checkpoint import resume_point, truncate_jsonl
+    from sandforge.trainer.checkpoint import checkpoint_dir, resume_point, truncate_jsonl
 
     out = Path(cfg.run.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -386,8 +469,8 @@ def run(cfg: JobConfig, resume: bool = False) -> Path:
         start, _ = resume_point(out)
         run_id = (out / "run_id").read_text().strip()
         # rows past the checkpoint are about to be made again
-        truncate_jsonl(out / "metrics.jsonl", lambda r: r.get("phase") != "rl" or r.get("step", 0) < start)
-        truncate_jsonl(out / "trajectories.jsonl", lambda r: r.get("phase") != "rl" or r.get("step", 0) < start)
+        truncate_jsonl(out / "metrics.jsonl", lambda r: _kept_on_resume(r, start))
+        truncate_jsonl(out / "trajectories.jsonl", lambda r: _kept_on_resume(r, start))
         console.print(f"[bold]sandforge[/] resuming run [cyan]{run_id}[/] after step {start} → {out}")
     else:
         run_id = make_run_id(cfg.run.name)
@@ -401,8 +484,8 @@ def run(cfg: JobConfig, resume: bool = False) -> Path:
         reaped = reap_dead_runs(client)  # containers of drivers that died on this host (crash, SIGKILL)
         if reaped:
             console.print(f"reaped {sum(reaped.values())} container(s) of dead run(s): {', '.join(sorted(reaped))}")
-        images = build_images(sorted({e.name for e in cfg.environments}), base_image=cfg.sandbox.base_image,
-                              client=client, mirror=cfg.sandbox.mirror)
+        images = build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
+                              contexts=job_images(cfg))
         ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which installs an aborting handler of its own
@@ -415,15 +498,30 @@ def run(cfg: JobConfig, resume: bool = False) -> Path:
                 if cfg.warmup.steps:
                     job.warmup()
                 job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
-            steps = bar.add_task("RL steps", total=cfg.trainer.steps, completed=start)
+            if sft_only:
+                policy = checkpoint_dir(out, 0) / "policy"
+                console.print(f"[green]done[/]: SFT checkpoint in {policy}; start RL from it with "
+                              f"model.init_from={policy}", soft_wrap=True)
+                return out
+            record = _eval_record(cfg, out, resume, start)
+            total, e = cfg.trainer.steps, cfg.eval
+            if record is not None and not record.has(start) and (start == 0 or (e.every and start % e.every == 0)):
+                record.add(job.evaluate(start))  # before RL: the SFT checkpoint
+            steps = bar.add_task("RL steps", total=total, completed=start)
             for step, metrics in rl_steps(job, start):
                 logger.log("rl", metrics)
                 bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
-                bar.console.print(step_line(step, cfg.trainer.steps, metrics), soft_wrap=True)  # stays above the bars
+                bar.console.print(step_line(step, total, metrics), soft_wrap=True)  # stays above the bars
                 every = cfg.trainer.checkpoint_every
-                if every and (step + 1) % every == 0 and step + 1 < cfg.trainer.steps:
+                if every and (step + 1) % every == 0 and step + 1 < total:
                     job.checkpoint(step + 1)
-            policy = job.checkpoint(cfg.trainer.steps)
+                if record is not None and e.every and (step + 1) % e.every == 0 and step + 1 < total:
+                    record.add(job.evaluate(step + 1))
+            policy = job.checkpoint(total)
+            if record is not None and total and not record.has(total):
+                record.add(job.evaluate(total))
+        if record is not None:
+            console.print(eval_summary(record.as_dict()), soft_wrap=True)
         console.print(f"[green]done[/]: metrics in {out / 'metrics.jsonl'}, policy in {policy}", soft_wrap=True)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping actors and removing this run's containers[/]")

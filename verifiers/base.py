@@ -1,66 +1,224 @@
 """Verifier registry and ``score_task``: run a task's checks against the sandbox after the episode.
 
 A check is plain data in ``Task.checks``: ``{"verifier": name, **arguments}``. Each verifier takes the sandbox and
-those arguments and returns (score in [0, 1], short reason). Verifiers act through fresh execs (as root), never through
-the policy's shell, so the policy can influence the result only through the state it left behind.
+those arguments and returns (score in [0, 1], short reason), or (score, reason, parts) where the score has parts worth
+showing (a rubric's items, FAIL_TO_PASS and PASS_TO_PASS fractions): they go into the reward's breakdown as
+``<check>/<part>``, but only the score counts. Verifiers act through fresh execs (as root), never through the policy's
+shell, so the policy can influence the result only through the state it left behind.
+
+Every check runs within a timeout: its ``timeout`` argument (seconds; default ``DEFAULT_TIMEOUT``, or what the
+verifier registered, e.g. a rubric's sum over its items) sets a deadline. The argument still reaches the verifier, and
+``time_left()`` says what remains: verifiers pass it to their sandbox execs and HTTP calls, so a command the policy
+made hang is killed inside the container in time and scores 0 for itself. The check runs in a worker thread; one that
+has not reported ``REPORT_GRACE`` seconds after its deadline (a verifier stuck in Python, a dead connection) is
+abandoned and the episode fails with a ``VerifierError`` naming the check. Python cannot kill a thread, so such a
+thread lives on as a daemon until whatever it waits for ends (the sandbox it reads is removed with the episode, which
+ends most waits).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Union
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.registry import find_verifier
 from sandforge.types import Reward, Task
 
-Verifier = Callable[[Sandbox, dict], tuple[float, str]]
+DEFAULT_TIMEOUT = 60.0  # seconds per check
+# What a check may take beyond its timeout before it counts as hung: a command killed at the deadline (TERM, then KILL
+# a couple of seconds later) reporting back, or a verifier's own setup around the step its ``timeout`` bounds (a grading
+# container's start).
+REPORT_GRACE = 30.0
+
+
+@dataclass
+class CheckResult:
+    """One check's verdict, validated. ``breakdown`` holds the parts of ``score`` (a rubric's items) by name."""
+
+    score: float
+    reason: str
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+Verifier = Callable[[Sandbox, dict], Union[tuple[float, str], tuple[float, str, dict]]]
 VERIFIERS: dict[str, Verifier] = {}
+DEFAULT_TIMEOUTS: dict[str, Callable[[dict], float]] = {}  # verifiers whose default budget depends on their arguments
 
 
 class VerifierError(RuntimeError):
-    """A check could not be run (unknown verifier, bad arguments, broken sandbox): the episode has failed."""
+    """A check could not be run (unknown verifier, bad arguments, broken sandbox, timeout): the episode has failed."""
+
+    located = False  # the message already says which check (set by this module), so callers add no prefix
 
 
-def register(name: str) -> Callable[[Verifier], Verifier]:
+def _located(message: str) -> VerifierError:
+    error = VerifierError(message)
+    error.located = True
+    return error
+
+
+def register(name: str, default_timeout: Callable[[dict], float] | None = None) -> Callable[[Verifier], Verifier]:
+    """Make ``fn`` the verifier of checks ``{"verifier": name, ...}``. ``default_timeout(args)`` gives the budget of a
+    check that names no ``timeout`` (default ``DEFAULT_TIMEOUT``)."""
+
     def add(fn: Verifier) -> Verifier:
         VERIFIERS[name] = fn
+        if default_timeout is not None:
+            DEFAULT_TIMEOUTS[name] = default_timeout
         return fn
 
     return add
 
 
+# --- budgets --------------------------------------------------------------------------------------------------------
+
+_local = threading.local()  # .deadline (monotonic seconds) and .where of the check running in this thread
+
+
+def time_left() -> float:
+    """Seconds left before the running check's deadline; pass it as the timeout of sandbox execs and HTTP calls.
+
+    Raises VerifierError when nothing is left (the check has overrun its timeout). Outside a check (a verifier called
+    directly, as in tests) it is ``DEFAULT_TIMEOUT``.
+    """
+    deadline = getattr(_local, "deadline", None)
+    if deadline is None:
+        return DEFAULT_TIMEOUT
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _located(f"{_local.where}: ran out of its timeout")
+    return left
+
+
+def check_timeout(check: dict) -> float:
+    """The budget of ``check`` in seconds: its ``timeout``, else its verifier's default. VerifierError if invalid."""
+    if "timeout" in check:
+        value = check["timeout"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise VerifierError(f"timeout must be a positive number of seconds, got {value!r}")
+        return float(value)
+    name = check.get("verifier")
+    default = DEFAULT_TIMEOUTS.get(name) if isinstance(name, str) else None
+    return float(default({k: v for k, v in check.items() if k != "verifier"})) if default else DEFAULT_TIMEOUT
+
+
+def without_timeout(args: dict) -> dict:
+    """A check's arguments less ``timeout``, for verifiers that bound their work with ``time_left()`` instead."""
+    return {k: v for k, v in args.items() if k != "timeout"}
+
+
+# --- running checks ------------------------------------------------------------------------------------------------
+
+
+def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
+    """Run one check within its timeout and validate its result; ``where`` names it in errors ("task t, check 2").
+
+    Called inside another check (a rubric's item, ``where`` = "item 1"), the item gets the smaller of its own timeout
+    and what the outer check has left, runs in the outer check's thread, and is named after it. Raises VerifierError
+    for anything that is not a verdict.
+    """
+    outer = getattr(_local, "deadline", None)
+    if outer is not None:
+        where = f"{_local.where}, {where}"
+    if not isinstance(check, dict):
+        raise _located(f"{where}: a check is a mapping {{'verifier': name, ...}}, got {check!r}")
+    name = check.get("verifier")
+    # a built-in, else a plugin's or a built-in env's (sandforge/registry.py)
+    verifier = (VERIFIERS.get(name) or find_verifier(name)) if isinstance(name, str) else None
+    if verifier is None:
+        known = ", ".join(sorted(VERIFIERS)) or "none"
+        raise _located(f"{where}: unknown verifier {name!r} (known: {known})")
+    where = f"{where} ({name})"
+    try:
+        timeout = check_timeout(check)
+    except VerifierError as e:
+        raise _located(f"{where}: {e}") from None
+    args = {k: v for k, v in check.items() if k != "verifier"}
+    deadline = time.monotonic() + timeout if outer is None else min(outer, time.monotonic() + timeout)
+    if outer is not None:  # already inside a check's worker thread: that thread's join bounds us
+        return _validated(_call(verifier, name, sandbox, args, deadline, where), where)
+
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(_capture(verifier, name, sandbox, args, deadline, where)),
+                              name=f"verifier-{name}", daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()) + REPORT_GRACE)
+    if not box:
+        raise _located(f"{where} did not finish within its {timeout:g} s timeout (set the check's `timeout` if it "
+                       "needs longer)")
+    outcome = box[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return _validated(outcome, where)
+
+
+def _capture(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline: float, where: str):
+    try:
+        return _call(verifier, name, sandbox, args, deadline, where)
+    except BaseException as e:  # handed to the waiting thread, which raises it
+        return e
+
+
+def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline: float, where: str):
+    """Run ``verifier`` with this thread's budget set to ``deadline``; every error becomes one naming ``where``."""
+    saved = getattr(_local, "deadline", None), getattr(_local, "where", None)
+    _local.deadline, _local.where = deadline, where
+    try:
+        return verifier(sandbox, args)
+    except VerifierError as e:
+        if e.located:
+            raise
+        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}") from e  # not "(command): command: ..."
+    except Exception as e:  # a bad argument, a dead sandbox: the episode cannot be scored
+        raise _located(f"{where} failed: {type(e).__name__}: {e}") from e
+    finally:
+        _local.deadline, _local.where = saved
+
+
+def _validated(outcome, where: str) -> CheckResult:
+    shape_ok = isinstance(outcome, tuple) and (len(outcome) == 2 or len(outcome) == 3 and isinstance(outcome[2], dict))
+    if not shape_ok:
+        raise _located(f"{where} returned {outcome!r}, expected (score, reason) or (score, reason, parts)")
+    score, reason, *parts = outcome
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
+        raise _located(f"{where} returned score {score!r}, expected [0, 1]")
+    return CheckResult(float(score), str(reason), {str(k): float(v) for k, v in (parts[0] if parts else {}).items()})
+
+
 def score_task(sandbox: Sandbox, task: Task) -> Reward:
-    """Run every check of ``task``: value = mean score, success = every check scored 1.0."""
+    """Run every check of ``task``: value = mean score, success = every check scored 1.0.
+
+    ``breakdown`` has one entry per check ("file_equals:/workspace/answer.txt", "command:1"), then the parts of
+    checks that have them under "check/part" (a rubric's items); ``reason`` joins the checks' reasons.
+    """
     if not task.checks:
         raise VerifierError(f"task {task.id} has no checks: nothing can score it")
     scores: dict[str, float] = {}
+    parts: dict[str, float] = {}
     reasons: list[str] = []
     for i, check in enumerate(task.checks):
-        args = {k: v for k, v in check.items() if k != "verifier"}
-        name = check.get("verifier")
-        verifier = VERIFIERS.get(name)
-        if verifier is None:
-            known = ", ".join(sorted(VERIFIERS)) or "none"
-            raise VerifierError(f"task {task.id}, check {i}: unknown verifier {name!r} (known: {known})")
-        try:
-            score, reason = verifier(sandbox, args)
-        except VerifierError:
-            raise
-        except Exception as e:  # a bad argument, a dead sandbox: the episode cannot be scored
-            raise VerifierError(f"task {task.id}, check {i} ({name}) failed: {type(e).__name__}: {e}") from e
-        if not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
-            raise VerifierError(f"task {task.id}, check {i} ({name}) returned score {score!r}, expected [0, 1]")
-        key = f"{name}:{args.get('path', i)}"
-        scores[key if key not in scores else f"{key}#{i}"] = float(score)
-        reasons.append(reason)
+        result = run_check(sandbox, check, f"task {task.id}, check {i}")
+        key = f"{check.get('verifier')}:{check.get('path', i)}"
+        key = key if key not in scores else f"{key}#{i}"
+        scores[key] = result.score
+        parts.update({f"{key}/{part}": s for part, s in result.breakdown.items()})
+        reasons.append(result.reason)
     value = sum(scores.values()) / len(scores)
     return Reward(
         value=value,
         success=all(s == 1.0 for s in scores.values()),
-        breakdown=scores,
+        breakdown={**scores, **parts},
         reason="; ".join(reasons),
     )
 
 
 # The built-in verifiers register themselves on import.
+from sandforge.verifiers import command as _command  # noqa: E402,F401
 from sandforge.verifiers import file as _file  # noqa: E402,F401
+from sandforge.verifiers import judge as _judge  # noqa: E402,F401
+from sandforge.verifiers import rubric as _rubric  # noqa: E402,F401
 from sandforge.verifiers import state as _state  # noqa: E402,F401

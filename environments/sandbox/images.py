@@ -273,7 +273,14 @@ def wheelhouse(ctx: Path, progress: Progress | None = None) -> Path | None:
 
 def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient, envs_dir: Path | None = None) -> str:
     """``sandforge/<env>:<12 hex>``, the hash of the build inputs and the base image id."""
-    ctx = env_build_context(env_name, envs_dir)
+    return context_image_tag(env_build_context(env_name, envs_dir), env_name, base_tag, client)
+
+
+def context_image_tag(ctx: Path, name: str, base_tag: str, client: docker.DockerClient) -> str:
+    """``sandforge/<name>:<12 hex>`` for the Dockerfile in any folder ``ctx`` (an env's, a Harbor task's
+    ``environment/``): the hash of its build inputs and the base image id."""
+    if not (ctx / "Dockerfile").is_file():
+        raise ImageError(f"no Dockerfile at {ctx / 'Dockerfile'}")
     base_id = _image_id(client, base_tag)
     if base_id is None:
         raise ImageError(f"base image {base_tag} is not present: run `sandforge images build`")
@@ -281,7 +288,7 @@ def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient, env
     for f in _context_files(ctx):
         h.update(b"\0" + f.relative_to(ctx).as_posix().encode() + b"\0" + str(f.stat().st_mode & 0o111).encode())
         h.update(b"\0" + f.read_bytes())
-    return f"sandforge/{env_name}:{h.hexdigest()[:12]}"
+    return f"sandforge/{name}:{h.hexdigest()[:12]}"
 
 
 def _context_tar(ctx: Path, wheels: Path | None = None) -> io.BytesIO:
@@ -305,18 +312,29 @@ def build_env_image(
     envs_dir: Path | None = None,
 ) -> str:
     """Build ``<envs_dir>/<env_name>/Dockerfile`` on ``base_tag`` (build arg BASE); a no-op if the tag exists."""
+    return build_context_image(client, env_build_context(env_name, envs_dir), env_name, base_tag, progress)
+
+
+def build_context_image(
+    client: docker.DockerClient,
+    ctx: Path,
+    name: str,
+    base_tag: str,
+    progress: Progress | None = None,
+) -> str:
+    """Build ``ctx/Dockerfile`` on ``base_tag`` (build arg BASE) as ``sandforge/<name>:<hash>``; a no-op if the tag
+    exists. ``name`` must be a valid image repository name (lowercase letters, digits, ``.-_/``)."""
     progress = progress or _noop
-    tag = env_image_tag(env_name, base_tag, client, envs_dir)
+    tag = context_image_tag(ctx, name, base_tag, client)
     if _image_id(client, tag):
         return tag
-    ctx = env_build_context(env_name, envs_dir)
     tail: deque[str] = deque(maxlen=30)
     stream = client.api.build(
         fileobj=_context_tar(ctx, wheelhouse(ctx, progress)),
         custom_context=True,
         tag=tag,
         buildargs={"BASE": base_tag},
-        labels={"sandforge.env": env_name},
+        labels={"sandforge.env": name},
         rm=True,
         forcerm=True,
         pull=False,
@@ -326,15 +344,30 @@ def build_env_image(
     for chunk in stream:
         if "error" in chunk:
             raise ImageError(
-                f"building the '{env_name}' image failed: {chunk['error'].strip()}\n" + "".join(tail)
+                f"building the '{name}' image from {ctx / 'Dockerfile'} failed: {chunk['error'].strip()}\n"
+                + "".join(tail)
             )
         text = chunk.get("stream", "")
         if text.strip():
             tail.append(text if text.endswith("\n") else text + "\n")
             progress(text.strip())
     if not _image_id(client, tag):
-        raise ImageError(f"docker build of '{env_name}' ended without producing {tag}:\n" + "".join(tail))
+        raise ImageError(f"docker build of '{name}' ended without producing {tag}:\n" + "".join(tail))
     return tag
+
+
+def require_sandbox_user(client: docker.DockerClient, tag: str, dockerfile: Path, user: str = "sandbox") -> None:
+    """Fail the build, not every episode, when an image lacks the non-root user the policy runs as."""
+    from sandforge.environments.sandbox.spec import SandboxError, _ids_of
+
+    try:
+        _ids_of(client, tag, user)
+    except SandboxError:
+        raise ImageError(
+            f"{dockerfile}: the image has no '{user}' user. sandforge runs the policy as a non-root '{user}' user in "
+            f"/workspace; add: RUN useradd --uid 1000 --create-home --shell /bin/bash {user} && install -d -o {user} "
+            f"-g {user} /workspace"
+        ) from None
 
 
 def build_images(
@@ -344,10 +377,13 @@ def build_images(
     show_progress: bool = True,
     envs_dir: Path | None = None,
     mirror: str = DEFAULT_MIRROR,
+    contexts: dict[str, Path] | None = None,
 ) -> dict[str, str]:
     """Ensure the base image and build every requested env image (default: all); returns env name -> image tag.
 
-    ``envs_dir`` is the folder holding the env folders (default: the installed ``environments/``).
+    ``envs_dir`` is the folder holding the env folders (default: the installed ``environments/``). ``contexts`` adds
+    images built from other folders (image name -> folder with a Dockerfile: a plugin's, a Harbor task's
+    ``environment/``); their tags come back under those names.
     """
     from rich.console import Console
 
@@ -372,6 +408,13 @@ def build_images(
             tags[env] = build_env_image(client, env, base, progress=stage(env), envs_dir=envs_dir)
             done = "up to date" if existed else "built"
             console.log(f"{env} {tags[env]}: {done} ({time.perf_counter() - t0:.1f}s)")
+        for name, ctx in (contexts or {}).items():
+            t0 = time.perf_counter()
+            existed = _image_id(client, context_image_tag(ctx, name, base, client)) is not None
+            tags[name] = build_context_image(client, ctx, name, base, progress=stage(name))
+            require_sandbox_user(client, tags[name], ctx / "Dockerfile")
+            done = "up to date" if existed else "built"
+            console.log(f"{name} {tags[name]}: {done} ({time.perf_counter() - t0:.1f}s)")
     return tags
 
 

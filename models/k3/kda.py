@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..packing import same_segment, segment_starts
+
 
 def kda_recurrent(
     q: Tensor,
@@ -83,8 +85,10 @@ def kda_chunked(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    reset: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunkwise-parallel KDA, same contract as ``kda_recurrent``; works in fp32.
+    """Chunkwise-parallel KDA, same contract as ``kda_recurrent``; works in fp32. ``reset`` [B, N] bool: chunk i starts
+    from a zero state (packed sequences: a new sequence begins there; see ``models/packing.py``).
 
     Within a chunk starting from state S_0, with G_t = sum_{s<=t} g_s (cumulative log-decay from the chunk start) and
     Gamma_t = exp(G_t), write u_t = beta_t (v_t - k_t^T D_t S_{t-1}) so that S_t = D_t S_{t-1} + k_t u_t^T. Unrolled:
@@ -146,6 +150,8 @@ def kda_chunked(
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
     starts, Us = [], []
     for i in range(N):  # the only sequential part: carry the state across chunks
+        if reset is not None:
+            S = S * (~reset[:, i]).to(S.dtype)[:, None, None, None]
         U = U_v[:, :, i] - W[:, :, i] @ S  # [B,H,C,V]
         starts.append(S)
         Us.append(U)
@@ -196,7 +202,8 @@ class ShortConv(nn.Module):
     """Causal depthwise conv1d over time (kernel 4, no bias) that continues from the previous kernel-1 inputs.
 
     With a mask, pads are skipped: each real token sees the previous kernel-1 *real* inputs, so pads anywhere (left
-    padding, or pads between turns) change nothing. Outputs at pad positions are zero.
+    padding, or pads between turns) change nothing. Outputs at pad positions are zero. With ``segment_ids`` (packed
+    sequences, no state) a token sees only earlier inputs of its own segment.
     """
 
     def __init__(self, channels: int, kernel: int = 4):
@@ -204,8 +211,11 @@ class ShortConv(nn.Module):
         self.kernel = kernel
         self.weight = nn.Parameter(torch.randn(channels, 1, kernel) / kernel**0.5)
 
-    def forward(self, x: Tensor, state: Tensor | None, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, state: Tensor | None, mask: Tensor | None,
+                segment_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         B, T, Ch = x.shape
+        if segment_ids is not None:
+            return self._segmented(x, segment_ids)
         if state is None:
             state = x.new_zeros(B, self.kernel - 1, Ch)
         if mask is not None:  # each row's real tokens first, in order, then its pads (zeroed): [B,T,Ch]
@@ -220,6 +230,16 @@ class ShortConv(nn.Module):
         y = y.gather(1, pos[..., None].expand(-1, -1, Ch)) * mask[..., None]
         idx = mask.long().sum(1, keepdim=True) + torch.arange(self.kernel - 1, device=x.device)  # [B, kernel-1]
         return y, buf.gather(1, idx[..., None].expand(-1, -1, Ch))
+
+    def _segmented(self, x: Tensor, segment_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """y_t = sum_j w_{kernel-1-j} x_{t-j} over the j with t-j in t's segment (conv1d's taps, one shift at a time).
+        Returns no usable state (packed training forwards keep none): zeros, for the shape."""
+        y = torch.zeros_like(x)
+        for j in range(self.kernel):
+            shifted = F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]  # x_{t-j}
+            keep = same_segment(segment_ids, j).to(x.dtype)[..., None]
+            y = y + shifted * keep * self.weight[:, 0, self.kernel - 1 - j]
+        return y, x.new_zeros(x.shape[0], self.kernel - 1, x.shape[2])
 
 
 def fla_chunk_kda():
@@ -276,18 +296,27 @@ class KDA(nn.Module):
         self.o_proj = nn.Linear(HV, d_model, bias=False)
 
     def forward(
-        self, x: Tensor, mask: Tensor | None = None, cache: KDACache | None = None, use_cache: bool = False
+        self, x: Tensor, mask: Tensor | None = None, cache: KDACache | None = None, use_cache: bool = False,
+        segment_ids: Tensor | None = None,
     ) -> tuple[Tensor, KDACache | None]:
         """mask [B,T]: 1 = real token, 0 = pad; a pad changes neither the state nor the conv windows. Several tokens
         (prefill) run ``kda_chunked``, one token (decode) ``kda_recurrent``; both continue from ``cache`` (left as it
-        is). Returns (y, the cache after these tokens if use_cache else None)."""
+        is). Returns (y, the cache after these tokens if use_cache else None).
+
+        segment_ids [B,T] (packed training sequences, ``models/packing.py``; no cache): every segment must start at a
+        multiple of ``chunk_size``; the state and the conv windows restart there, so segments never see each other."""
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k, self.head_v
+        reset = None
+        if segment_ids is not None:
+            if cache is not None or use_cache:
+                raise ValueError("KDA: segment_ids are for packed training forwards, which keep no cache")
+            mask, reset = segment_ids > 0, self._chunk_resets(segment_ids)
         m = None if mask is None else mask.bool()
         conv = (None, None, None) if cache is None else (cache.conv_q, cache.conv_k, cache.conv_v)
-        q, conv_q = self.q_conv(self.q_proj(x), conv[0], m)  # [B,T,H*K]
-        k, conv_k = self.k_conv(self.k_proj(x), conv[1], m)
-        v, conv_v = self.v_conv(self.v_proj(x), conv[2], m)  # [B,T,H*V]
+        q, conv_q = self.q_conv(self.q_proj(x), conv[0], m, segment_ids)  # [B,T,H*K]
+        k, conv_k = self.k_conv(self.k_proj(x), conv[1], m, segment_ids)
+        v, conv_v = self.v_conv(self.v_proj(x), conv[2], m, segment_ids)  # [B,T,H*V]
         q = F.normalize(F.silu(q).view(B, T, H, K), dim=-1, eps=1e-6)
         k = F.normalize(F.silu(k).view(B, T, H, K), dim=-1, eps=1e-6)
         v = F.silu(v).view(B, T, H, V)
@@ -300,15 +329,25 @@ class KDA(nn.Module):
             beta = beta * m[..., None]
 
         state = None if cache is None else cache.state
-        fla_chunk = fla_chunk_kda() if self.use_fla and q.is_cuda and T > 1 else None
+        # packed segments take kda_chunked, whose chunk resets fla's chunk_kda has no argument for
+        fla_chunk = fla_chunk_kda() if self.use_fla and q.is_cuda and T > 1 and reset is None else None
         if T == 1:
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
         elif fla_chunk is not None:  # the fused Triton kernel of flash-linear-attention, same contract and layout
             o, state = fla_chunk(q, k, v, g, beta.to(q.dtype), initial_state=state, output_final_state=use_cache)
         else:
-            o, state = kda_chunked(
-                q, k, v, g, beta, initial_state=state, output_final_state=use_cache, chunk_size=self.chunk_size
-            )
+            o, state = kda_chunked(q, k, v, g, beta, initial_state=state, output_final_state=use_cache,
+                                   chunk_size=self.chunk_size, reset=reset)
         o = self.o_norm(o).reshape(B, T, H * V) * torch.sigmoid(self.gate_proj(x))  # [B,T,H*V]
         y = self.o_proj(o)  # [B,T,D]
         return y, (KDACache(state, conv_q, conv_k, conv_v) if use_cache else None)
+
+    def _chunk_resets(self, segment_ids: Tensor) -> Tensor:
+        """[B, N] bool: which chunks start a segment; ValueError if a segment starts inside a chunk."""
+        starts = segment_starts(segment_ids)  # [B, T]
+        T, C = segment_ids.shape[1], self.chunk_size
+        inside = torch.arange(T, device=segment_ids.device) % C != 0
+        if bool((starts & inside).any()):
+            raise ValueError(f"KDA: a packed segment starts inside a {C}-token chunk; pack with align={C} "
+                             "(models/packing.py)")
+        return starts[:, ::C]

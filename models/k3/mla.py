@@ -87,6 +87,15 @@ def attention_mask(key_mask: Tensor, n_queries: int) -> Tensor:
     return causal & (key_mask[:, None, :] | is_self)  # [B, T, S]
 
 
+def segment_attention_mask(segment_ids: Tensor) -> Tensor:
+    """Packed sequences (``models/packing.py``): causal within each segment, pads see only themselves. [B, T, T]."""
+    T = segment_ids.shape[1]
+    pos = torch.arange(T, device=segment_ids.device)
+    causal = pos[None, :] <= pos[:, None]
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+    return causal & (same | (pos[None, :] == pos[:, None]))
+
+
 class GatedMLA(nn.Module):
     """Gated MLA with NoPE: `forward(x, mask, cache, use_cache) -> (y, cache)`; equations in the module docstring."""
 
@@ -122,15 +131,21 @@ class GatedMLA(nn.Module):
         cache: MLACache | None = None,
         use_cache: bool = False,
         absorb: bool = False,
+        segment_ids: Tensor | None = None,
     ) -> tuple[Tensor, MLACache | None]:
         """x: [B, T, D]; mask: [B, T] for the new tokens only (1 = real, 0 = pad; None = all real); cache: the
         latents of earlier tokens. Returns y [B, T, D] and, with use_cache, the cache extended by these T tokens
-        (else None). absorb=True computes the same attention in the latent space (cheaper for short T, long cache)."""
+        (else None). absorb=True computes the same attention in the latent space (cheaper for short T, long cache).
+        segment_ids [B, T] (packed training sequences, no cache): each token attends within its own segment."""
         B, T, _ = x.shape
+        if segment_ids is not None:
+            if cache is not None or use_cache:
+                raise ValueError("GatedMLA: segment_ids are for packed training forwards, which keep no cache")
+            mask = segment_ids > 0
         new_mask = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask.bool()
         new = MLACache(self.kv_latents(x), new_mask)
         full = new if cache is None else cache.append(new.latent, new.mask)
-        allowed = attention_mask(full.mask, T)  # [B, T, S]
+        allowed = attention_mask(full.mask, T) if segment_ids is None else segment_attention_mask(segment_ids)
         q = self.queries(x)  # [B, T, H, hd]
         if absorb:
             o = self._absorbed_attention(q, full.latent, allowed)

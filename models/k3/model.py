@@ -95,6 +95,11 @@ class K3Model(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
 
     @property
+    def pack_align(self) -> int:
+        """Packed sequences must start at multiples of this (the KDA chunk; see models/packing.py)."""
+        return max([layer.attn.chunk_size for layer in self.layers if isinstance(layer.attn, KDA)], default=1)
+
+    @property
     def moe_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if isinstance(layer.ffn, LatentMoE)]
 
@@ -107,7 +112,10 @@ class K3Model(nn.Module):
         use_cache: bool = False,
         forced_ids: Tensor | None = None,  # [B, T, n_moe_layers, top_k]: routing replay
         return_hidden: bool = False,
+        segment_ids: Tensor | None = None,  # [B, T] packed sequences (models/packing.py): 1.. per sequence, 0 = pad
     ) -> K3Output:
+        if segment_ids is not None:
+            attention_mask = segment_ids > 0
         mask = None if attention_mask is None else attention_mask.bool()
         x = self.embed(input_ids)  # [B, T, D]
         state = AttnResState(x, sublayers_per_block=2 * self.config.attnres_block_layers)
@@ -115,7 +123,8 @@ class K3Model(nn.Module):
         moe_index = 0
         for i, layer in enumerate(self.layers):
             h = layer.attn_norm(layer.attn_res(state.sources()))
-            y, layer_cache = layer.attn(h, mask, None if cache is None else cache.layers[i], use_cache)
+            y, layer_cache = layer.attn(h, mask, None if cache is None else cache.layers[i], use_cache,
+                                        segment_ids=segment_ids)
             new_caches.append(layer_cache)
             state.add(y)
             h = layer.ffn_norm(layer.ffn_res(state.sources()))

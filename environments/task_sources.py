@@ -1,0 +1,156 @@
+"""Where an environment's tasks come from: a seeded generator, a JSONL file, or Harbor task directories.
+
+Every source answers the same three questions, so the sampler and ``sandforge envs list`` treat them alike:
+``families()``, ``task(family, seed, split)`` (same arguments -> same task) and ``count(split)`` (None for a seeded
+generator, which never runs out). ``images`` names the extra images its tasks need (Harbor tasks bring their own).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from sandforge.types import Task
+
+SPLITS = ("train", "heldout")
+_TASK_FIELDS = {"id": str, "env": str, "family": str, "seed": int, "instruction": str, "setup": dict, "checks": list,
+                "solution": list, "split": str}
+_REQUIRED = ("id", "env", "family", "instruction", "checks")
+
+
+class TaskSourceError(ValueError):
+    """Tasks that cannot be loaded; the message names the file (and line) and what was expected."""
+
+
+@dataclass
+class ProceduralSource:
+    """A task module's seeded families (``FAMILIES``, ``make_task``): endless tasks, train/heldout from disjoint pools."""
+
+    family_names: list[str]
+    make: Callable[[str, int, str], Task]
+    origin: str = "seeded"
+    images: dict[str, Path] = field(default_factory=dict)
+
+    def families(self) -> list[str]:
+        return list(self.family_names)
+
+    def task(self, family: str, seed: int, split: str = "train") -> Task:
+        return self.make(family, seed, split)
+
+    def count(self, split: str) -> int | None:
+        return None
+
+
+@dataclass
+class FiniteSource:
+    """A fixed list of tasks (a JSONL file, Harbor directories). ``task`` picks by seed within family and split, so a
+    seeded sampler draws uniformly and the same seed always gives the same task."""
+
+    tasks: list[Task]
+    origin: str  # the file or folder, for messages
+    images: dict[str, Path] = field(default_factory=dict)
+
+    def families(self) -> list[str]:
+        return sorted({t.family for t in self.tasks})
+
+    def task(self, family: str, seed: int, split: str = "train") -> Task:
+        pool = [t for t in self.tasks if t.family == family and t.split == split]
+        if not pool:
+            raise TaskSourceError(f"{self.origin}: no {split} tasks of family {family!r} (families: "
+                                  f"{', '.join(self.families())}; splits: {', '.join(self.splits())})")
+        return pool[seed % len(pool)]
+
+    def count(self, split: str) -> int:
+        return sum(t.split == split for t in self.tasks)
+
+    def splits(self) -> list[str]:
+        return [s for s in SPLITS if self.count(s)]
+
+
+def task_from_dict(d: Any, where: str) -> Task:
+    """A Task from its dict shape (``sandforge.types.Task``), checked field by field; errors start with ``where``."""
+    if not isinstance(d, dict):
+        raise TaskSourceError(f"{where}: expected a JSON object (a task), got {type(d).__name__}")
+    unknown = sorted(set(d) - set(_TASK_FIELDS))
+    if unknown:
+        raise TaskSourceError(f"{where}: unknown task field(s) {', '.join(unknown)}; fields: {', '.join(_TASK_FIELDS)}")
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise TaskSourceError(f"{where}: missing task field(s) {', '.join(missing)}")
+    for key, kind in _TASK_FIELDS.items():
+        if key in d and (not isinstance(d[key], kind) or (kind is int and isinstance(d[key], bool))):
+            raise TaskSourceError(f"{where}: '{key}' must be {kind.__name__}, got {json.dumps(d[key])[:60]}")
+    if d.get("split", "train") not in SPLITS:
+        raise TaskSourceError(f"{where}: 'split' must be one of {', '.join(SPLITS)}, got {d['split']!r}")
+    if not d["checks"]:
+        raise TaskSourceError(f"{where}: 'checks' is empty: nothing could score the task")
+    for i, check in enumerate(d["checks"]):
+        if not isinstance(check, dict) or not isinstance(check.get("verifier"), str):
+            raise TaskSourceError(f"{where}: checks[{i}] must be an object with a 'verifier' name, got {check!r}")
+    for i, call in enumerate(d.get("solution", [])):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+                not isinstance(call.get("arguments", {}), dict) or set(call) - {"name", "arguments", "id"}:
+            raise TaskSourceError(f"{where}: solution[{i}] must be {{\"name\": str, \"arguments\": {{...}}}}, "
+                                  f"got {call!r}")
+    return Task.from_dict({"seed": 0, **d})
+
+
+def load_jsonl(path: Path, env: str | None = None) -> list[Task]:
+    """One Task per line (blank lines skipped). Every error names the file and line; ids must be unique; with ``env``,
+    every task must belong to that environment."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskSourceError(f"{path}: no such file (expected JSON lines, one task per line)")
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskSourceError(f"{where}: not valid JSON: {e.msg} (column {e.colno})") from None
+        task = task_from_dict(d, where)
+        if env is not None and task.env != env:
+            raise TaskSourceError(f"{where}: task {task.id!r} is for env {task.env!r}, but this file is used by "
+                                  f"the {env!r} environment")
+        if task.id in seen:
+            raise TaskSourceError(f"{where}: task id {task.id!r} repeats line {seen[task.id]}")
+        seen[task.id] = n
+        tasks.append(task)
+    if not tasks:
+        raise TaskSourceError(f"{path}: no tasks (expected one JSON task per line)")
+    return tasks
+
+
+def dump_jsonl(tasks: list[Task], path: Path) -> None:
+    """Write tasks in the shape ``load_jsonl`` reads (e.g. to freeze a seeded set as a fixed benchmark)."""
+    from dataclasses import asdict
+
+    Path(path).write_text("".join(json.dumps(asdict(t)) + "\n" for t in tasks))
+
+
+def open_source(entry: Any, tasks: Path | None = None) -> ProceduralSource | FiniteSource:
+    """The task source of a registry entry: its seeded module, or the file/folder ``tasks`` (JSONL or Harbor)."""
+    if tasks is None:
+        if not entry.families():
+            raise TaskSourceError(f"the {entry.name!r} environment has no seeded tasks: give it `tasks:` (a JSONL "
+                                  "file or a Harbor task directory)")
+        return ProceduralSource(entry.families(), entry.make_task())
+    tasks = Path(tasks)
+    if tasks.is_dir():
+        from sandforge.environments.harbor.tasks import load_tasks
+
+        if entry.name != "harbor":
+            raise TaskSourceError(f"{tasks}: a directory of Harbor tasks runs in the 'harbor' environment, not "
+                                  f"{entry.name!r}")
+        found, images = load_tasks(tasks)
+        return FiniteSource(found, str(tasks), images)
+    if entry.name == "harbor":
+        raise TaskSourceError(f"{tasks}: the harbor environment reads Harbor task directories (instruction.md, "
+                              "task.toml, environment/, tests/), not a file")
+    return FiniteSource(load_jsonl(tasks, env=entry.name), str(tasks))
+

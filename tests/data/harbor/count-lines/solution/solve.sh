@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -l < /workspace/input.txt > /workspace/count.txt

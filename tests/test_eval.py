@@ -1,0 +1,113 @@
+"""Held-out evaluation (rollout/evaluate.py), `sandforge sft` and `sandforge eval`, and a run's eval.json."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandforge.config import EnvironmentConfig
+from sandforge.rollout.evaluate import EvalRecord, heldout_tasks, metric_row, pass_at_k, summarize
+from sandforge.types import Reward, Task, Trajectory
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+
+
+def _traj(env: str, task: str, success: bool, failed: bool = False) -> Trajectory:
+    t = Trajectory(task=Task(id=task, env=env, family="f", seed=0, instruction="", split="heldout"), group="g")
+    t.failed = failed
+    t.reward = Reward(value=float(success), success=success and not failed)
+    return t
+
+
+def test_summary_per_environment_counts_failed_episodes_as_failures():
+    trajs = ([_traj("terminal", "a", s) for s in (True, False, False, False)]
+             + [_traj("terminal", "b", False) for _ in range(4)]
+             + [_traj("repo", "c", True), _traj("repo", "c", True, failed=True), _traj("repo", "c", False),
+                _traj("repo", "c", True)])
+    s = summarize(trajs, k=4)
+    assert s["per_env"]["terminal"] == {"success": 0.125, "pass@k": 0.5, "tasks": 2, "episodes": 8, "failed": 0}
+    assert s["per_env"]["repo"]["success"] == 0.5 and s["per_env"]["repo"]["failed"] == 1
+    assert s["success"] == pytest.approx(3 / 12) and s["tasks"] == 3
+    row = metric_row(s)
+    assert row["eval/success/repo"] == 0.5 and row["eval/pass@k/terminal"] == 0.5 and row["eval/k"] == 4
+
+
+def test_heldout_tasks_are_fixed_and_held_out():
+    envs = [EnvironmentConfig(name="terminal")]
+    a, b = heldout_tasks(envs, 3), heldout_tasks(envs, 3)
+    assert [t.id for t in a] == [t.id for t in b] and len(a) == 3 * 2  # two terminal families
+    assert all(t.split == "heldout" for t in a) and len({t.id for t in a}) == len(a)
+
+
+def test_eval_record_before_after_and_resume(tmp_path):
+    path = tmp_path / "eval.json"
+    record = EvalRecord(path, k=2, per_family=1)
+    for step, success in ((0, 0.1), (5, 0.3), (10, 0.6)):
+        record.add({"step": step, "success": success, "pass@k": success, "k": 2,
+                    "per_env": {"terminal": {"success": success}}})
+    saved = json.loads(path.read_text())
+    assert saved["before"]["step"] == 0 and saved["after"]["step"] == 10
+    assert saved["delta_points"] == {"success": 50.0, "per_env": {"terminal": 50.0}}
+    resumed = EvalRecord(path, k=2, per_family=1)
+    resumed.resume_from(5)  # a run resumed after step 5 redoes step 10's evaluation
+    assert [h["step"] for h in json.loads(path.read_text())["history"]] == [0, 5]
+    assert resumed.has(5) and not resumed.has(10)
+
+
+def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sandforge.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+SHORT = ["warmup.episodes=4", "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=2",
+         "rollout.max_new_tokens=64", "logging.wandb.mode=disabled"]
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_image):
+    sft_dir = tmp_path / "sft"
+    proc = _cli("sft", "configs/quickstart.yaml", f"run.output_dir={sft_dir}", "warmup.steps=10", *SHORT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    policy = sft_dir / "checkpoints" / "step_0" / "policy"
+    assert (policy / "model.safetensors").is_file() and "model.init_from=" in proc.stderr
+    rows = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["phase"] for r in rows} == {"warmup"} and len(rows) == 10
+
+    run = tmp_path / "run"
+    proc = _cli("train", "configs/quickstart.yaml", f"run.output_dir={run}", f"model.init_from={policy}",
+                "warmup.steps=0", "trainer.steps=2", "eval.tasks_per_family=1", "eval.samples=2", "eval.every=1",
+                *SHORT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((run / "eval.json").read_text())
+    assert [h["step"] for h in result["history"]] == [0, 1, 2]
+    assert result["before"]["step"] == 0 and result["after"]["step"] == 2 and result["k"] == 2
+    assert result["after"]["per_env"]["terminal"]["episodes"] == 2 * 2  # 2 families x 1 task x 2 samples
+    assert set(result["delta_points"]["per_env"]) == {"terminal"}
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if r["phase"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all("eval/success/terminal" in r for r in evals)
+    assert "held-out success (eval.json)" in proc.stderr
+
+    out = tmp_path / "eval.json"
+    proc = _cli("eval", "configs/quickstart.yaml", "--checkpoint", str(run / "checkpoints" / "step_2" / "policy"),
+                "--out", str(out), "eval.tasks_per_family=1", "eval.samples=2", *SHORT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(out.read_text())
+    assert summary["episodes"] == 4 and summary["k"] == 2 and "terminal" in summary["per_env"]
+    assert "held-out success" in proc.stdout + proc.stderr
+
+
+def test_eval_without_a_policy_directory_fails_in_one_line(tmp_path):
+    proc = _cli("eval", "configs/quickstart.yaml", "--checkpoint", str(tmp_path), timeout=60)
+    assert proc.returncode == 2
+    assert "no config.json" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

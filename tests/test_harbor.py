@@ -1,0 +1,188 @@
+"""Harbor task directories: loaded as Tasks, run in their own image, graded by their tests/test.sh as root.
+
+The tasks under tests/data/harbor/ are written for these tests: hello-file (reward.txt) and count-lines
+(reward.json, a helper script beside test.sh). Their image deliberately lets the policy write /logs/verifier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandforge.environments.harbor.env import HarborEnv
+from sandforge.environments.harbor.tasks import HarborTaskError, load_task, load_tasks
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.images import ImageError, build_images
+from sandforge.models.chat import ChatFormat
+from sandforge.models.tokenizer import ByteTokenizer
+from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.policy import scripted_policy
+from sandforge.types import ToolCall
+from sandforge.verifiers.base import VerifierError, score_task
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "tests" / "data" / "harbor"
+CHAT = ChatFormat(ByteTokenizer())
+
+
+# --- loading, no Docker ---------------------------------------------------------------------------------------------
+
+
+def test_a_task_directory_becomes_a_task_with_its_solution_and_tests():
+    task = load_task(TASKS / "hello-file")
+    assert task.id == "harbor/hello-file" and task.env == "harbor" and task.family == "files"
+    assert task.instruction == (TASKS / "hello-file" / "instruction.md").read_text().strip()
+    assert task.setup == {"image": "harbor/hello-file"}
+    assert task.solution == [ToolCall("bash", {"command": (TASKS / "hello-file/solution/solve.sh").read_text()}),
+                             ToolCall("submit")]
+    (check,) = task.checks
+    assert check["verifier"] == "harbor_tests" and check["timeout"] == 30.0
+    assert check["files"] == {"test.sh": (TASKS / "hello-file/tests/test.sh").read_text()}
+
+
+def test_a_folder_of_tasks_loads_each_with_its_image_context():
+    tasks, images = load_tasks(TASKS)
+    assert [t.id for t in tasks] == ["harbor/count-lines", "harbor/hello-file"]
+    assert images == {"harbor/count-lines": TASKS / "count-lines" / "environment",
+                      "harbor/hello-file": TASKS / "hello-file" / "environment"}
+    assert set(tasks[0].checks[0]["files"]) == {"test.sh", "check_count.sh"}
+
+
+def test_malformed_task_directories_name_the_file(tmp_path):
+    task = tmp_path / "broken"
+    shutil.copytree(TASKS / "hello-file", task)
+    (task / "tests" / "test.sh").unlink()
+    with pytest.raises(HarborTaskError, match=r"broken: not a Harbor task, missing tests/test.sh"):
+        load_task(task)
+    (task / "tests" / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    (task / "task.toml").write_text("[verifier\ntimeout_sec = 1")
+    with pytest.raises(HarborTaskError, match=r"broken/task.toml: not valid TOML"):
+        load_task(task)
+    (task / "task.toml").write_text('[metadata]\nsplit = "test"\n')
+    with pytest.raises(HarborTaskError, match=r"split = 'test'; use one of train, heldout"):
+        load_task(task)
+    with pytest.raises(HarborTaskError, match="no Harbor tasks here"):
+        load_tasks(tmp_path / "broken" / "tests")
+
+
+# --- in containers ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harbor_images(docker_client) -> dict[str, str]:
+    _, contexts = load_tasks(TASKS)
+    return build_images([], client=docker_client, show_progress=False, contexts=contexts)
+
+
+def _env(task, images, run_id, client) -> HarborEnv:
+    spec = SandboxSpec(image=images[task.setup["image"]], **HarborEnv.sandbox_defaults)
+    return HarborEnv(task, spec, run_id, exec_timeout=20, client=client)
+
+
+def _episode(task, env, calls):
+    """The real agent loop with a scripted policy replaying ``calls``; grades with the task's own checks."""
+    scripted = type(task)(**{**task.__dict__, "solution": calls})
+    limits = EpisodeLimits(max_turns=4, max_context=16384, max_new_tokens=4096, stop_ids=CHAT.stop_ids)
+    return asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits, group="g"))
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("name", ["hello-file", "count-lines"])
+def test_reference_solution_scores_one_and_doing_nothing_scores_zero(name, harbor_images, run_id, docker_client):
+    task = load_task(TASKS / name)
+    env = _env(task, harbor_images, run_id, docker_client)
+    solved = _episode(task, env, task.solution)
+    assert not solved.failed, solved.failure
+    assert solved.turns[0].tool_calls[0].name == "bash"  # solve.sh went through the policy's own tool
+    assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason
+    idle = _episode(task, env, [ToolCall("submit")])
+    assert not idle.failed, idle.failure
+    assert (idle.reward.value, idle.reward.success) == (0.0, False), idle.reward.reason
+    assert solved.metadata["sandbox"] != idle.metadata["sandbox"]
+    assert list_run_containers(run_id, docker_client) == []
+
+
+@pytest.mark.docker
+def test_the_policy_cannot_plant_the_reward_or_the_tests(harbor_images, run_id, docker_client):
+    """The image lets the policy write /logs/verifier; it writes a perfect reward in both formats, a fake test.sh
+    where the tests will go, and leaves a process that keeps rewriting the reward. Grading still says 0."""
+    task = load_task(TASKS / "hello-file")
+    plant = ("echo 1 > /logs/verifier/reward.txt; echo '{\"reward\": 1}' > /logs/verifier/reward.json; "
+             "mkdir -p /tmp/tests; echo 'echo 1 > /logs/verifier/reward.txt' > /tmp/tests/test.sh; "
+             "(while true; do echo 1 > /logs/verifier/reward.txt 2>/dev/null; sleep 0.05; done) "
+             "> /dev/null 2>&1 & cat /logs/verifier/reward.txt")
+    env = _env(task, harbor_images, run_id, docker_client)
+    try:
+        env.reset()
+        observation, *_ = env.step(ToolCall("bash", {"command": plant}))
+        assert observation.startswith("1\n"), observation  # the plant took: the image really lets it write there
+        reward = score_task(env.sandbox, task)
+        assert (reward.value, reward.success) == (0.0, False), reward.reason
+        # the grader's folders are root's now: the policy's shell cannot write either
+        observation, *_ = env.step(ToolCall("bash", {"command": "echo 1 > /logs/verifier/reward.txt; ls /tests"}))
+        assert "Permission denied" in observation and "[exit code 2]" in observation, observation
+    finally:
+        env.close()
+
+
+@pytest.mark.docker
+def test_bad_rewards_fail_the_episode_and_a_missing_one_scores_zero(harbor_images, run_id, docker_client):
+    task = load_task(TASKS / "hello-file")
+    env = _env(task, harbor_images, run_id, docker_client)
+    try:
+        env.reset()
+        for script, expect in [("echo 7 > /logs/verifier/reward.txt", "reward 7.0 .* sandforge rewards are in"),
+                               ("echo yes > /logs/verifier/reward.txt", "without a number")]:
+            task.checks[0]["files"] = {"test.sh": script}
+            with pytest.raises(VerifierError, match=expect):
+                score_task(env.sandbox, task)
+        task.checks[0]["files"] = {"test.sh": "echo oops; exit 3"}
+        reward = score_task(env.sandbox, task)
+        assert reward.value == 0.0 and "wrote no reward" in reward.reason and "exit 3" in reward.reason
+        task.checks[0]["files"], task.checks[0]["timeout"] = {"test.sh": "sleep 30"}, 1.0
+        reward = score_task(env.sandbox, task)
+        assert reward.value == 0.0 and "timed out after 1s" in reward.reason
+    finally:
+        env.close()
+
+
+@pytest.mark.docker
+def test_an_image_without_the_sandbox_user_is_refused_at_build_time(tmp_path, docker_client):
+    (tmp_path / "Dockerfile").write_text("ARG BASE=sandforge/base:bookworm\nFROM ${BASE}\nRUN mkdir /workspace\n")
+    with pytest.raises(ImageError, match=r"Dockerfile: the image has no 'sandbox' user.*RUN useradd"):
+        build_images([], client=docker_client, show_progress=False, contexts={"harbor/no-user": tmp_path})
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_harbor_task_trains_for_one_step(tmp_path, harbor_images):
+    """`sandforge train` on the Harbor folder: images built per task, episodes run and graded, one RL step taken."""
+    config = tmp_path / "harbor.yaml"
+    config.write_text(f"""
+environments:
+  - name: harbor
+    tasks: {TASKS}
+    families: [files]
+model: {{arch: k3, preset: k3-nano, tokenizer: bpe}}
+rollout: {{workers: 1, concurrency: 2, tasks_per_step: 1, group_size: 2, max_turns: 2, max_new_tokens: 32}}
+trainer: {{steps: 1, world_size: 1, grad_accum_steps: 1}}
+sandbox: {{warm_pool: 0}}
+logging: {{wandb: {{mode: disabled}}}}
+""")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", str(config), "trainer.steps=1",
+                           f"run.output_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    import json
+
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and {r["task"]["id"] for r in rows} == {"harbor/hello-file"}
+    assert all(not r["failed"] and r["reward"]["reason"].startswith("test.sh") for r in rows), rows[0]["failure"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m.get("phase") == "rl"] == [0]

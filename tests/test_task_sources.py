@@ -1,0 +1,135 @@
+"""Task sources: seeded generators, JSONL files and Harbor folders behind one interface, chosen from the job config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from sandforge.config import ConfigError, load_config
+from sandforge.environments.task_sources import FiniteSource, TaskSourceError, dump_jsonl, load_jsonl, open_source
+from sandforge.environments.terminal.tasks import make_task
+from sandforge.registry import environment
+from sandforge.rollout.tasks import TaskSampler
+from sandforge.types import Task
+
+ROOT = Path(__file__).resolve().parents[1]
+HARBOR = ROOT / "tests" / "data" / "harbor"
+
+
+@pytest.fixture
+def jsonl(tmp_path) -> Path:
+    """Six terminal tasks frozen as JSON lines: four train, two held-out, two families."""
+    tasks = [make_task("write_file", s) for s in range(2)] + [make_task("count_words", s) for s in range(2)]
+    tasks += [make_task("write_file", s, "heldout") for s in range(2)]
+    path = tmp_path / "tasks.jsonl"
+    dump_jsonl(tasks, path)
+    return path
+
+
+def _config(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(body)
+    return path
+
+
+def test_jsonl_round_trips_tasks_exactly(jsonl):
+    tasks = load_jsonl(jsonl, env="terminal")
+    assert [asdict(t) for t in tasks] == [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert tasks[0] == make_task("write_file", 0)
+
+
+@pytest.mark.parametrize("line, error", [
+    ('{"id": "a", "env": "terminal"', r"line 2: not valid JSON"),
+    ('[1, 2]', r"line 2: expected a JSON object \(a task\), got list"),
+    ('{"id": "a", "env": "terminal", "family": "f", "instruction": "x", "checks": [{"verifier": "v"}], "sead": 1}',
+     r"line 2: unknown task field\(s\) sead"),
+    ('{"id": "a", "env": "terminal", "family": "f", "checks": [{"verifier": "v"}]}',
+     r"line 2: missing task field\(s\) instruction"),
+    ('{"id": "a", "env": "terminal", "family": "f", "instruction": "x", "checks": [{"verifier": "v"}], "seed": "1"}',
+     r"line 2: 'seed' must be int"),
+    ('{"id": "a", "env": "terminal", "family": "f", "instruction": "x", "checks": []}',
+     r"line 2: 'checks' is empty"),
+    ('{"id": "a", "env": "terminal", "family": "f", "instruction": "x", "checks": [{"path": "p"}]}',
+     r"line 2: checks\[0\] must be an object with a 'verifier' name"),
+    ('{"id": "a", "env": "terminal", "family": "f", "instruction": "x", "checks": [{"verifier": "v"}], '
+     '"solution": [{"name": "bash", "args": {}}]}', r"line 2: solution\[0\] must be"),
+    ('{"id": "a", "env": "terminal", "family": "f", "instruction": "x", "checks": [{"verifier": "v"}], '
+     '"split": "test"}', r"line 2: 'split' must be one of train, heldout"),
+    ('{"id": "a", "env": "browser", "family": "f", "instruction": "x", "checks": [{"verifier": "v"}]}',
+     r"line 2: task 'a' is for env 'browser', but this file is used by the 'terminal' environment"),
+    ('{"id": "terminal/write_file/0", "env": "terminal", "family": "f", "instruction": "x", '
+     '"checks": [{"verifier": "v"}]}', r"line 2: task id 'terminal/write_file/0' repeats line 1"),
+])
+def test_jsonl_errors_name_file_line_and_problem(tmp_path, line, error):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(asdict(make_task("write_file", 0))) + "\n" + line + "\n")
+    with pytest.raises(TaskSourceError, match=rf"bad\.jsonl {error}"):
+        load_jsonl(path, env="terminal")
+
+
+def test_a_finite_source_draws_by_seed_within_family_and_split(jsonl):
+    source = open_source(environment("terminal"), jsonl)
+    assert isinstance(source, FiniteSource) and source.families() == ["count_words", "write_file"]
+    assert (source.count("train"), source.count("heldout")) == (4, 2)
+    assert source.task("write_file", 5) == source.task("write_file", 5)
+    train = {source.task("write_file", s).id for s in range(10)}
+    heldout = {source.task("write_file", s, "heldout").id for s in range(10)}
+    assert train == {"terminal/write_file/0", "terminal/write_file/1"} and not train & heldout
+    assert len(heldout) == 2
+    with pytest.raises(TaskSourceError, match=r"tasks.jsonl: no heldout tasks of family 'count_words'"):
+        source.task("count_words", 0, "heldout")
+
+
+def test_a_job_samples_from_its_jsonl_file(tmp_path, jsonl):
+    cfg = load_config(_config(tmp_path, f"environments:\n  - name: terminal\n    tasks: {jsonl}\n"
+                                        "    families: [count_words]\n"))
+    first = [t.id for t in TaskSampler(cfg.environments, seed=3).sample(20)]
+    assert set(first) == {"terminal/count_words/0", "terminal/count_words/1"}
+    assert [t.id for t in TaskSampler(cfg.environments, seed=3).sample(20)] == first  # the run's seed decides
+
+
+def test_two_sources_of_one_env_mix_by_weight(tmp_path, jsonl):
+    cfg = load_config(_config(tmp_path, f"environments:\n  - name: terminal\n    tasks: {jsonl}\n"
+                                        "  - name: terminal\n    families: [count_words]\n    weight: 3\n"))
+    tasks = TaskSampler(cfg.environments, seed=0).sample(200)
+    from_file = sum(t.id in {x.id for x in load_jsonl(jsonl)} for t in tasks)
+    assert 25 < from_file < 75  # weight 1 against 3: about a quarter
+    assert all(isinstance(t, Task) for t in tasks)
+
+
+def test_harbor_folder_from_the_config_brings_its_images(tmp_path):
+    cfg = load_config(_config(tmp_path, f"environments:\n  - name: harbor\n    tasks: {HARBOR}\n"))
+    sampler = TaskSampler(cfg.environments, seed=0)
+    assert {t.id for t in sampler.sample(20)} == {"harbor/hello-file", "harbor/count-lines"}
+    assert set(sampler.images()) == {"harbor/hello-file", "harbor/count-lines"}
+
+
+def test_config_errors_name_the_key_and_file(tmp_path, jsonl):
+    missing = _config(tmp_path, "environments:\n  - name: terminal\n    tasks: nowhere.jsonl\n")
+    with pytest.raises(ConfigError, match=r"job.yaml: invalid value for 'environments\[0\].tasks': .*no such file"):
+        load_config(missing)
+    cfg = load_config(_config(tmp_path, "environments:\n  - name: harbor\n"))
+    with pytest.raises(ValueError, match=r"environments\[0\].tasks: the 'harbor' environment has no seeded tasks"):
+        TaskSampler(cfg.environments, 0)
+    cfg = load_config(_config(tmp_path, f"environments:\n  - name: harbor\n    tasks: {jsonl}\n"))
+    with pytest.raises(ValueError, match=r"environments\[0\].tasks: .*reads Harbor task directories"):
+        TaskSampler(cfg.environments, 0)
+    cfg = load_config(_config(tmp_path, f"environments:\n  - name: terminal\n    tasks: {HARBOR}\n"))
+    with pytest.raises(ValueError, match=r"environments\[0\].tasks: .*runs in the 'harbor' environment"):
+        TaskSampler(cfg.environments, 0)
+
+
+def test_train_fails_fast_on_a_bad_task_file(tmp_path, jsonl):
+    """Before Ray, Docker or torch start: one line naming the key, the file and the line."""
+    jsonl.write_text(jsonl.read_text() + '{"id": "x"}\n')
+    config = _config(tmp_path, f"environments:\n  - name: terminal\n    tasks: {jsonl}\n")
+    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", str(config)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: environments[0].tasks: {jsonl} line 7: missing task field(s) env, "
+                                   "family, instruction, checks")
