@@ -6,7 +6,8 @@ in a fresh exec as root with python3's sqlite3, opening the database read-only (
 check can never change what it grades, and the policy's processes and permissions play no part.
 
 Check: ``{"verifier": "sql", "db": "/abs/app.db", "query": "SELECT ...", "expect": [[...], ...]}``; optional
-``"ordered": true`` (rows must come in this order; default: any order, as a multiset) and ``"timeout"`` (seconds).
+``"ordered": true`` (rows must come in this order; default: any order, as a multiset) and ``"timeout"`` (seconds;
+the query is killed inside the container when the check's time is up, and the episode fails).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import shlex
 from collections import Counter
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register
+from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
 
-DEFAULT_TIMEOUT = 10.0
 _SHOW = 120  # characters of expected/got in a reason
 
 # Runs inside the sandbox: argv = db path, query. Prints one JSON line: {"rows": [...]} or {"error": "..."}.
@@ -44,8 +44,9 @@ def _key(row: list) -> str:
     return json.dumps(row, sort_keys=True, default=str)
 
 
-def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float = DEFAULT_TIMEOUT) -> list[list]:
-    """The rows ``query`` returns from the SQLite file ``db`` in the sandbox, read-only, as root in a fresh exec.
+def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = None) -> list[list]:
+    """The rows ``query`` returns from the SQLite file ``db`` in the sandbox, read-only, as root in a fresh exec that
+    is killed after ``timeout`` seconds (default: what the running check has left).
 
     Raises VerifierError when the query cannot run (no database, bad SQL, timeout): that is the task's or the
     sandbox's fault, not the policy's, so the episode is failed rather than scored.
@@ -53,9 +54,11 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float = DEFAULT_T
     if not db.startswith("/"):
         raise VerifierError(f"sql: 'db' must be an absolute path inside the sandbox, got {db!r}")
     command = f"python3 -c {shlex.quote(_QUERY_SCRIPT)} {shlex.quote(db)} {shlex.quote(query)}"
+    timeout = time_left() if timeout is None else timeout
     result = sandbox.exec(command, timeout=timeout, user="root", session=False)
     if result.timed_out:
-        raise VerifierError(f"sql: query on {db} timed out after {timeout:g}s")
+        raise VerifierError(f"sql: the query on {db} was killed after {timeout:.1f} s, the check's timeout (give the "
+                            "check a larger `timeout` if it needs longer)")
     last = result.output.strip().splitlines()[-1:] or [""]
     try:
         answer = json.loads(last[0])
@@ -67,11 +70,9 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float = DEFAULT_T
     return answer["rows"]
 
 
-def sql_check(
-    sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool = False, timeout: float = DEFAULT_TIMEOUT
-) -> tuple[float, str]:
+def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool = False) -> tuple[float, str]:
     """1.0 iff ``query`` returns exactly the rows ``expect`` (any order unless ``ordered``); the reason shows both."""
-    got = query_rows(sandbox, db, query, timeout)
+    got = query_rows(sandbox, db, query)
     # JSON normalises both sides (tuples -> lists, 1 vs 1.0 stay distinct only if SQLite stored them so)
     want = json.loads(json.dumps(expect))
     if ordered:
@@ -85,7 +86,8 @@ def sql_check(
 
 @register("sql")
 def _sql_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
-    unknown = set(args) - {"db", "query", "expect", "ordered", "timeout"}
+    args = without_timeout(args)  # run_check enforces it; time_left() passes it on to the exec
+    unknown = set(args) - {"db", "query", "expect", "ordered"}
     if unknown or not {"db", "query", "expect"} <= set(args):
         raise VerifierError(f"sql takes db, query, expect[, ordered, timeout]; got {sorted(args)}")
     if not isinstance(args["expect"], list) or not all(isinstance(r, list) for r in args["expect"]):
