@@ -165,6 +165,7 @@ def test_tool_arguments_cannot_escape_the_api(env):
     assert found.output.strip() == "0"
     assert act(env, "read_channel", channel=7).startswith("Error: read_channel: 'channel' must be string")
     assert act(env, "post_message", channel="#random", text="x" * 5000).startswith("Error: the message is 5000")
+    assert act(env, "search_messages", query="x" * 200_000).startswith("Error: search.messages: the arguments are")
 
 
 @pytest.mark.docker

@@ -27,6 +27,7 @@ from sandforge.environments.tools import ToolError, tool
 APP_DIR = "/tmp/app"  # /tmp is the sandbox's writable tmpfs; the folder is made root's at reset
 PORT = 8765  # on the sandbox's own loopback: every sandbox has its own network namespace (and no other network)
 START_TIMEOUT = 20.0
+MAX_REQUEST = 64 * 1024  # bytes of JSON per call: it travels as one argv string, which Linux caps at 128 KiB
 _HERE = Path(__file__).resolve().parent
 
 _MAIN = """import sys
@@ -106,7 +107,10 @@ class AppEnv(SandboxEnv):
         Raises ToolError with the app's message for a call it refused (the policy reads it), SandboxError when the
         app or the sandbox is broken (the episode fails).
         """
-        command = f"python3 {APP_DIR}/app.pyz call {shlex.quote(method)} {shlex.quote(json.dumps(args))}"
+        request = json.dumps(args)
+        if len(request) > MAX_REQUEST:
+            raise ToolError(f"{method}: the arguments are {len(request)} bytes as JSON; at most {MAX_REQUEST}")
+        command = f"python3 {APP_DIR}/app.pyz call {shlex.quote(method)} {shlex.quote(request)}"
         try:
             result = self.sandbox.exec(command, timeout=self.exec_timeout)
         except SandboxError:
