@@ -27,6 +27,8 @@ BUILTIN_ENVIRONMENTS = {
     "terminal": ("sandforge.environments.terminal.env:TerminalEnv", "sandforge.environments.terminal.tasks"),
     "repo": ("sandforge.environments.repo.env:RepoEnv", "sandforge.environments.repo.tasks"),
     "harbor": ("sandforge.environments.harbor.env:HarborEnv", "sandforge.environments.harbor.tasks"),
+    "slack": ("sandforge.environments.slack.env:SlackEnv", "sandforge.environments.slack.tasks"),
+    "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
 }
 # Verifiers that live beside their environment rather than in sandforge.verifiers (which registers its own on import).
 BUILTIN_VERIFIERS = {

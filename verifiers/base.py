@@ -221,4 +221,5 @@ from sandforge.verifiers import command as _command  # noqa: E402,F401
 from sandforge.verifiers import file as _file  # noqa: E402,F401
 from sandforge.verifiers import judge as _judge  # noqa: E402,F401
 from sandforge.verifiers import rubric as _rubric  # noqa: E402,F401
+from sandforge.verifiers import state as _state  # noqa: E402,F401
 from sandforge.verifiers import tests as _tests  # noqa: E402,F401

@@ -1,0 +1,93 @@
+"""The `sql` state verifier on a real SQLite file in a real container: it compares rows, explains a mismatch, never
+writes, and gives up (failing the episode, not scoring it) when the query cannot run."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
+from sandforge.environments.sandbox.images import build_images
+from sandforge.types import Task
+from sandforge.verifiers.base import VERIFIERS, VerifierError, score_task
+from sandforge.verifiers.state import query_rows, sql_check
+
+pytestmark = pytest.mark.docker
+
+DB = "/tmp/app/test.db"
+MAKE_DB = f"""python3 - <<'EOF'
+import os, sqlite3
+os.makedirs("/tmp/app", mode=0o755, exist_ok=True)
+con = sqlite3.connect("{DB}")
+con.executescript("CREATE TABLE t (name TEXT, n INTEGER); INSERT INTO t VALUES ('a', 1), ('b', 2), ('c', 3);")
+con.commit()
+os.chmod("{DB}", 0o600)
+EOF"""
+
+
+@pytest.fixture(scope="module")
+def app_sandbox(docker_client):
+    image = build_images(["slack"], client=docker_client, show_progress=False)["slack"]
+    run_id = f"test-state-{int(time.time() * 1000)}"
+    with Sandbox.create(SandboxSpec(image=image), run_id, client=docker_client) as sb:
+        result = sb.exec(MAKE_DB, user="root", session=False)
+        assert result.exit_code == 0, result.output
+        yield sb
+
+
+def check(**args) -> Task:
+    return Task(id="t", env="slack", family="f", seed=0, instruction="", checks=[{"verifier": "sql", "db": DB, **args}])
+
+
+def test_rows_match_in_any_order_unless_ordered(app_sandbox):
+    rows = [["c", 3], ["a", 1], ["b", 2]]
+    assert sql_check(app_sandbox, DB, "SELECT name, n FROM t", rows) == (1.0, f"{DB}: state matches (3 rows)")
+    score, reason = sql_check(app_sandbox, DB, "SELECT name, n FROM t ORDER BY n", rows, ordered=True)
+    assert score == 0.0 and '[["c", 3], ["a", 1], ["b", 2]]' in reason and '[["a", 1], ["b", 2], ["c", 3]]' in reason
+    assert sql_check(app_sandbox, DB, "SELECT name, n FROM t ORDER BY name = 'c' DESC, n", rows, ordered=True)[0] == 1.0
+
+
+def test_a_missing_or_extra_row_scores_zero_and_says_what_differs(app_sandbox):
+    score, reason = sql_check(app_sandbox, DB, "SELECT name FROM t", [["a"], ["b"]])
+    assert score == 0.0 and reason == f'{DB}: expected [["a"], ["b"]], got [["a"], ["b"], ["c"]]'
+    assert sql_check(app_sandbox, DB, "SELECT name FROM t WHERE n > 9", [])[0] == 1.0
+    assert sql_check(app_sandbox, DB, "SELECT count(*) FROM t", [[3]])[0] == 1.0
+    assert sql_check(app_sandbox, DB, "SELECT count(*) FROM t", [["3"]])[0] == 0.0  # types are compared too
+
+
+def test_score_task_runs_registered_sql_checks(app_sandbox):
+    assert "sql" in VERIFIERS
+    reward = score_task(app_sandbox, check(query="SELECT n FROM t WHERE name = 'b'", expect=[[2]]))
+    assert reward.value == 1.0 and reward.success
+    reward = score_task(app_sandbox, check(query="SELECT n FROM t WHERE name = 'b'", expect=[[5]]))
+    assert reward.value == 0.0 and not reward.success and "expected [[5]], got [[2]]" in reward.reason
+
+
+def test_checks_never_write_the_database(app_sandbox):
+    for query in ("DELETE FROM t", "UPDATE t SET n = 0", "SELECT 1; DELETE FROM t", "DROP TABLE t"):
+        with pytest.raises(VerifierError, match="failed"):
+            sql_check(app_sandbox, DB, query, [])
+    assert query_rows(app_sandbox, DB, "SELECT count(*) FROM t") == [[3]]
+
+
+def test_a_query_that_cannot_run_fails_the_episode(app_sandbox):
+    with pytest.raises(VerifierError, match="no such table"):
+        score_task(app_sandbox, check(query="SELECT * FROM nope", expect=[]))
+    with pytest.raises(VerifierError, match="unable to open"):
+        sql_check(app_sandbox, "/tmp/app/missing.db", "SELECT 1", [[1]])
+    with pytest.raises(VerifierError, match="absolute path"):
+        sql_check(app_sandbox, "app.db", "SELECT 1", [[1]])
+    with pytest.raises(VerifierError, match="sql takes db, query, expect"):
+        score_task(app_sandbox, check(query="SELECT 1"))
+    with pytest.raises(VerifierError, match="list of rows"):
+        score_task(app_sandbox, check(query="SELECT 1", expect=[1]))
+
+
+def test_a_runaway_query_is_stopped_by_its_timeout(app_sandbox):
+    forever = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    start = time.monotonic()
+    with pytest.raises(VerifierError, match=r"killed after 1.0 s, the check's timeout"):
+        score_task(app_sandbox, check(query=forever, expect=[[0]], timeout=1))
+    assert time.monotonic() - start < 8
+    assert query_rows(app_sandbox, DB, "SELECT 1") == [[1]]  # the sandbox still answers

@@ -1,0 +1,95 @@
+"""State checks: an SQL query against an app's database inside the sandbox, compared with the rows a task expects.
+
+Mock apps (slack, notion, the browser's sites) keep their state in SQLite. Grading reads that state directly, the way
+a person would check "is the reply in the right thread", instead of trusting anything the policy said. The query runs
+in a fresh exec as root with python3's sqlite3, opening the database read-only (``mode=ro`` URI, ``query_only``), so a
+check can never change what it grades, and the policy's processes and permissions play no part.
+
+Check: ``{"verifier": "sql", "db": "/abs/app.db", "query": "SELECT ...", "expect": [[...], ...]}``; optional
+``"ordered": true`` (rows must come in this order; default: any order, as a multiset) and ``"timeout"`` (seconds;
+the query is killed inside the container when the check's time is up, and the episode fails).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections import Counter
+
+from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+
+_SHOW = 120  # characters of expected/got in a reason
+
+# Runs inside the sandbox: argv = db path, query. Prints one JSON line: {"rows": [...]} or {"error": "..."}.
+_QUERY_SCRIPT = r"""
+import json, sqlite3, sys, urllib.parse
+db, query = sys.argv[1], sys.argv[2]
+try:
+    con = sqlite3.connect("file:" + urllib.parse.quote(db) + "?mode=ro", uri=True)
+    con.execute("PRAGMA query_only = ON")
+    rows = [list(r) for r in con.execute(query).fetchall()]
+    print(json.dumps({"rows": rows}, default=str))
+except sqlite3.Error as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+"""
+
+
+def _short(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= _SHOW else text[:_SHOW] + "..."
+
+
+def _key(row: list) -> str:
+    return json.dumps(row, sort_keys=True, default=str)
+
+
+def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = None) -> list[list]:
+    """The rows ``query`` returns from the SQLite file ``db`` in the sandbox, read-only, as root in a fresh exec that
+    is killed after ``timeout`` seconds (default: what the running check has left).
+
+    Raises VerifierError when the query cannot run (no database, bad SQL, timeout): that is the task's or the
+    sandbox's fault, not the policy's, so the episode is failed rather than scored.
+    """
+    if not db.startswith("/"):
+        raise VerifierError(f"sql: 'db' must be an absolute path inside the sandbox, got {db!r}")
+    command = f"python3 -c {shlex.quote(_QUERY_SCRIPT)} {shlex.quote(db)} {shlex.quote(query)}"
+    timeout = time_left() if timeout is None else timeout
+    result = sandbox.exec(command, timeout=timeout, user="root", session=False)
+    if result.timed_out:
+        raise VerifierError(f"sql: the query on {db} was killed after {timeout:.1f} s, the check's timeout (give the "
+                            "check a larger `timeout` if it needs longer)")
+    last = result.output.strip().splitlines()[-1:] or [""]
+    try:
+        answer = json.loads(last[0])
+    except json.JSONDecodeError:
+        raise VerifierError(f"sql: could not run the query on {db} (exit {result.exit_code}): "
+                            f"{result.output.strip()[-300:]} (does the image have python3?)") from None
+    if "error" in answer:
+        raise VerifierError(f"sql: query on {db} failed: {answer['error']}; query: {query[:200]}")
+    return answer["rows"]
+
+
+def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool = False) -> tuple[float, str]:
+    """1.0 iff ``query`` returns exactly the rows ``expect`` (any order unless ``ordered``); the reason shows both."""
+    got = query_rows(sandbox, db, query)
+    # JSON normalises both sides (tuples -> lists, 1 vs 1.0 stay distinct only if SQLite stored them so)
+    want = json.loads(json.dumps(expect))
+    if ordered:
+        ok = [_key(r) for r in got] == [_key(r) for r in want]
+    else:
+        ok = Counter(map(_key, got)) == Counter(map(_key, want))
+    if ok:
+        return 1.0, f"{db}: state matches ({len(got)} row{'s' if len(got) != 1 else ''})"
+    return 0.0, f"{db}: expected {_short(want)}, got {_short(got)}"
+
+
+@register("sql")
+def _sql_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+    args = without_timeout(args)  # run_check enforces it; time_left() passes it on to the exec
+    unknown = set(args) - {"db", "query", "expect", "ordered"}
+    if unknown or not {"db", "query", "expect"} <= set(args):
+        raise VerifierError(f"sql takes db, query, expect[, ordered, timeout]; got {sorted(args)}")
+    if not isinstance(args["expect"], list) or not all(isinstance(r, list) for r in args["expect"]):
+        raise VerifierError(f"sql: 'expect' must be a list of rows (lists), got {_short(args['expect'])}")
+    return sql_check(sandbox, **args)
