@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 BUILTIN_ENVIRONMENTS = {
     "terminal": ("sandforge.environments.terminal.env:TerminalEnv", "sandforge.environments.terminal.tasks"),
+    "browser": ("sandforge.environments.browser.env:BrowserEnv", "sandforge.environments.browser.tasks"),
 }
 
 
