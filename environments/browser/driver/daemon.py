@@ -108,10 +108,14 @@ class Browser:
 
     def select(self, element_id: int, option: str) -> str:
         element = self._element(element_id)
-        try:
-            element.select_option(label=option, timeout=1000)
-        except PlaywrightError:
-            element.select_option(value=option, timeout=1000)
+        options = element.evaluate("el => el.tagName === 'SELECT' ? Array.from(el.options, o => [o.text, o.value]) : null")
+        if options is None:
+            raise ActionError(f"[{element_id}] is not a dropdown: use type for text fields, click for buttons")
+        labels = [" ".join(text.split()) for text, _ in options]
+        match = next((i for i, (text, value) in enumerate(options) if option.strip() in (labels[i], value)), None)
+        if match is None:
+            raise ActionError(f"no option {option!r} in [{element_id}]; options: {' | '.join(labels)}")
+        element.select_option(index=match)
         return ""
 
     def scroll(self, direction: str) -> str:
