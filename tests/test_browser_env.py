@@ -134,6 +134,21 @@ def test_pages_are_text_with_ids_and_actions_keep_state(browser_env):
 
 
 @pytest.mark.docker
+def test_scrolling_shows_the_rest_of_a_long_page(browser_env):
+    task = make_task("wiki", 3)
+    article = task.setup["site"]["wiki"]["articles"][0]
+    env = browser_env(task)
+    env.reset()
+    env.step(ToolCall("goto", {"url": f"{SITE_URL}/wiki/article/{article['slug']}"}))
+    top = env.step(ToolCall("scroll", {"direction": "up"}))[0]  # already at the top: the whole page
+    assert 'heading "Atlas Wiki"' in top and "above" not in top and f'text "{article["paragraphs"][-1]}"' in top
+    down = env.step(ToolCall("scroll", {"direction": "down"}))[0]
+    assert "lines above: scroll up to see them" in down and 'heading "Atlas Wiki"' not in down
+    assert f'text "{article["paragraphs"][-1]}"' in down
+    assert env.step(ToolCall("scroll", {"direction": "up"}))[0] == top
+
+
+@pytest.mark.docker
 def test_bad_actions_are_error_observations(browser_env):
     env = browser_env(make_task("booking", 1))
     env.reset()

@@ -67,16 +67,16 @@ class BrowserEnv(SandboxEnv):
         result = self.sandbox.exec(server, timeout=self.exec_timeout, user=SITE_USER, session=False)
         if result.exit_code != 0:
             raise SandboxError(f"task {self.task.id}: the sites' server did not start: {result.output[-300:]}")
+        # The daemon starts in the background and the same exec waits for it (and the server): one round trip.
         daemon = "setsid -f /opt/browser/venv/bin/python /opt/browser/driver/daemon.py > /tmp/daemon.log 2>&1 < /dev/null"
-        result = self.sandbox.exec(daemon, timeout=self.exec_timeout)
-        if result.exit_code != 0:
-            raise SandboxError(f"task {self.task.id}: the browser daemon did not start: {result.output[-300:]}")
-        self._call("observe", {}, wait=START_TIMEOUT, port=SITE_PORT)
+        self._call("observe", {}, wait=START_TIMEOUT, port=SITE_PORT, before=daemon)
 
-    def _call(self, action: str, args: dict, wait: float = 2.0, port: int | None = None) -> str:
-        """Run one daemon action; returns the page text. ToolError for an action the page refused."""
+    def _call(self, action: str, args: dict, wait: float = 2.0, port: int | None = None, before: str = "") -> str:
+        """Run one daemon action (after the command ``before``); returns the page text. ToolError for an action the
+        page refused; SandboxError when the daemon does not answer."""
         request = json.dumps({"action": action, "args": args})
         command = f"{CLIENT} {shlex.quote(request)} {wait:g}" + (f" {port}" if port else "")
+        command = f"{before} && {command}" if before else command
         try:
             result = self.sandbox.exec(command, timeout=wait + self.exec_timeout + 10)
         except ValueError as e:  # a NUL byte in typed text

@@ -125,6 +125,7 @@ def wiki_task(seed: int, split: str = "train") -> Task:
             f"{town} is a town in the {rng.choice(_REGIONS)} region, on the river {river}.",
             f"It was founded in {founded}. The town hall was built in {hall}.",
             f"Today {town} has a population of {population}.",
+            *_town_life(rng, town, river),
         ]})
     target = rng.randrange(len(towns))
     kind = rng.choice(["founded", "population", "river"])
@@ -153,6 +154,22 @@ def wiki_task(seed: int, split: str = "train") -> Task:
             ToolCall("submit"),
         ],
     )
+
+
+def _town_life(rng: random.Random, town: str, river: str) -> list[str]:
+    """Filler paragraphs with numbers of their own: the fact has to be read, not guessed from the only number, and
+    an article is taller than the browser's window, so reaching its end takes scrolling."""
+    lines = [
+        f"The old bridge over the {river} was rebuilt in {rng.randint(1700, 1990)}.",
+        f"A market is held in the main square every {rng.choice(['Monday', 'Wednesday', 'Friday', 'Saturday'])}.",
+        f"The town school teaches {rng.randint(80, 900)} pupils.",
+        f"The railway station opened in {rng.randint(1840, 1930)} and has {rng.randint(2, 6)} platforms.",
+        f"The church tower of {town} is {rng.randint(20, 95)} metres tall.",
+        f"Most people in {town} work in farming, trade or the {rng.choice(['mills', 'harbour', 'quarries', 'forest'])}.",
+        f"The town museum holds {rng.randint(300, 9000)} objects.",
+        f"Every summer {town} holds a music festival on the banks of the {river}.",
+    ]
+    return rng.sample(lines, rng.randint(5, 8))
 
 
 FAMILIES: dict[str, Callable[[int, str], Task]] = {

@@ -37,7 +37,7 @@ CHROMIUM_ARGS = [
 ]
 ALLOWED_HOSTS = ("127.0.0.1", "localhost")
 ACTION_TIMEOUT_MS = 5000
-VIEWPORT = {"width": 800, "height": 600}
+VIEWPORT = {"width": 800, "height": 500}
 MAX_CHARS = 4000  # of page text per observation; scroll to see the rest
 TREE_JS = (Path(__file__).parent / "page_tree.js").read_text()
 

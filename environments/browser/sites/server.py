@@ -44,7 +44,7 @@ class Reply(Exception):
 def page(title: str, body: str) -> str:
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-        "<style>body{font-family:sans-serif;margin:2em;max-width:40em}</style></head>"
+        "<style>body{font-family:sans-serif;line-height:1.6;margin:2em;max-width:40em}</style></head>"
         f"<body>{body}</body></html>"
     )
 
@@ -228,6 +228,8 @@ class Sites:
                 raise Reply(400, page("Error", f"<h1>Empty answer</h1>{nav}<p>Type an answer first.</p>"))
             with self.lock, self.connect() as db:
                 db.execute("INSERT INTO answers (answer) VALUES (?)", (answer,))
+            raise Reply(303, location="/wiki/answer/thanks")  # a reload or back() never sends it twice
+        if method == "GET" and parts == ["answer", "thanks"]:
             return page("Thanks", f"<h1>{esc(wiki['name'])}</h1>{nav}<h2>Thank you</h2><p>Your answer is recorded.</p>")
         raise Reply(404, page("Not found", f"<h1>Not found</h1>{nav}"))
 
