@@ -152,12 +152,15 @@ def test_scrolling_shows_the_rest_of_a_long_page(browser_env):
 def test_bad_actions_are_error_observations(browser_env):
     env = browser_env(make_task("booking", 1))
     env.reset()
+    observation = env.step(ToolCall("back", {}))[0]
+    assert observation.startswith("Error: back: there is no previous page") and "URL: about:blank" in observation
     env.step(ToolCall("goto", {"url": f"{SITE_URL}/booking/"}))
     cases = [
         (ToolCall("click", {"id": 99}), "no element [99] on this page"),
         (ToolCall("scroll", {"direction": "sideways"}), "'up' or 'down'"),
         (ToolCall("select", {"id": 2, "option": "Someday"}), "no option 'Someday' in [2]; options: Choose a date | 20"),
         (ToolCall("click", {"id": "5"}), "'id' must be integer"),
+        (ToolCall("select", {"id": 1, "option": "x"}), "[1] is not a dropdown"),
     ]
     for call, message in cases:
         observation, _, done, _, info = env.step(call)

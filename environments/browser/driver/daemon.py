@@ -126,7 +126,9 @@ class Browser:
         return ""
 
     def back(self) -> str:
-        if self.page.go_back(wait_until="load") is None and self.page.url in ("about:blank", ""):
+        self.page.go_back(wait_until="load")
+        if self.page.url == "about:blank":  # the blank page the browser started on is not a page to go back to
+            self.page.go_forward(wait_until="load")
             raise ActionError("there is no previous page")
         return ""
 
@@ -185,9 +187,12 @@ class Browser:
         meta["url"] = self.page.url
         try:
             text = self.render()
-        except PlaywrightError as e:  # the page navigated while we read it: read the new one
+        except PlaywrightError:  # the page navigated while it was read: read the new one once it has loaded
             self._settle()
-            text = self.render() if self.page else f"(page unreadable: {first_line(e)})"
+            try:
+                text = self.render()
+            except PlaywrightError as e:
+                text = f"URL: {self.page.url}\n(the page could not be read: {first_line(e)})"
         return meta, text
 
 
