@@ -28,7 +28,8 @@ SITE_URL = f"http://127.0.0.1:{SITE_PORT}"
 SITE_DIR = "/tmp/site"  # mode 0700, owned by `site`: the database verifiers read
 SITE_DB = f"{SITE_DIR}/site.db"
 SITE_USER = "site"
-CLIENT = "python3 /opt/browser/driver/client.py"
+CLIENT = "python3 /opt/browser/driver/client.py"  # stdlib only: starts fast
+DAEMON = "/opt/browser/venv/bin/python /opt/browser/driver/daemon.py"  # Playwright lives in this venv
 START_TIMEOUT = 60.0  # Chromium's first start on a busy 1-cpu sandbox
 
 
@@ -68,7 +69,7 @@ class BrowserEnv(SandboxEnv):
         if result.exit_code != 0:
             raise SandboxError(f"task {self.task.id}: the sites' server did not start: {result.output[-300:]}")
         # The daemon starts in the background and the same exec waits for it (and the server): one round trip.
-        daemon = "setsid -f /opt/browser/venv/bin/python /opt/browser/driver/daemon.py > /tmp/daemon.log 2>&1 < /dev/null"
+        daemon = f"setsid -f {DAEMON} > /tmp/daemon.log 2>&1 < /dev/null"
         self._call("observe", {}, wait=START_TIMEOUT, port=SITE_PORT, before=daemon)
 
     def _call(self, action: str, args: dict, wait: float = 2.0, port: int | None = None, before: str = "") -> str:

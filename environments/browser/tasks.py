@@ -165,7 +165,7 @@ def _town_life(rng: random.Random, town: str, river: str) -> list[str]:
         f"The town school teaches {rng.randint(80, 900)} pupils.",
         f"The railway station opened in {rng.randint(1840, 1930)} and has {rng.randint(2, 6)} platforms.",
         f"The church tower of {town} is {rng.randint(20, 95)} metres tall.",
-        f"Most people in {town} work in farming, trade or the {rng.choice(['mills', 'harbour', 'quarries', 'forest'])}.",
+        f"Most people in {town} work in farming, trade or the {rng.choice(['mills', 'harbour', 'quarries'])}.",
         f"The town museum holds {rng.randint(300, 9000)} objects.",
         f"Every summer {town} holds a music festival on the banks of the {river}.",
     ]

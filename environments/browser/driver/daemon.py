@@ -108,7 +108,8 @@ class Browser:
 
     def select(self, element_id: int, option: str) -> str:
         element = self._element(element_id)
-        options = element.evaluate("el => el.tagName === 'SELECT' ? Array.from(el.options, o => [o.text, o.value]) : null")
+        options = element.evaluate("el => el.tagName === 'SELECT' ? Array.from(el.options, o => [o.text, o.value])"
+                                   " : null")
         if options is None:
             raise ActionError(f"[{element_id}] is not a dropdown: use type for text fields, click for buttons")
         labels = [" ".join(text.split()) for text, _ in options]

@@ -99,8 +99,10 @@ class Sites:
                 return page(p["name"], (
                     f"<h1>{esc(shop['name'])}</h1>{self._shop_nav(db)}<h2>{esc(p['name'])}</h2>"
                     f"<p>{esc(p['description'])}</p><p>Price: {money(p['price_cents'])}</p>"
-                    f"<form method='post' action='/shop/cart'><input type='hidden' name='product' value='{esc(p['slug'])}'>"
-                    f"<label for='quantity'>Quantity</label> <input id='quantity' type='number' name='quantity' value='1'"
+                    "<form method='post' action='/shop/cart'>"
+                    f"<input type='hidden' name='product' value='{esc(p['slug'])}'>"
+                    "<label for='quantity'>Quantity</label>"
+                    " <input id='quantity' type='number' name='quantity' value='1'"
                     f" min='1' max='{MAX_QUANTITY}'> <button type='submit'>Add to cart</button></form>"
                 ))
             if parts == ["cart"] and method == "POST":
@@ -123,7 +125,8 @@ class Sites:
                     total = sum(prices[n] * q for n, q in rows)
                     body = (f"<table><tr><th>Product</th><th>Quantity</th><th>Price</th></tr>{lines}</table>"
                             f"<p>Total: {money(total)}</p>"
-                            "<form method='post' action='/shop/checkout'><button type='submit'>Place order</button></form>"
+                            "<form method='post' action='/shop/checkout'>"
+                            "<button type='submit'>Place order</button></form>"
                             "<form method='post' action='/shop/empty'><button type='submit'>Empty cart</button></form>")
                 return page("Cart", f"<h1>{esc(shop['name'])}</h1>{self._shop_nav(db)}<h2>Cart</h2>{body}")
             if parts == ["empty"] and method == "POST":
@@ -195,7 +198,8 @@ class Sites:
                                  (_int(parts[1]),)).fetchone()
             if row is None:
                 raise Reply(404, page("Not found", "<h1>No such booking</h1>"))
-            return page("Booked", f"<h1>{esc(site['name'])}</h1><h2>Booked!</h2><p>A table for {row[3]} on {esc(row[1])}"
+            return page("Booked", f"<h1>{esc(site['name'])}</h1><h2>Booked!</h2>"
+                                  f"<p>A table for {row[3]} on {esc(row[1])}"
                                   f" at {esc(row[2])}, under the name {esc(row[0])}.</p>"
                                   "<a href='/booking/'>Make another booking</a>")
         raise Reply(404, page("Not found", "<h1>Not found</h1><a href='/booking/'>Book a table</a>"))
