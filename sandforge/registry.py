@@ -29,6 +29,7 @@ BUILTIN_ENVIRONMENTS = {
     "harbor": ("sandforge.environments.harbor.env:HarborEnv", "sandforge.environments.harbor.tasks"),
     "slack": ("sandforge.environments.slack.env:SlackEnv", "sandforge.environments.slack.tasks"),
     "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
+    "browser": ("sandforge.environments.browser.env:BrowserEnv", "sandforge.environments.browser.tasks"),
 }
 # Verifiers that live beside their environment rather than in sandforge.verifiers (which registers its own on import).
 BUILTIN_VERIFIERS = {
