@@ -162,27 +162,20 @@ def test_an_image_without_the_sandbox_user_is_refused_at_build_time(tmp_path, do
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_harbor_task_trains_for_one_step(tmp_path, harbor_images):
-    """`sandforge train` on the Harbor folder: images built per task, episodes run and graded, one RL step taken."""
-    config = tmp_path / "harbor.yaml"
-    config.write_text(f"""
-environments:
-  - name: harbor
-    tasks: {TASKS}
-    families: [files]
-model: {{arch: k3, preset: k3-nano, tokenizer: bpe}}
-rollout: {{workers: 1, concurrency: 2, tasks_per_step: 1, group_size: 2, max_turns: 2, max_new_tokens: 32}}
-trainer: {{steps: 1, world_size: 1, grad_accum_steps: 1}}
-sandbox: {{warm_pool: 0}}
-logging: {{wandb: {{mode: disabled}}}}
-""")
+    """`sandforge train configs/harbor.yaml` (the Harbor folder of these tests): images built per task, episodes run
+    and graded, one RL step taken."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", str(config), "trainer.steps=1",
-                           f"run.output_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    overrides = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
+                 "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=32",
+                 "trainer.grad_accum_steps=1", "logging.wandb.mode=disabled", f"run.output_dir={out}"]
+    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/harbor.yaml", *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     import json
 
     rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and {r["task"]["id"] for r in rows} == {"harbor/hello-file"}
+    assert len(rows) == 2 and len({r["task"]["id"] for r in rows}) == 1  # one task, two episodes
+    assert rows[0]["task"]["id"] in {"harbor/hello-file", "harbor/count-lines"}
     assert all(not r["failed"] and r["reward"]["reason"].startswith("test.sh") for r in rows), rows[0]["failure"]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m.get("phase") == "rl"] == [0]
