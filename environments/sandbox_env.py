@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import docker
 
 from sandforge.environments.base import ToolEnv
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec, docker_client
+from sandforge.environments.sandbox.docker_sandbox import (ExecResult, Sandbox, SandboxError, SandboxSpec,
+                                                            docker_client)
 from sandforge.environments.sandbox.lifecycle import driver_labels
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
@@ -94,6 +95,21 @@ class SandboxEnv(ToolEnv):
                 self.pool.release(sandbox)
             else:
                 sandbox.close()
+
+    def run_command(self, command: str, timeout: float | None = None, **kwargs) -> ExecResult:
+        """``sandbox.exec`` for a tool (``timeout`` default: ``exec_timeout``), counted in ``stats``: its latency, a
+        timeout, or a broken sandbox (whose SandboxError still propagates: the episode fails)."""
+        try:
+            result = self.sandbox.exec(command, timeout=self.exec_timeout if timeout is None else timeout, **kwargs)
+        except SandboxError:
+            if self.stats is not None:
+                self.stats.failure("exec")
+            raise
+        if self.stats is not None:
+            self.stats.record_exec(result.seconds)
+            if result.timed_out:
+                self.stats.failure("timeout")
+        return result
 
     def _truncate(self, text: str) -> str:
         limit = self.spec.max_output_bytes

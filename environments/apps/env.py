@@ -111,17 +111,8 @@ class AppEnv(SandboxEnv):
         if len(request) > MAX_REQUEST:
             raise ToolError(f"{method}: the arguments are {len(request)} bytes as JSON; at most {MAX_REQUEST}")
         command = f"python3 {APP_DIR}/app.pyz call {shlex.quote(method)} {shlex.quote(request)}"
-        try:
-            result = self.sandbox.exec(command, timeout=self.exec_timeout)
-        except SandboxError:
-            if self.stats is not None:
-                self.stats.failure("exec")
-            raise
-        if self.stats is not None:
-            self.stats.record_exec(result.seconds)
+        result = self.run_command(command)
         if result.timed_out:
-            if self.stats is not None:
-                self.stats.failure("timeout")
             raise ToolError(f"the {self.app} app did not answer within {self.exec_timeout:g}s; try again")
         lines = result.output.strip().splitlines()
         try:

@@ -79,19 +79,17 @@ class BrowserEnv(SandboxEnv):
         command = f"{CLIENT} {shlex.quote(request)} {wait:g}" + (f" {port}" if port else "")
         command = f"{before} && {command}" if before else command
         try:
-            result = self.sandbox.exec(command, timeout=wait + self.exec_timeout + 10)
+            result = self.run_command(command, timeout=wait + self.exec_timeout + 10)
         except ValueError as e:  # a NUL byte in typed text
             raise ToolError(f"{action}: {e}") from e
-        if self.stats is not None:
-            self.stats.record_exec(result.seconds)
         header, _, text = result.output.partition("\n")
         try:
             meta = json.loads(header)
         except ValueError:
             meta = None
         if result.timed_out or not isinstance(meta, dict) or meta.get("daemon") is False:
-            if self.stats is not None:
-                self.stats.failure("timeout" if result.timed_out else "exec")
+            if self.stats is not None and not result.timed_out:  # run_command counted the timeout
+                self.stats.failure("exec")
             log = self.sandbox.exec("tail -c 600 /tmp/daemon.log", timeout=5, session=False).output
             raise SandboxError(f"the browser stopped answering ({action}): {result.output[-300:]}\n{log}")
         if meta.get("screenshot"):

@@ -54,9 +54,7 @@ class RepoEnv(TerminalEnv):
     def run_tests(self) -> str:
         """Run the repository's tests (the visible ones in tests/) with pytest; returns the short report."""
         timeout = max(self.exec_timeout, RUN_TESTS_TIMEOUT)
-        result = self.sandbox.exec(_RUN_TESTS, timeout=timeout, session=False)
-        if self.stats is not None:
-            self.stats.record_exec(result.seconds)
+        result = self.run_command(_RUN_TESTS, timeout=timeout, session=False)
         if result.timed_out:
             return self._truncate(result.output) + f"\n[tests timed out after {timeout:g}s; killed]"
         return self._truncate(result.output)

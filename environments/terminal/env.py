@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.environments.sandbox_env import SandboxEnv
 from sandforge.environments.tools import ToolError, tool
 
@@ -14,17 +13,9 @@ class TerminalEnv(SandboxEnv):
     def bash(self, command: str) -> str:
         """Run a bash command in /workspace; returns output and exit code."""
         try:
-            result = self.sandbox.exec(command, timeout=self.exec_timeout)
+            result = self.run_command(command)
         except ValueError as e:
             raise ToolError(f"bash: {e}") from e
-        except SandboxError:
-            if self.stats is not None:
-                self.stats.failure("exec")
-            raise
-        if self.stats is not None:
-            self.stats.record_exec(result.seconds)
-            if result.timed_out:
-                self.stats.failure("timeout")
         output = result.output if not result.output or result.output.endswith("\n") else result.output + "\n"
         if result.timed_out:
             return f"{output}[timed out after {self.exec_timeout:g}s; killed]"
