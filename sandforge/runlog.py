@@ -37,6 +37,9 @@ class RunLogger:
         wb = cfg.logging.wandb
         if wb.mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
+            # a wandb service inherited from a parent process (a notebook, a test) may still hold a killed run of
+            # ours under the same id: this driver starts its own
+            os.environ.pop("WANDB_SERVICE", None)
             import wandb
 
             self.run = wandb.init(

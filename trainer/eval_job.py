@@ -38,7 +38,8 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
     reap_dead_runs(client)
     images = build_images(sorted({env.name for env in cfg.environments}), base_image=cfg.sandbox.base_image,
                           client=client, mirror=cfg.sandbox.mirror)
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(address=cfg.ray.address or "local",  # "local": a new instance, never a cluster found lying around
+             num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
              object_store_memory=None if cfg.ray.address else 256 * 1024**2)
     workers = []
     try:

@@ -498,7 +498,8 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
             console.print(f"reaped {sum(reaped.values())} container(s) of dead run(s): {', '.join(sorted(reaped))}")
         images = build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
                               contexts=job_images(cfg))
-        ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+        ray.init(address=cfg.ray.address or "local",  # "local": a new instance, never a cluster found lying around
+                 num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which installs an aborting handler of its own
         logger = RunLogger(out, cfg, run_id, resume=resume)
