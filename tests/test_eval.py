@@ -86,7 +86,7 @@ def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_im
     run = tmp_path / "run"
     proc = _cli("train", "configs/quickstart.yaml", f"run.output_dir={run}", f"model.init_from={policy}",
                 "warmup.steps=0", "trainer.steps=2", "eval.tasks_per_family=1", "eval.samples=2", "eval.every=1",
-                *SHORT)
+                *SHORT, "logging.wandb.mode=offline")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((run / "eval.json").read_text())
     assert [h["step"] for h in result["history"]] == [0, 1, 2]
@@ -98,6 +98,12 @@ def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_im
     assert [r["step"] for r in evals] == [0, 1, 2] and all("eval/success/terminal" in r for r in evals)
     assert "held-out success (eval.json)" in proc.stderr
     assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (run / "report.html").is_file()
+    from sandforge.wandb_offline import find_run_file, history_rows
+
+    history = history_rows(find_run_file(run))  # the same curves in the offline wandb run
+    assert [r["eval/success/terminal"] for r in history if "eval/success" in r] == [
+        r["eval/success/terminal"] for r in evals]
+    assert sum("reward/mean" in r and "entropy" in r for r in history) == 2
 
     out = tmp_path / "eval.json"
     proc = _cli("eval", "configs/quickstart.yaml", "--checkpoint", str(run / "checkpoints" / "step_2" / "policy"),
