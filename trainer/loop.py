@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 from dataclasses import asdict
 import signal
 import socket
@@ -198,8 +199,11 @@ class RLJob:
         from sandforge.environments.sandbox.stats import SandboxStats
 
         stats = SandboxStats()
-        for exported in ray.get([w.sandbox_stats.remote() for w in self.workers]):
-            stats.absorb(exported)
+        for ref in [w.sandbox_stats.remote() for w in self.workers]:
+            try:
+                stats.absorb(ray.get(ref))
+            except ray.exceptions.RayActorError:  # a worker that died for good: its samples went with it
+                pass
         return stats.snapshot()
 
     def close(self) -> None:
@@ -437,6 +441,18 @@ def _write_report(out: Path) -> None:
         console.print(f"report: {png} and {html}", soft_wrap=True)
 
 
+def actor_died(error: Exception, out: Path) -> str:
+    """One line for a run stopped by a dead actor: which one, and how to continue from the last checkpoint."""
+    latest = out / "checkpoints" / "latest"
+    last = latest.read_text().strip() if latest.is_file() else None
+    name = re.search(r"class_name: (\w+)", str(error))
+    who = f"a {name.group(1)} actor" if name else "an actor of the run"
+    if not last:
+        return f"{who} died (killed, out of memory or its node lost) before the first checkpoint: start the run again"
+    return (f"{who} died (killed, out of memory or its node lost), so the run stopped; continue it from its last "
+            f"checkpoint ({last}) with `sandforge train CONFIG --resume {out}`")
+
+
 def _kept_on_resume(row: dict, start: int) -> bool:
     """Rows a run resumed after ``start`` RL steps keeps: the warm start's, RL steps before ``start``, evaluations of
     the policy at ``start`` or earlier (an evaluation at step s measures the policy after s steps)."""
@@ -557,6 +573,8 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping actors and removing this run's containers[/]")
         raise
+    except ray.exceptions.RayActorError as e:  # a trainer rank or the engine died (killed, OOM, node lost)
+        raise JobError(actor_died(e, out)) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
         if logger is not None:

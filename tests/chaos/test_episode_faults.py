@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import observations, scripted
+from harness import observations, scripted
 from sandforge.types import Trajectory
 
 pytestmark = [pytest.mark.chaos, pytest.mark.docker, pytest.mark.slow]
