@@ -6,6 +6,8 @@ either way every step ends with each of its episodes logged exactly once."""
 from __future__ import annotations
 
 import collections
+import os
+from pathlib import Path
 
 import pytest
 
@@ -26,12 +28,21 @@ def cluster():
     c.shutdown()
 
 
-def rollout_worker_nodes(address: str) -> set[str]:
-    """Node ids of the live RolloutWorker actors of the cluster (Ray's state API, as `ray list actors` shows them)."""
-    from ray.util.state import list_actors
+def raylet_pid(node) -> int:
+    return node.all_processes["raylet"][0].process.pid
 
-    actors = list_actors(address=address, filters=[("class_name", "=", "RolloutWorker"), ("state", "=", "ALIVE")])
-    return {a.node_id for a in actors}
+
+def rollout_worker_raylets() -> list[int]:
+    """The raylet (so the node) each live RolloutWorker actor process belongs to: its parent process."""
+    parents = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RolloutWorker"):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                parents.append(int(stat[stat.rfind(")") + 2 :].split()[1]))
+        except (OSError, ValueError):
+            continue
+    return parents
 
 
 def test_a_lost_node_costs_its_episodes_not_the_run(tmp_path, cluster, terminal_image, docker_client):
@@ -41,8 +52,9 @@ def test_a_lost_node_costs_its_episodes_not_the_run(tmp_path, cluster, terminal_
     out = tmp_path / "run"
     proc = start_train(out, f"ray.address={address}", *RUN)
     wait_for(lambda: (out / "checkpoints" / "step_1" / "complete").is_file(), "step-1 checkpoint", proc=proc, out=out)
-    nodes = rollout_worker_nodes(address)
-    assert second.node_id in nodes and len(nodes) == 2, "SPREAD should put a rollout worker on each node"
+    raylets = rollout_worker_raylets()
+    assert sorted(raylets) == sorted([raylet_pid(cluster.head_node), raylet_pid(second)]), (
+        "SPREAD should put a rollout worker on each node")
     run_id = (out / "run_id").read_text().strip()
     wait_for(lambda: run_containers(docker_client, run_id), "sandbox of step 2", proc=proc, out=out)
     cluster.remove_node(second, allow_graceful=False)
