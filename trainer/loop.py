@@ -96,7 +96,8 @@ def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_se
     return out
 
 
-def lost_episodes(tasks: list[dict], groups: list[str], version: int, worker: int, error: Exception) -> list[Trajectory]:
+def lost_episodes(tasks: list[dict], groups: list[str], version: int, worker: int,
+                  error: Exception) -> list[Trajectory]:
     """The episodes a dead rollout worker had in flight, as failed episodes: counted in metrics (``failed_worker``),
     kept out of the gradient, never silently missing. Their sandboxes carry the run's label: the end-of-run sweep (or
     the reaper) removes them."""
@@ -159,7 +160,8 @@ class RLJob:
         # SPREAD: on a cluster, workers (and so their sandboxes, on each node's own Docker daemon) go to every node
         # max_restarts: a worker that dies (killed, OOM, its node lost) comes back, on any node, for the next episodes;
         # the episodes it had in flight come back failed (``lost_episodes``)
-        worker_actor = ray.remote(num_cpus=0, scheduling_strategy="SPREAD", max_restarts=WORKER_RESTARTS)(RolloutWorker)
+        worker_actor = ray.remote(num_cpus=0, scheduling_strategy="SPREAD",
+                                  max_restarts=WORKER_RESTARTS)(RolloutWorker)
         self.workers = [worker_actor.remote(i, job, run_id, self.engine, images, sandbox_labels)
                         for i in range(cfg.rollout.workers)]
         self.version = 0

@@ -7,7 +7,6 @@ hangs), 12 (what the policy can reach) and, last because it restarts a worker, 7
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import threading
@@ -153,8 +152,9 @@ SECURITY_PROBES = [
     "ls /sys/class/net; tail -n +2 /proc/net/route | wc -l",  # no interface but lo, no route
     "timeout 5 bash -c 'exec 3<>/dev/tcp/1.1.1.1/53' 2>&1 | tail -c 80; echo tcp=${PIPESTATUS[0]}",  # none out
     "ls -la /var/run/docker.sock /run/docker.sock 2>&1; find / -name 'docker.sock' 2>/dev/null | head -3; echo .",
-    "ls -d /work /host /var/lib/docker 2>&1; ls /run/sandforge-root 2>&1; find / -xdev \\( -name 'sandforge*' -o -name verifiers -o -name 'test_*.py' "
-    "-o -name conftest.py \\) -print 2>/dev/null | head; echo .",
+    "ls -d /work /host /var/lib/docker 2>&1; ls /run/sandforge-root 2>&1; "
+    "find / -xdev \\( -name 'sandforge*' -o -name verifiers -o -name 'test_*.py' -o -name conftest.py \\) -print "
+    "2>/dev/null | head; echo .",
     "ps -eo pid,user,args --no-headers; hostname",  # only this sandbox's processes
     "ls -la /workspace /tmp; cat /proc/1/cmdline | tr '\\0' ' '; echo",
     "sudo -n true 2>&1; su -c true root </dev/null 2>&1; echo denied",
