@@ -130,7 +130,7 @@ def observations(traj: Trajectory) -> list[str]:
 
 
 LIVE_JOB = ["warmup.steps=0", "trainer.steps=1", "rollout.workers=2", "rollout.concurrency=4",
-            "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_turns=12", "rollout.max_new_tokens=16",
+            "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_turns=4", "rollout.max_new_tokens=16",
             "rollout.max_context=8192", "rollout.max_tool_output=1024",
             "sandbox.warm_pool=0", "sandbox.exec_timeout=4", "sandbox.memory=256m", "sandbox.pids_limit=64",
             "sandbox.tmp_size=32m", "sandbox.workspace_size=32m", "logging.wandb.mode=disabled",

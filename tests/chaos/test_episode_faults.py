@@ -150,7 +150,7 @@ SECURITY_PROBES = [
     "id -u; id -un",  # not root
     "grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb)' /proc/self/status",  # no capabilities
     "ls /sys/class/net; tail -n +2 /proc/net/route | wc -l",  # no interface but lo, no route
-    "timeout 5 bash -c 'exec 3<>/dev/tcp/1.1.1.1/53' 2>&1 | tail -c 80; echo tcp=${PIPESTATUS[0]}",  # none out
+    "timeout 2 bash -c 'exec 3<>/dev/tcp/1.1.1.1/53' 2>&1 | tail -c 80; echo tcp=${PIPESTATUS[0]}",  # none out
     "ls -la /var/run/docker.sock /run/docker.sock 2>&1; find / -name 'docker.sock' 2>/dev/null | head -3; echo .",
     "ls -d /work /host /var/lib/docker 2>&1; ls /run/sandforge-root 2>&1; "
     "find / -xdev \\( -name 'sandforge*' -o -name verifiers -o -name 'test_*.py' -o -name conftest.py \\) -print "
@@ -166,7 +166,9 @@ def test_the_policy_reaches_nothing_outside_its_sandbox(live_job):
     network, no Docker socket, no host paths, no verifier code, no sign of the other episode; the hidden check's
     secret (used only by the verifier) appears nowhere the policy looks."""
     secret = "chaos-hidden-expected-7f3a"
-    tasks = [scripted(f"probe{i}", *SECURITY_PROBES, f"echo {secret}-{i}-mine > mine.txt",
+    # two commands (two turns), each running its probes in turn with a line "@@" between their outputs
+    commands = ["; echo @@; ".join(SECURITY_PROBES[:5]), "; echo @@; ".join(SECURITY_PROBES[5:])]
+    tasks = [scripted(f"probe{i}", *commands, f"echo {secret}-{i}-mine > mine.txt",
                       checks=[{"verifier": "command", "command": f"test -e /workspace/mine.txt && echo {secret}"}])
              for i in range(2)]
     for t in live_job.collect(tasks):
@@ -174,7 +176,7 @@ def test_the_policy_reaches_nothing_outside_its_sandbox(live_job):
         other = str(1 - int(i))
         obs = observations(t)
         assert not t.failed, t.failure
-        uid, caps, net, tcp, sock, host, procs, files, sudo = obs[:9]
+        uid, caps, net, tcp, sock, host, procs, files, sudo = obs[0].split("@@\n") + obs[1].split("@@\n")
         assert uid.split()[:2] == ["1000", "sandbox"], uid
         held = dict(line.split(":\t") for line in caps.splitlines()[:5])
         assert {k: held[k] for k in ("CapInh", "CapPrm", "CapEff", "CapAmb")} == dict.fromkeys(
