@@ -1,5 +1,5 @@
 """Case 5: the Docker daemon restarts while episodes of a live job run. The in-flight episodes fail cleanly (as data,
-"sandbox: ..."), the job's actors live on, and episodes started once the daemon is back succeed.
+"sandbox: ..." or, if grading is what broke, "verifier: ..."), the job's actors live on, and episodes started once the daemon is back succeed.
 
 Restarting dockerd stops every container on the host, other users' too: this test is marked ``daemon_restart`` so it
 can be left out (``-m "chaos and not daemon_restart"``) or run alone. It restarts dockerd the way
@@ -50,7 +50,7 @@ def restart_dockerd() -> None:
         time.sleep(0.2)
     for pid in dockerd_pids():
         os.kill(pid, signal.SIGKILL)
-    subprocess.run(["sh", "-c", f"nohup dockerd >>{LOG} 2>&1 &"], check=True)
+    subprocess.run(["sh", "-c", f"setsid nohup dockerd >>{LOG} 2>&1 </dev/null &"], check=True)  # outlives pytest
 
 
 @pytest.fixture
@@ -82,7 +82,8 @@ def test_in_flight_episodes_fail_cleanly_and_new_ones_succeed_after_a_daemon_res
     assert time.monotonic() - started < 180
     assert len(got) == 2
     for t in got:
-        assert t.failed and t.failure.startswith("sandbox:"), (t.task.id, t.failure, t.finish_reason)
+        # failed as data, with the reason: its sandbox (or the grading of it) went with the daemon; "error:" is a bug
+        assert t.failed and t.failure.split(":")[0] in ("sandbox", "verifier", "tool"), (t.task.id, t.failure)
         assert t.reward.value == 0.0
 
     wait_for(daemon_answers, "the daemon back", timeout=120)
