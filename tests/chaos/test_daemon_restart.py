@@ -1,5 +1,6 @@
 """Case 5: the Docker daemon restarts while episodes of a live job run. The in-flight episodes fail cleanly (as data,
-"sandbox: ..." or, if grading is what broke, "verifier: ..."), the job's actors live on, and episodes started once the daemon is back succeed.
+"sandbox: ..." or, if grading is what broke, "verifier: ..."), the job's actors live on, and episodes started once
+the daemon is back succeed.
 
 Restarting dockerd stops every container on the host, other users' too: this test is marked ``daemon_restart`` so it
 can be left out (``-m "chaos and not daemon_restart"``) or run alone. It restarts dockerd the way
