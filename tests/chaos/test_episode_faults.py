@@ -7,7 +7,6 @@ hangs), 12 (what the policy can reach) and, last because it restarts a worker, 7
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import threading
 import time
@@ -107,12 +106,12 @@ def test_abuse_stays_inside_its_sandbox(live_job, tmp_path):
     abuse = [
         scripted("fork_bomb", "bomb() { bomb | bomb; }; bomb", "sleep 1; echo after the bomb"),
         scripted("memory_hog", "head -c 600m /dev/zero | tail -c 500m > /dev/null", "echo after the hog"),
-        scripted("disk_filler", "head -c 100m /dev/zero > /workspace/fill; head -c 100m /dev/zero > /tmp/fill; df",
+        scripted("disk_filler",
+                 "head -c 100m /dev/zero > /workspace/fill; head -c 100m /dev/zero > /tmp/fill; df /tmp /workspace",
                  "rm -f /workspace/fill; echo ok > after.txt && cat after.txt"),
         scripted("output_flood", "head -c 10000000 /dev/urandom | base64 -w 100", "yes | head -c 10000000",
                  "echo after the flood"),
     ]
-    host_free = shutil.disk_usage("/").free
     (fine, *hits) = live_job.collect([FINE, *abuse])
     assert not fine.failed and fine.reward.success, fine.failure or fine.reward.reason
     done = by_id(hits)
@@ -128,7 +127,9 @@ def test_abuse_stays_inside_its_sandbox(live_job, tmp_path):
     flood = observations(done["chaos/output_flood"])
     assert all(len(o) < 2_000 for o in flood) and flood[2].startswith("after the flood")
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
-    assert shutil.disk_usage("/").free > host_free - 50 * 1024**2  # and its disk took none of the filler
+    mounts = {line.split()[-1]: int(line.split()[1]) for line in fill[0].splitlines() if line.startswith(("tmpfs", "/"))}
+    assert mounts["/tmp"] <= 32 * 1024 and mounts["/workspace"] <= 32 * 1024, fill[0]  # capped (KiB): the filler
+    # wrote into the sandbox's own size-capped tmpfs (sandbox.tmp_size / workspace_size), never onto the host's disk
     assert live_job.containers() == []
 
 
