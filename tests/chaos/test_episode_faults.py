@@ -127,9 +127,11 @@ def test_abuse_stays_inside_its_sandbox(live_job, tmp_path):
     flood = observations(done["chaos/output_flood"])
     assert all(len(o) < 2_000 for o in flood) and flood[2].startswith("after the flood")
     assert subprocess.run(["true"]).returncode == 0  # the host can still fork
-    mounts = {line.split()[-1]: int(line.split()[1]) for line in fill[0].splitlines() if line.startswith(("tmpfs", "/"))}
-    assert mounts["/tmp"] <= 32 * 1024 and mounts["/workspace"] <= 32 * 1024, fill[0]  # capped (KiB): the filler
-    # wrote into the sandbox's own size-capped tmpfs (sandbox.tmp_size / workspace_size), never onto the host's disk
+    # the filler wrote into the sandbox's own size-capped tmpfs (sandbox.tmp_size / workspace_size, df's 1K-blocks),
+    # never onto the host's disk
+    rows = [line.split() for line in fill[0].splitlines() if line.startswith(("tmpfs", "/"))]
+    mounts = {row[-1]: int(row[1]) for row in rows}
+    assert mounts["/tmp"] <= 32 * 1024 and mounts["/workspace"] <= 32 * 1024, fill[0]
     assert live_job.containers() == []
 
 
