@@ -11,11 +11,12 @@ from sandforge.types import Trajectory
 
 EPISODE_ENDS = ("submit", "max_turns", "context", "timeout", "error")
 TURN_ENDS = ("stop", "length", "context", "timeout")
-FAILURE_KINDS = ("sandbox", "verifier", "engine", "tool", "env", "error")
+FAILURE_KINDS = ("sandbox", "verifier", "engine", "tool", "env", "worker", "error")
 
 
 def _failure_kind(t: Trajectory) -> str:
-    """"sandbox", "verifier", "engine", "tool", "env" or "error": the prefix the agent and worker give a failure."""
+    """"sandbox", "verifier", "engine", "tool", "env", "worker" or "error": the prefix the agent and worker give a
+    failure ("worker": the rollout worker running it died)."""
     kind = t.failure.split(":", 1)[0].strip()
     return kind if kind in FAILURE_KINDS else "error"
 

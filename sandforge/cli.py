@@ -56,6 +56,49 @@ def validate_job(cfg: JobConfig, source: str = "config") -> None:
                           f"({n_experts}); change model.k3.n_experts or trainer.expert_parallel")
 
 
+def check_host(cfg: JobConfig, source: str = "config") -> None:
+    """What this host cannot give the job, found before anything starts: one sandbox needing more memory or cpus than
+    the machine has, a runtime or a named base image the Docker daemon lacks. (On a cluster, ``ray.address``, the
+    sandboxes run on other nodes, so only the Docker checks apply.)"""
+    import os
+
+    from docker.utils import parse_bytes
+
+    s = cfg.sandbox
+    if cfg.ray.address is None:
+        try:
+            memory = parse_bytes(s.memory)
+        except Exception:  # noqa: BLE001 - docker's own error names no key
+            raise ConfigError(f"{source}: 'sandbox.memory' = {s.memory!r} is not a size such as 512m or 2g") from None
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if memory > host:
+            raise ConfigError(f"{source}: 'sandbox.memory' = {s.memory} is more than this machine has "
+                              f"({host / 2**30:.1f} GiB); lower sandbox.memory")
+        if s.cpus > (os.cpu_count() or 1):
+            raise ConfigError(f"{source}: 'sandbox.cpus' = {s.cpus:g} is more than this machine has "
+                              f"({os.cpu_count()}); lower sandbox.cpus")
+    if s.base_image is None and s.runtime is None:
+        return
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError, docker_client
+
+    try:
+        client = docker_client()
+    except SandboxError:
+        return  # the run reports the missing daemon itself, with what to do
+    if s.runtime is not None and s.runtime not in (client.info().get("Runtimes") or {}):
+        raise ConfigError(f"{source}: 'sandbox.runtime' = {s.runtime!r}: the Docker daemon has no such runtime "
+                          f"(it has: {', '.join(sorted(client.info().get('Runtimes') or {}))})")
+    if s.base_image is not None:
+        import docker.errors
+
+        try:
+            client.images.get(s.base_image)
+        except docker.errors.ImageNotFound:
+            raise ConfigError(f"{source}: 'sandbox.base_image' = {s.base_image!r} is not a local image: "
+                              f"`docker pull {s.base_image}` (or `docker load`) first, or leave sandbox.base_image "
+                              "unset to bootstrap Debian bookworm") from None
+
+
 @app.command()
 def train(
     config: Path = typer.Argument(..., help="Job YAML, e.g. configs/quickstart.yaml"),
@@ -71,6 +114,7 @@ def train(
     try:
         cfg = load_config(config, overrides)
         validate_job(cfg, str(config))
+        check_host(cfg, str(config))
     except ConfigError as e:
         fail(str(e))
     if resume:
@@ -94,6 +138,7 @@ def sft(
     try:
         cfg = load_config(config, list(overrides or []))
         validate_job(cfg, str(config))
+        check_host(cfg, str(config))
         if not cfg.warmup.steps:
             raise ConfigError(f"{config}: 'warmup.steps' is 0: sandforge sft needs some SFT steps")
     except ConfigError as e:

@@ -74,7 +74,7 @@ class AsyncDriver:
         self.served = job.version  # the version the engine serves; the trainer thread raises it after each push
         self.queue: deque[tuple[int, Task, str]] = deque()  # episodes not started yet, in batch order
         self.planned = start  # batches whose episodes have been sampled
-        self.in_flight: dict = {}  # ObjectRef -> (batch, worker)
+        self.in_flight: dict = {}  # ObjectRef -> (batch, worker, task, group)
         self.load = [0] * len(job.workers)
         self.batches: dict[int, list[Trajectory]] = defaultdict(list)
         self.trainer = ThreadPoolExecutor(1, thread_name_prefix="trainer")
@@ -136,7 +136,7 @@ class AsyncDriver:
             self.queue.popleft()
             w = min(range(len(self.load)), key=self.load.__getitem__)
             ref = self.job.workers[w].run_episodes.remote([asdict(task)], [group], self.served)
-            self.in_flight[ref] = (b, w)
+            self.in_flight[ref] = (b, w, task, group)
             self.load[w] += 1
 
     def _wait(self, bar) -> None:
@@ -151,9 +151,14 @@ class AsyncDriver:
         if done:
             done, _ = ray.wait(list(self.in_flight), num_returns=len(self.in_flight), timeout=0)
         for ref in done:
-            b, w = self.in_flight.pop(ref)
+            b, w, task, group = self.in_flight.pop(ref)
             self.load[w] -= 1
-            self.batches[b] += [Trajectory.from_dict(d) for d in ray.get(ref)]
+            try:
+                self.batches[b] += [Trajectory.from_dict(d) for d in ray.get(ref)]
+            except ray.exceptions.RayActorError as e:  # the worker died; Ray restarts it: this episode failed
+                from sandforge.trainer.loop import lost_episodes
+
+                self.batches[b] += lost_episodes([asdict(task)], [group], self.served, w, e)
             self.job.bar.advance(bar)
 
     def _train(self, step: int, trajs: list[Trajectory]) -> tuple[dict, list[Trajectory], float]:

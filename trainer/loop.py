@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 from dataclasses import asdict
 import signal
 import socket
@@ -29,9 +30,10 @@ from sandforge.rollout.tasks import TaskSampler
 from sandforge.runlog import RunLogger
 from sandforge.trainer.weight_sync import WeightSync
 from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
-from sandforge.types import Task, Trajectory
+from sandforge.types import Reward, Task, Trajectory
 
 console = Console(stderr=True)
+WORKER_RESTARTS = 4  # per rollout worker and run
 
 
 class JobError(RuntimeError):
@@ -77,17 +79,33 @@ def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_se
         shards[i % len(workers)][1].append(group)
         shards[i % len(workers)][2].append(episode_seed(run_seed, group, seen[group]))
     pending = {
-        w.run_episodes.remote(ts, gs, version, scripted, ss): len(ts)
-        for w, (ts, gs, ss) in zip(workers, shards) if ts
+        w.run_episodes.remote(ts, gs, version, scripted, ss): (i, ts, gs)
+        for i, (w, (ts, gs, ss)) in enumerate(zip(workers, shards)) if ts
     }
     out: list[Trajectory] = []
     job = bar.add_task(label, total=len(tasks))
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
-        out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
-        bar.advance(job, pending.pop(done[0]))
+        index, ts, gs = pending.pop(done[0])
+        try:
+            out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
+        except ray.exceptions.RayActorError as e:  # the worker died (killed, OOM, node lost); Ray restarts it
+            out += lost_episodes(ts, gs, version, index, e)
+        bar.advance(job, len(ts))
     bar.remove_task(job)
     return out
+
+
+def lost_episodes(tasks: list[dict], groups: list[str], version: int, worker: int,
+                  error: Exception) -> list[Trajectory]:
+    """The episodes a dead rollout worker had in flight, as failed episodes: counted in metrics (``failed_worker``),
+    kept out of the gradient, never silently missing. Their sandboxes carry the run's label: the end-of-run sweep (or
+    the reaper) removes them."""
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = f"worker: rollout worker {worker} died mid-episode ({type(error).__name__}: {cause})"
+    return [Trajectory(task=Task.from_dict(t), group=g, failed=True, failure=reason, finish_reason="error",
+                       policy_version=version, reward=Reward(0.0, False, reason=reason), metadata={"worker": worker})
+            for t, g in zip(tasks, groups)]
 
 
 def eval_line(summary: dict) -> str:
@@ -140,7 +158,10 @@ class RLJob:
         )
         job = cfg.model_dump(mode="json")
         # SPREAD: on a cluster, workers (and so their sandboxes, on each node's own Docker daemon) go to every node
-        worker_actor = ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(RolloutWorker)
+        # max_restarts: a worker that dies (killed, OOM, its node lost) comes back, on any node, for the next episodes;
+        # the episodes it had in flight come back failed (``lost_episodes``)
+        worker_actor = ray.remote(num_cpus=0, scheduling_strategy="SPREAD",
+                                  max_restarts=WORKER_RESTARTS)(RolloutWorker)
         self.workers = [worker_actor.remote(i, job, run_id, self.engine, images, sandbox_labels)
                         for i in range(cfg.rollout.workers)]
         self.version = 0
@@ -180,8 +201,11 @@ class RLJob:
         from sandforge.environments.sandbox.stats import SandboxStats
 
         stats = SandboxStats()
-        for exported in ray.get([w.sandbox_stats.remote() for w in self.workers]):
-            stats.absorb(exported)
+        for ref in [w.sandbox_stats.remote() for w in self.workers]:
+            try:
+                stats.absorb(ray.get(ref))
+            except ray.exceptions.RayActorError:  # a worker that died for good: its samples went with it
+                pass
         return stats.snapshot()
 
     def close(self) -> None:
@@ -419,6 +443,18 @@ def _write_report(out: Path) -> None:
         console.print(f"report: {png} and {html}", soft_wrap=True)
 
 
+def actor_died(error: Exception, out: Path) -> str:
+    """One line for a run stopped by a dead actor: which one, and how to continue from the last checkpoint."""
+    latest = out / "checkpoints" / "latest"
+    last = latest.read_text().strip() if latest.is_file() else None
+    name = re.search(r"class_name: (\w+)", str(error))
+    who = f"a {name.group(1)} actor" if name else "an actor of the run"
+    if not last:
+        return f"{who} died (killed, out of memory or its node lost) before the first checkpoint: start the run again"
+    return (f"{who} died (killed, out of memory or its node lost), so the run stopped; continue it from its last "
+            f"checkpoint ({last}) with `sandforge train CONFIG --resume {out}`")
+
+
 def _kept_on_resume(row: dict, start: int) -> bool:
     """Rows a run resumed after ``start`` RL steps keeps: the warm start's, RL steps before ``start``, evaluations of
     the policy at ``start`` or earlier (an evaluation at step s measures the policy after s steps)."""
@@ -540,6 +576,8 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping actors and removing this run's containers[/]")
         raise
+    except ray.exceptions.RayActorError as e:  # a trainer rank or the engine died (killed, OOM, node lost)
+        raise JobError(actor_died(e, out)) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
         if logger is not None:

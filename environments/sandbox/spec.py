@@ -126,8 +126,13 @@ _user_ids: dict[tuple[str, str], tuple[int, int]] = {}
 _user_ids_lock = threading.Lock()
 
 
-def _ids_of(client: docker.DockerClient, image: str, user: str) -> tuple[int, int]:
-    """(uid, gid) of ``user`` in ``image``: read once per image from its /etc/passwd by a container never started."""
+def _ids_of(
+    client: docker.DockerClient, image: str, user: str, labels: dict[str, str] | None = None
+) -> tuple[int, int]:
+    """(uid, gid) of ``user`` in ``image``: read once per image from its /etc/passwd by a container never started.
+
+    The probe carries ``labels`` (a sandbox's: its run and driver), so a probe left by a driver killed mid-read is
+    removed by the reaper with the rest of that run's containers."""
     uid, _, gid = user.partition(":")
     if uid.isdigit():
         return int(uid), int(gid) if gid.isdigit() else int(uid)
@@ -135,7 +140,7 @@ def _ids_of(client: docker.DockerClient, image: str, user: str) -> tuple[int, in
     with _user_ids_lock:
         if key not in _user_ids:
             probe = client.api.create_container(
-                image, command=["true"], network_disabled=True, labels={LABEL_PROBE: "user"}
+                image, command=["true"], network_disabled=True, labels={**(labels or {}), LABEL_PROBE: "user"}
             )["Id"]
             try:
                 chunks, _ = client.api.get_archive(probe, "/etc/passwd")
@@ -155,7 +160,7 @@ def _ids_of(client: docker.DockerClient, image: str, user: str) -> tuple[int, in
 def _workspace_mount(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str]) -> Mount:
     if spec.workspace_size is None:  # a plain anonymous volume: Docker copies the image's workdir into it
         return Mount(spec.workdir, None, type="volume", labels=labels)
-    uid, gid = _ids_of(client, spec.image, spec.user)
+    uid, gid = _ids_of(client, spec.image, spec.user, labels)
     options = f"size={parse_size(spec.workspace_size)},uid={uid},gid={gid},mode=0755"
     tmpfs = DriverConfig("local", {"type": "tmpfs", "device": "tmpfs", "o": options})
     return Mount(spec.workdir, None, type="volume", labels=labels, driver_config=tmpfs)

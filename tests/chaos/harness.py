@@ -1,0 +1,186 @@
+"""Helpers for the chaos suite (conftest.py makes ``live_job`` a fixture): faults are injected into real running jobs,
+never into fakes.
+
+Two kinds of running job:
+- ``sandforge train`` in a subprocess of its own session (``start_train``), watched through its run directory and
+  ``docker ps`` with the run label, killed like a crash (``kill_session``) and resumed.
+- ``live_job``: an RLJob in this process (real Ray actors: trainer rank, engine, rollout workers; real containers), for
+  faults aimed at one episode. Its episodes replay scripted tool calls (``scripted``), so a test knows which
+  episode is inside which command when it strikes; its verifiers include the broken ones in chaos_verifiers.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from sandforge.types import Task, ToolCall, Trajectory
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAOS_DIR = Path(__file__).resolve().parent
+
+# one RL step of the smallest job that still runs every part: 1 task x 2 samples, 2 short turns, no warm start
+TINY_RUN = ["warmup.steps=0", "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=2",
+            "rollout.max_new_tokens=16", "rollout.workers=1", "rollout.concurrency=2", "sandbox.warm_pool=0",
+            "logging.wandb.mode=disabled", "logging.sample_trajectories=0", "model.k3.n_experts=4"]
+
+
+def sandforge(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sandforge.cli", *args]
+
+
+def start_train(out: Path, *overrides: str, resume: bool = False) -> subprocess.Popen:
+    """``sandforge train`` of the tiny quickstart into ``out``, in a session of its own; stderr goes to out.log."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = open(f"{out}.log", "a")
+    args = ["train", "configs/quickstart.yaml", f"run.output_dir={out}", *TINY_RUN, *overrides]
+    if resume:
+        args.append("--resume")
+    return subprocess.Popen(sandforge(*args), cwd=ROOT, stdout=log, stderr=log, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
+    """The exit status of a ``start_train`` run; on a timeout everything it started is killed and the test fails."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc)
+        pytest.fail(f"the run did not end within {timeout:.0f} s")
+
+
+def run_log(out: Path) -> str:
+    return Path(f"{out}.log").read_text(errors="replace")
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver and everything it started (Ray's processes share its session), like a crash."""
+    sid = proc.pid
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    for pid in os.listdir("/proc"):  # anything of that session that left the process group
+        if pid.isdigit():
+            try:
+                if os.getsid(int(pid)) == sid:
+                    os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 300,
+             proc: subprocess.Popen | None = None, out: Path | None = None) -> object:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` (with the run's log) otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{run_log(out)[-4000:] if out else ''}")
+        if time.monotonic() > deadline:
+            if proc is not None:
+                kill_session(proc)
+            pytest.fail(f"no {what} within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def run_containers(client, run_id: str) -> list:
+    from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN
+
+    return client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL_RUN}={run_id}"})
+
+
+def trajectories(out: Path) -> list[dict]:
+    import json
+
+    path = out / "trajectories.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def metric_rows(out: Path, phase: str = "rl") -> list[dict]:
+    import json
+
+    path = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if r.get("phase") == phase]
+
+
+# --- an RLJob in this process ---------------------------------------------------------------------------------------
+
+
+def scripted(name: str, *commands: str, checks: list[dict] | None = None, setup: dict | None = None) -> Task:
+    """A terminal task whose episode runs ``commands`` in the policy's shell, one per turn, then submits."""
+    solution = [ToolCall("bash", {"command": c}) for c in commands] + [ToolCall("submit")]
+    return Task(id=f"chaos/{name}", env="terminal", family="chaos", seed=0, instruction=f"chaos: {name}",
+                setup=setup or {}, checks=checks or [{"verifier": "command", "command": "true"}], solution=solution)
+
+
+def observations(traj: Trajectory) -> list[str]:
+    return [o for turn in traj.turns for o in turn.observations]
+
+
+LIVE_JOB = ["warmup.steps=0", "trainer.steps=1", "rollout.workers=2", "rollout.concurrency=4",
+            "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_turns=4", "rollout.max_new_tokens=16",
+            "rollout.max_context=8192", "rollout.max_tool_output=1024",
+            "sandbox.warm_pool=0", "sandbox.exec_timeout=4", "sandbox.memory=256m", "sandbox.pids_limit=64",
+            "sandbox.tmp_size=32m", "sandbox.workspace_size=32m", "logging.wandb.mode=disabled",
+            "logging.sample_trajectories=0", "model.k3.n_experts=4"]
+
+
+class LiveJob:
+    """An RLJob and the ways to reach it: ``collect`` runs episodes on its rollout workers."""
+
+    def __init__(self, job, client, out: Path):
+        self.job, self.client, self.out = job, client, out
+        self.run_id = job.run_id
+        self.calls = 0
+
+    def collect(self, tasks: list[Task], scripted_policy: bool = True) -> list[Trajectory]:
+        self.calls += 1
+        groups = [f"chaos{self.calls}/{i}" for i in range(len(tasks))]
+        return self.job.collect(tasks, groups, scripted=scripted_policy, label="chaos")
+
+    def containers(self) -> list:
+        return run_containers(self.client, self.run_id)
+
+
+@pytest.fixture(scope="module")
+def live_job(tmp_path_factory, terminal_image, docker_client):
+    import ray
+
+    from sandforge.config import load_config
+    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.lifecycle import driver_labels
+    from sandforge.runlog import RunLogger
+    from sandforge.trainer.loop import RLJob, job_images, progress
+
+    out = tmp_path_factory.mktemp("live") / "run"
+    cfg = load_config(ROOT / "configs/quickstart.yaml", [f"run.output_dir={out}", *LIVE_JOB])
+    run_id = f"chaos-{uuid.uuid4().hex[:10]}"
+    images = build_images([], client=docker_client, show_progress=False, contexts=job_images(cfg))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2,
+             runtime_env={"env_vars": {"PYTHONPATH": str(CHAOS_DIR)},
+                          "worker_process_setup_hook": "chaos_verifiers.register_all"})
+    logger = RunLogger(out, cfg, run_id)
+    job = None
+    try:
+        with progress() as bar:
+            job = RLJob(cfg, run_id, images, logger, bar, driver_labels(run_id))
+            yield LiveJob(job, docker_client, out)
+    finally:
+        logger.close()
+        if job is not None:
+            job.close()
+        ray.shutdown()
+        remove_run_containers(run_id, docker_client)
