@@ -41,7 +41,7 @@ class RayConfig(Section):
 
 
 class SandboxConfig(Section):
-    base_image: str | None = None  # pulled when a registry answers; otherwise a Debian base is bootstrapped locally
+    base_image: str | None = None  # a local image to build env images FROM; None: Debian bookworm bootstrapped locally
     mirror: str = "http://deb.debian.org/debian"
     memory: str = "512m"  # memory+swap; the tmpfs workspace, /tmp and output spool count towards it
     cpus: float = Field(0.5, gt=0)
