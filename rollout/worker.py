@@ -119,6 +119,10 @@ class RolloutWorker:
         traj.metadata["worker"] = self.worker_id
         return traj.to_dict()
 
+    def ready(self) -> int:
+        """Answers once the worker is up (the driver waits on it after Ray restarts a worker)."""
+        return self.worker_id
+
     def sandbox_stats(self) -> dict:
         """This worker's sandbox samples and counters since the last call (the driver merges all workers')."""
         return self.stats.export(reset=True)

@@ -156,7 +156,7 @@ class AsyncDriver:
             try:
                 self.batches[b] += [Trajectory.from_dict(d) for d in ray.get(ref)]
             except ray.exceptions.RayActorError as e:  # the worker died; Ray restarts it: this episode failed
-                from sandforge.trainer.loop import lost_episodes
+                from sandforge.trainer.workers import lost_episodes
 
                 self.batches[b] += lost_episodes([asdict(task)], [group], self.served, w, e)
             self.job.bar.advance(bar)

@@ -14,7 +14,8 @@ from pathlib import Path
 from rich.table import Table
 
 from sandforge.config import JobConfig
-from sandforge.trainer.loop import collect_episodes, console, make_run_id, progress
+from sandforge.trainer.loop import console, make_run_id, progress
+from sandforge.trainer.workers import collect_episodes, start_workers
 
 
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dict:
@@ -50,9 +51,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
         ray.get(engine.load_weights.remote({k: v.detach() for k, v in policy.state_dict().items()}, 0))
         del policy
         job = cfg.model_dump(mode="json")
-        worker_actor = ray.remote(num_cpus=0, scheduling_strategy="SPREAD")(RolloutWorker)
-        workers = [worker_actor.remote(i, job, run_id, engine, images, driver_labels(run_id))
-                   for i in range(cfg.rollout.workers)]
+        workers = start_workers(RolloutWorker, cfg.rollout.workers, job, run_id, engine, images, driver_labels(run_id))
         episodes = [(task, f"eval/{task.id}") for task in tasks for _ in range(e.samples)]
         with progress() as bar:
             trajs = collect_episodes(workers, [x[0] for x in episodes], [x[1] for x in episodes], cfg.run.seed, 0,

@@ -8,11 +8,9 @@ from a policy that already calls tools.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import re
-from dataclasses import asdict
 import signal
 import socket
 import sys
@@ -29,11 +27,12 @@ from sandforge.rollout.metrics import rollout_metrics
 from sandforge.rollout.tasks import TaskSampler
 from sandforge.runlog import RunLogger
 from sandforge.trainer.weight_sync import WeightSync
+from sandforge.trainer.workers import collect_episodes, start_workers
+from sandforge.trainer.eta import RunClock, RunPlan
 from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
-from sandforge.types import Reward, Task, Trajectory
+from sandforge.types import Task, Trajectory
 
 console = Console(stderr=True)
-WORKER_RESTARTS = 4  # per rollout worker and run
 
 
 class JobError(RuntimeError):
@@ -42,12 +41,6 @@ class JobError(RuntimeError):
 
 def make_run_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-
-
-def episode_seed(run_seed: int, group: str, index: int) -> int:
-    """Sampling seed of episode ``index`` of ``group`` (the group names the step): the same on a resumed run."""
-    digest = hashlib.blake2b(f"{run_seed}/{group}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % 2**63
 
 
 def free_port() -> int:
@@ -64,48 +57,6 @@ def progress() -> Progress:
 def training_rows(trajs: list[Trajectory]) -> list[dict]:
     return [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
              "routed_experts": t.routed_experts} for t in trajs]
-
-
-def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_seed: int, version: int,
-                     scripted: bool, bar: Progress, label: str) -> list[Trajectory]:
-    """Spread episodes over rollout workers (Ray handles) and gather them all, failed ones included, with a bar."""
-    import ray
-
-    shards = [([], [], []) for _ in workers]
-    seen: dict[str, int] = {}
-    for i, (task, group) in enumerate(zip(tasks, groups)):
-        seen[group] = seen.get(group, -1) + 1  # the episode's index within its group
-        shards[i % len(workers)][0].append(asdict(task))
-        shards[i % len(workers)][1].append(group)
-        shards[i % len(workers)][2].append(episode_seed(run_seed, group, seen[group]))
-    pending = {
-        w.run_episodes.remote(ts, gs, version, scripted, ss): (i, ts, gs)
-        for i, (w, (ts, gs, ss)) in enumerate(zip(workers, shards)) if ts
-    }
-    out: list[Trajectory] = []
-    job = bar.add_task(label, total=len(tasks))
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        index, ts, gs = pending.pop(done[0])
-        try:
-            out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
-        except ray.exceptions.RayActorError as e:  # the worker died (killed, OOM, node lost); Ray restarts it
-            out += lost_episodes(ts, gs, version, index, e)
-        bar.advance(job, len(ts))
-    bar.remove_task(job)
-    return out
-
-
-def lost_episodes(tasks: list[dict], groups: list[str], version: int, worker: int,
-                  error: Exception) -> list[Trajectory]:
-    """The episodes a dead rollout worker had in flight, as failed episodes: counted in metrics (``failed_worker``),
-    kept out of the gradient, never silently missing. Their sandboxes carry the run's label: the end-of-run sweep (or
-    the reaper) removes them."""
-    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    reason = f"worker: rollout worker {worker} died mid-episode ({type(error).__name__}: {cause})"
-    return [Trajectory(task=Task.from_dict(t), group=g, failed=True, failure=reason, finish_reason="error",
-                       policy_version=version, reward=Reward(0.0, False, reason=reason), metadata={"worker": worker})
-            for t, g in zip(tasks, groups)]
 
 
 def eval_line(summary: dict) -> str:
@@ -133,6 +84,7 @@ class RLJob:
         from sandforge.trainer.actor import TrainerRank
 
         self.cfg, self.run_id, self.logger, self.bar = cfg, run_id, logger, bar
+        self.clock: RunClock | None = None  # the whole run's ETA (trainer/eta.py), fed with what each kind of work costs
         self.rng = random.Random(cfg.run.seed)
         self.sampler = TaskSampler(cfg.environments, cfg.run.seed)
         self.output_dir = Path(cfg.run.output_dir).resolve()
@@ -156,14 +108,11 @@ class RLJob:
         self.engine = ray.remote(num_cpus=0)(InferenceEngine).remote(
             policy_cfg, cfg.engine.max_batch_size, cfg.engine.session_memory_mb, cfg.run.seed, os.cpu_count() or 1
         )
-        job = cfg.model_dump(mode="json")
-        # SPREAD: on a cluster, workers (and so their sandboxes, on each node's own Docker daemon) go to every node
-        # max_restarts: a worker that dies (killed, OOM, its node lost) comes back, on any node, for the next episodes;
-        # the episodes it had in flight come back failed (``lost_episodes``)
-        worker_actor = ray.remote(num_cpus=0, scheduling_strategy="SPREAD",
-                                  max_restarts=WORKER_RESTARTS)(RolloutWorker)
-        self.workers = [worker_actor.remote(i, job, run_id, self.engine, images, sandbox_labels)
-                        for i in range(cfg.rollout.workers)]
+        # one worker per node in turn (trainer/workers.py), so on a cluster every node's Docker daemon runs sandboxes; a
+        # worker that dies (killed, OOM, its node lost) is restarted by Ray for the next episodes, and the episodes it
+        # had in flight come back failed (``lost_episodes``)
+        self.workers = start_workers(RolloutWorker, cfg.rollout.workers, cfg.model_dump(mode="json"), run_id,
+                                     self.engine, images, sandbox_labels)
         self.version = 0
         # with expert parallelism (experts) or ZeRO-3 (every parameter) the model is spread over the ranks: all of them
         # take part in gathering the whole model, and rank 0's copy goes to the engine
@@ -176,8 +125,15 @@ class RLJob:
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included."""
-        return collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
-                                label)
+        t0 = time.monotonic()
+        trajs = collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
+                                 label)
+        self.tick("scripted" if scripted else "episode", len(tasks), time.monotonic() - t0)
+        return trajs
+
+    def tick(self, kind: str, units: int, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.add(kind, units, seconds)
 
     def evaluate(self, step: int) -> dict:
         """Held-out success of the current policy (``eval`` config): logged as an ``eval`` row; returns the summary."""
@@ -270,7 +226,9 @@ class RLJob:
         losses = []
         for step in range(w.steps):
             batch = self.rng.sample(demos, min(w.batch_size, len(demos)))
+            t0 = time.monotonic()
             m = self.train(training_rows(batch), mode="sft")
+            self.tick("sft", 1, time.monotonic() - t0)
             losses.append(m["loss"])
             self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
             self.bar.update(job, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
@@ -351,6 +309,7 @@ class RLJob:
         self.version += 1
         self.push_weights()
         t3 = time.perf_counter()
+        self.tick("update", 1, t3 - t1)
         self.logger.log_trajectories(step, "rl", trajs)
         metrics |= {"step": step, "policy/version": self.version, "time/rollout": t1 - t0, "time/train": t2 - t1,
                     "time/weight_sync": t3 - t2, "time/step": t3 - t0}
@@ -541,11 +500,14 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
         logger = RunLogger(out, cfg, run_id, resume=resume)
         with progress() as bar:
             job = RLJob(cfg, run_id, images, logger, bar, driver_labels(run_id))
+            job.clock = RunClock(RunPlan.of(cfg, start, warm=not resume, sft_only=sft_only))
+            bar.console.print(job.clock.line(), soft_wrap=True)
             if resume:
                 job.restore(start)
             else:
                 if cfg.warmup.steps:
                     job.warmup()
+                    bar.console.print(job.clock.line(), soft_wrap=True)
                 job.checkpoint(0)  # the policy RL starts from (after the warm start), for comparison and evaluation
             if sft_only:
                 policy = checkpoint_dir(out, 0) / "policy"
@@ -556,11 +518,12 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
             total, e = cfg.trainer.steps, cfg.eval
             if record is not None and not record.has(start) and (start == 0 or (e.every and start % e.every == 0)):
                 record.add(job.evaluate(start))  # before RL: the SFT checkpoint
+                bar.console.print(job.clock.line(), soft_wrap=True)
             steps = bar.add_task("RL steps", total=total, completed=start)
             for step, metrics in rl_steps(job, start):
                 logger.log("rl", metrics)
                 bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
-                bar.console.print(step_line(step, total, metrics), soft_wrap=True)  # stays above the bars
+                bar.console.print(f"{step_line(step, total, metrics)}  ({job.clock.line()})", soft_wrap=True)
                 every = cfg.trainer.checkpoint_every
                 if every and (step + 1) % every == 0 and step + 1 < total:
                     job.checkpoint(step + 1)

@@ -1,0 +1,112 @@
+"""Rollout workers seen from the driver: where they run, how episodes are spread over them, what a dead one costs.
+
+Placement: worker i goes to alive node i mod n (soft node affinity), so on a cluster every node's Docker daemon runs
+sandboxes; soft, so a worker whose node is lost restarts on a node that is left (``max_restarts``). Before each
+batch the driver waits until every worker answers: one just restarted by Ray takes its episodes again instead of
+failing them because it was still coming up. Episodes a worker had in flight when it died come back failed
+(``lost_episodes``), counted in metrics, never silently missing and never run twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict
+
+from rich.progress import Progress
+
+from sandforge.types import Reward, Task, Trajectory
+
+WORKER_RESTARTS = 4  # per rollout worker and run
+READY_TIMEOUT_S = 120.0  # how long a batch waits for a restarting worker before handing it its episodes anyway
+
+
+def episode_seed(run_seed: int, group: str, index: int) -> int:
+    """Sampling seed of episode ``index`` of ``group`` (the group names the step): the same on a resumed run."""
+    digest = hashlib.blake2b(f"{run_seed}/{group}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+def worker_strategies(n: int) -> list:
+    """A scheduling strategy per worker: round-robin over the alive nodes (soft node affinity); one node: default."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+    if len(nodes) < 2:
+        return ["DEFAULT"] * n
+    head = ray.get_runtime_context().get_node_id()  # the driver's node first, then the others in a fixed order
+    nodes = sorted(nodes, key=lambda node_id: (node_id != head, node_id))
+    return [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) for i in range(n)]
+
+
+def start_workers(worker_class: type, n: int, *args, restarts: int = WORKER_RESTARTS) -> list:
+    """``n`` rollout worker actors (``worker_class(i, *args)``), placed by ``worker_strategies``; Ray restarts one
+    that dies up to ``restarts`` times."""
+    import ray
+
+    return [ray.remote(num_cpus=0, scheduling_strategy=strategy, max_restarts=restarts)(worker_class).remote(i, *args)
+            for i, strategy in enumerate(worker_strategies(n))]
+
+
+def wait_ready(workers: list, timeout: float = READY_TIMEOUT_S) -> None:
+    """Wait until every worker answers ``ready()``: a worker Ray is restarting gets the time to come back. A worker
+    that is gone for good (restarts used up) or still down after ``timeout`` gets its episodes anyway: they come back
+    failed through ``collect_episodes``."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    for w in workers:
+        while True:
+            try:
+                ray.get(w.ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except ray.exceptions.ActorDiedError:
+                break  # restarts used up: nothing to wait for
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+
+
+def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_seed: int, version: int,
+                     scripted: bool, bar: Progress, label: str) -> list[Trajectory]:
+    """Spread episodes over rollout workers (Ray handles) and gather them all, failed ones included, with a bar."""
+    import ray
+
+    wait_ready(workers)
+    shards = [([], [], []) for _ in workers]
+    seen: dict[str, int] = {}
+    for i, (task, group) in enumerate(zip(tasks, groups)):
+        seen[group] = seen.get(group, -1) + 1  # the episode's index within its group
+        shards[i % len(workers)][0].append(asdict(task))
+        shards[i % len(workers)][1].append(group)
+        shards[i % len(workers)][2].append(episode_seed(run_seed, group, seen[group]))
+    pending = {
+        w.run_episodes.remote(ts, gs, version, scripted, ss): (i, ts, gs)
+        for i, (w, (ts, gs, ss)) in enumerate(zip(workers, shards)) if ts
+    }
+    out: list[Trajectory] = []
+    job = bar.add_task(label, total=len(tasks))
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        index, ts, gs = pending.pop(done[0])
+        try:
+            out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
+        except ray.exceptions.RayActorError as e:  # the worker died (killed, OOM, node lost); Ray restarts it
+            out += lost_episodes(ts, gs, version, index, e)
+        bar.advance(job, len(ts))
+    bar.remove_task(job)
+    return out
+
+
+def lost_episodes(tasks: list[dict], groups: list[str], version: int, worker: int,
+                  error: Exception) -> list[Trajectory]:
+    """The episodes a dead rollout worker had in flight, as failed episodes: counted in metrics (``failed_worker``),
+    kept out of the gradient, never silently missing. Their sandboxes carry the run's label: the end-of-run sweep (or
+    the reaper) removes them."""
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = f"worker: rollout worker {worker} died mid-episode ({type(error).__name__}: {cause})"
+    return [Trajectory(task=Task.from_dict(t), group=g, failed=True, failure=reason, finish_reason="error",
+                       policy_version=version, reward=Reward(0.0, False, reason=reason), metadata={"worker": worker})
+            for t, g in zip(tasks, groups)]
