@@ -4,7 +4,7 @@
     python bench/trainer.py --sections async_vs_sync [--steps 6] [--delay 30] [--max-staleness 2] [--concurrency 6]
 
 Sections (each returns a dict of JSON keys; ``main`` merges them):
-- async_vs_sync: whole jobs of configs/quickstart.yaml, shrunk, on real parts (Docker, Ray, DeepSpeed): the same job
+- async_vs_sync: whole jobs of configs/terminal.yaml, shrunk, on real parts (Docker, Ray, DeepSpeed): the same job
   (same seed, steps, tasks and episodes: ``rollout.tasks_per_step`` x ``group_size`` per step, k3-nano, no warm
   start) in ``trainer.mode: sync`` and ``async``, with a slow environment: every terminal task gets a setup command
   ``sleep --delay`` (a service that takes seconds to come up), so episodes spend most of their time waiting, as
@@ -62,7 +62,7 @@ def _job(mode: str, out: Path, args) -> list[dict]:
     from sandforge.config import load_config
     from sandforge.trainer import loop
 
-    cfg = load_config(ROOT / "configs/quickstart.yaml", [
+    cfg = load_config(ROOT / "configs/terminal.yaml", [
         f"run.output_dir={out}", f"trainer.steps={args.steps}", f"trainer.mode={mode}",
         f"trainer.max_staleness={args.max_staleness}", "warmup.steps=0", "logging.wandb.mode=disabled",
         "rollout.workers=2", f"rollout.concurrency={args.concurrency}", "rollout.tasks_per_step=2",

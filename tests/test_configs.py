@@ -1,6 +1,7 @@
 """Every YAML in configs/ is a valid job, and the mixed one trains a step over all built-in environments at once.
 
-(Each environment's own config has its one-step test beside the environment's tests; quickstart's is test_train_e2e.)
+(Each environment's own config has its one-step test beside the environment's tests; terminal's is test_train_e2e,
+quickstart's (shortened) is test_quickstart.)
 """
 
 import json
@@ -20,7 +21,7 @@ BUILTIN = {"terminal", "repo", "slack", "notion", "browser"}
 
 def test_there_is_one_config_per_environment_and_a_mixed_one():
     names = {p.stem for p in CONFIGS}
-    assert {"quickstart", "mixed", "repo", "slack", "notion", "browser", "harbor"} <= names
+    assert {"quickstart", "terminal", "mixed", "repo", "slack", "notion", "browser", "harbor"} <= names
     mixed = load_config(ROOT / "configs" / "mixed.yaml", [])
     assert {e.name for e in mixed.environments} == BUILTIN
 

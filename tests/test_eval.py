@@ -76,7 +76,7 @@ SHORT = ["warmup.episodes=4", "rollout.tasks_per_step=1", "rollout.group_size=2"
 @pytest.mark.slow
 def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_image):
     sft_dir = tmp_path / "sft"
-    proc = _cli("sft", "configs/quickstart.yaml", f"run.output_dir={sft_dir}", "warmup.steps=10", *SHORT)
+    proc = _cli("sft", "configs/terminal.yaml", f"run.output_dir={sft_dir}", "warmup.steps=10", *SHORT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     policy = sft_dir / "checkpoints" / "step_0" / "policy"
     assert (policy / "model.safetensors").is_file() and "model.init_from=" in proc.stderr
@@ -84,7 +84,7 @@ def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_im
     assert {r["phase"] for r in rows} == {"warmup"} and len(rows) == 10
 
     run = tmp_path / "run"
-    proc = _cli("train", "configs/quickstart.yaml", f"run.output_dir={run}", f"model.init_from={policy}",
+    proc = _cli("train", "configs/terminal.yaml", f"run.output_dir={run}", f"model.init_from={policy}",
                 "warmup.steps=0", "trainer.steps=2", "eval.tasks_per_family=1", "eval.samples=2", "eval.every=1",
                 *SHORT, "logging.wandb.mode=offline")
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -106,7 +106,7 @@ def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_im
     assert sum("reward/mean" in r and "entropy" in r for r in history) == 2
 
     out = tmp_path / "eval.json"
-    proc = _cli("eval", "configs/quickstart.yaml", "--checkpoint", str(run / "checkpoints" / "step_2" / "policy"),
+    proc = _cli("eval", "configs/terminal.yaml", "--checkpoint", str(run / "checkpoints" / "step_2" / "policy"),
                 "--out", str(out), "eval.tasks_per_family=1", "eval.samples=2", *SHORT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(out.read_text())
@@ -115,6 +115,6 @@ def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_im
 
 
 def test_eval_without_a_policy_directory_fails_in_one_line(tmp_path):
-    proc = _cli("eval", "configs/quickstart.yaml", "--checkpoint", str(tmp_path), timeout=60)
+    proc = _cli("eval", "configs/terminal.yaml", "--checkpoint", str(tmp_path), timeout=60)
     assert proc.returncode == 2
     assert "no config.json" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

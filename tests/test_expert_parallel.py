@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from sandforge.trainer.loop import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+QUICKSTART = ROOT / "configs" / "terminal.yaml"
 D = 32
 MODEL = dict(arch="k3", preset="k3-nano",
              k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16, n_experts=4))
@@ -337,7 +337,7 @@ def test_config_rejects_expert_parallel_that_cannot_work(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(QUICKSTART, overrides)
     message = str(err.value)
-    assert needle in message and "configs/quickstart.yaml" in message and "\n" not in message
+    assert needle in message and "configs/terminal.yaml" in message and "\n" not in message
 
 
 def test_job_check_rejects_experts_that_do_not_split_evenly(tmp_path):

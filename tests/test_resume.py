@@ -36,7 +36,7 @@ def comparable(row: dict) -> dict:
 
 def train(*args: str) -> subprocess.CompletedProcess:
     """``sandforge train`` in a session of its own; on a timeout everything it started is killed, Ray included."""
-    proc = subprocess.Popen(sandforge("train", "configs/quickstart.yaml", *RUN, *args), cwd=ROOT, text=True,
+    proc = subprocess.Popen(sandforge("train", "configs/terminal.yaml", *RUN, *args), cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=900)
@@ -68,7 +68,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, terminal_image, docker
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     crashed = tmp_path / "crashed"
-    driver = subprocess.Popen(sandforge("train", "configs/quickstart.yaml", f"run.output_dir={crashed}", *RUN),
+    driver = subprocess.Popen(sandforge("train", "configs/terminal.yaml", f"run.output_dir={crashed}", *RUN),
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
     marker = crashed / "checkpoints" / "step_2" / "complete"
@@ -97,7 +97,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, terminal_image, docker
 
 def test_resume_without_a_checkpoint_says_so(tmp_path):
     (tmp_path / "run_id").write_text("x\n")
-    proc = subprocess.run(sandforge("train", "configs/quickstart.yaml", "--resume", str(tmp_path)), cwd=ROOT,
+    proc = subprocess.run(sandforge("train", "configs/terminal.yaml", "--resume", str(tmp_path)), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

@@ -1,4 +1,4 @@
-"""`sandforge train configs/quickstart.yaml` end to end on real parts: Docker, Ray, DeepSpeed, wandb (offline)."""
+"""`sandforge train configs/terminal.yaml` end to end on real parts: Docker, Ray, DeepSpeed, wandb (offline)."""
 
 import json
 import signal
@@ -40,7 +40,7 @@ def sandforge(*args: str, **kwargs):
 
 def one_step_run(out: Path, *overrides: str) -> None:
     """A one-step quickstart run into ``out`` with ``overrides``; fails the test with the run's stderr if it fails."""
-    proc = subprocess.run(sandforge("train", "configs/quickstart.yaml", f"run.output_dir={out}", *TINY, *overrides),
+    proc = subprocess.run(sandforge("train", "configs/terminal.yaml", f"run.output_dir={out}", *TINY, *overrides),
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -50,7 +50,7 @@ def quickstart_run(tmp_path_factory, terminal_image):
     out = tmp_path_factory.mktemp("quickstart") / "run"
     started = time.time()
     proc = subprocess.run(
-        sandforge("train", "configs/quickstart.yaml", "trainer.steps=2", f"run.output_dir={out}", *SMALL),
+        sandforge("train", "configs/terminal.yaml", "trainer.steps=2", f"run.output_dir={out}", *SMALL),
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -145,7 +145,7 @@ def test_ctrl_c_stops_the_run_and_removes_its_containers(tmp_path, docker_client
 
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        sandforge("train", "configs/quickstart.yaml", "trainer.steps=50", f"run.output_dir={out}", "warmup.steps=0",
+        sandforge("train", "configs/terminal.yaml", "trainer.steps=50", f"run.output_dir={out}", "warmup.steps=0",
                   "rollout.max_turns=20", "logging.wandb.mode=disabled"),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )

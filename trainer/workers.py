@@ -1,9 +1,9 @@
 """Rollout workers seen from the driver: where they run, how episodes are spread over them, what a dead one costs.
 
-Placement: worker i goes to alive node i mod n (soft node affinity), so on a cluster every node's Docker daemon runs
-sandboxes; soft, so a worker whose node is lost restarts on a node that is left (``max_restarts``). Before each
-batch the driver waits until every worker answers: one just restarted by Ray takes its episodes again instead of
-failing them because it was still coming up. Episodes a worker had in flight when it died come back failed
+Placement: worker i goes to alive node i mod n (node affinity), so on a cluster every node's Docker daemon runs
+sandboxes. Before each batch the driver waits until every worker answers: one just restarted by Ray takes its
+episodes instead of failing them because it was still coming up, and one that cannot come back (its node lost) is
+started again on a node that is left. Episodes a worker had in flight when it died come back failed
 (``lost_episodes``), counted in metrics, never silently missing and never run twice.
 """
 
@@ -28,44 +28,61 @@ def episode_seed(run_seed: int, group: str, index: int) -> int:
 
 
 def worker_strategies(n: int) -> list:
-    """A scheduling strategy per worker: round-robin over the alive nodes (soft node affinity); one node: default."""
+    """A scheduling strategy per worker: round-robin over the alive nodes, the driver's first; one node: default.
+    (Ray's soft node affinity and SPREAD are best effort: with zero-CPU actors both put every worker on one node.)"""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
     if len(nodes) < 2:
         return ["DEFAULT"] * n
-    head = ray.get_runtime_context().get_node_id()  # the driver's node first, then the others in a fixed order
+    head = ray.get_runtime_context().get_node_id()
     nodes = sorted(nodes, key=lambda node_id: (node_id != head, node_id))
-    return [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=True) for i in range(n)]
+    return [NodeAffinitySchedulingStrategy(nodes[i % len(nodes)], soft=False) for i in range(n)]
 
 
-def start_workers(worker_class: type, n: int, *args, restarts: int = WORKER_RESTARTS) -> list:
-    """``n`` rollout worker actors (``worker_class(i, *args)``), placed by ``worker_strategies``; Ray restarts one
-    that dies up to ``restarts`` times."""
-    import ray
+class Workers(list):
+    """The run's rollout worker handles (a list: ``workers[i]``), able to replace one that is gone for good: Ray
+    restarts a worker that dies ``restarts`` times, on its node; one pinned to a lost node, or out of restarts, is
+    started again on any node (``replace``), so a lost node costs its in-flight episodes, not half of every step."""
 
-    return [ray.remote(num_cpus=0, scheduling_strategy=strategy, max_restarts=restarts)(worker_class).remote(i, *args)
-            for i, strategy in enumerate(worker_strategies(n))]
+    def __init__(self, worker_class: type, n: int, *args, restarts: int = WORKER_RESTARTS):
+        import ray
+
+        self.make = lambda i, strategy="DEFAULT": ray.remote(
+            num_cpus=0, scheduling_strategy=strategy, max_restarts=restarts)(worker_class).remote(i, *args)
+        super().__init__(self.make(i, strategy) for i, strategy in enumerate(worker_strategies(n)))
+        self.replaced = 0
+
+    def replace(self, i: int) -> None:
+        self[i] = self.make(i)
+        self.replaced += 1
+
+
+def start_workers(worker_class: type, n: int, *args, restarts: int = WORKER_RESTARTS) -> Workers:
+    """``n`` rollout worker actors (``worker_class(i, *args)``), one per node in turn (``worker_strategies``)."""
+    return Workers(worker_class, n, *args, restarts=restarts)
 
 
 def wait_ready(workers: list, timeout: float = READY_TIMEOUT_S) -> None:
-    """Wait until every worker answers ``ready()``: a worker Ray is restarting gets the time to come back. A worker
-    that is gone for good (restarts used up) or still down after ``timeout`` gets its episodes anyway: they come back
-    failed through ``collect_episodes``."""
+    """Wait until every worker answers ``ready()``: a worker Ray is restarting gets the time to come back; one gone
+    for good (its node lost, restarts used up) is replaced when ``workers`` can (``Workers``). A worker still down
+    after ``timeout`` gets its episodes anyway: they come back failed through ``collect_episodes``."""
     import ray
 
     deadline = time.monotonic() + timeout
-    for w in workers:
-        while True:
+    for i in range(len(workers)):
+        replaced = False
+        while time.monotonic() < deadline:
             try:
-                ray.get(w.ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                ray.get(workers[i].ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
                 break
             except ray.exceptions.ActorDiedError:
-                break  # restarts used up: nothing to wait for
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                if time.monotonic() >= deadline:
+                if replaced or not isinstance(workers, Workers):
                     break
+                workers.replace(i)
+                replaced = True
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 time.sleep(0.2)
 
 

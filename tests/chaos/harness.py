@@ -41,7 +41,7 @@ def start_train(out: Path, *overrides: str, resume: bool = False) -> subprocess.
     """``sandforge train`` of the tiny quickstart into ``out``, in a session of its own; stderr goes to out.log."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(f"{out}.log", "a")
-    args = ["train", "configs/quickstart.yaml", f"run.output_dir={out}", *TINY_RUN, *overrides]
+    args = ["train", "configs/terminal.yaml", f"run.output_dir={out}", *TINY_RUN, *overrides]
     if resume:
         args.append("--resume")
     return subprocess.Popen(sandforge(*args), cwd=ROOT, stdout=log, stderr=log, text=True, start_new_session=True)
@@ -166,7 +166,7 @@ def live_job(tmp_path_factory, terminal_image, docker_client):
     from sandforge.trainer.loop import RLJob, job_images, progress
 
     out = tmp_path_factory.mktemp("live") / "run"
-    cfg = load_config(ROOT / "configs/quickstart.yaml", [f"run.output_dir={out}", *LIVE_JOB])
+    cfg = load_config(ROOT / "configs/terminal.yaml", [f"run.output_dir={out}", *LIVE_JOB])
     run_id = f"chaos-{uuid.uuid4().hex[:10]}"
     images = build_images([], client=docker_client, show_progress=False, contexts=job_images(cfg))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2,

@@ -30,11 +30,11 @@ def test_a_bad_config_fails_in_one_line_before_anything_starts(override, says, t
     name = f"chaos-bad-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "run"
     started = time.monotonic()
-    proc = subprocess.run(sandforge("train", "configs/quickstart.yaml", f"run.name={name}", f"run.output_dir={out}",
+    proc = subprocess.run(sandforge("train", "configs/terminal.yaml", f"run.name={name}", f"run.output_dir={out}",
                                     override), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: configs/quickstart.yaml"), proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: configs/terminal.yaml"), proc.stderr[-2000:]
     assert says in lines[0]
     assert time.monotonic() - started < 60  # nothing heavy was imported, let alone started
     assert not out.exists()  # no run directory

@@ -203,8 +203,6 @@ def test_the_policy_reaches_nothing_outside_its_sandbox(live_job):
         assert t.reward.success  # and the verifier, outside, saw the work
 
 
-@pytest.mark.skip(reason="flaky (failed 1 of 4 runs, at the episodes after the restart; cause not captured yet): "
-                         "issue #9 stays open until it is found")
 def test_a_killed_rollout_worker_is_restarted_and_its_episodes_come_back_failed(live_job):
     """Case 7: ``ray.kill`` of a rollout worker actor while it runs episodes. Ray restarts it (``max_restarts``); the
     episodes it had in flight come back failed ("worker: ..."), counted in metrics, none lost and none doubled; the
