@@ -37,6 +37,10 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.cfg = JobConfig.model_validate(job)
         self.run_id = run_id
+        if isinstance(engine, str):  # the engine actor's name (the driver's way: see RLJob)
+            import ray
+
+            engine = ray.get_actor(engine)
         self.policy = EnginePolicy(engine)  # a Ray handle, or an object with async generate(request)
         self.images = images  # image name -> tag, every image the job's tasks use (built by the driver)
         self.chat = load_chat(self.cfg.model.model_dump(mode="json"))

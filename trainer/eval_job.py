@@ -45,13 +45,14 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
     workers = []
     try:
         policy = load_policy(checkpoint)
-        engine = ray.remote(num_cpus=0)(InferenceEngine).remote(
+        engine = ray.remote(num_cpus=0)(InferenceEngine).options(name=f"engine-{run_id}").remote(
             policy_config(policy), cfg.engine.max_batch_size, cfg.engine.session_memory_mb, cfg.run.seed,
             os.cpu_count() or 1)
         ray.get(engine.load_weights.remote({k: v.detach() for k, v in policy.state_dict().items()}, 0))
         del policy
         job = cfg.model_dump(mode="json")
-        workers = start_workers(RolloutWorker, cfg.rollout.workers, job, run_id, engine, images, driver_labels(run_id))
+        workers = start_workers(RolloutWorker, cfg.rollout.workers, job, run_id, f"engine-{run_id}", images,
+                                driver_labels(run_id))
         episodes = [(task, f"eval/{task.id}") for task in tasks for _ in range(e.samples)]
         with progress() as bar:
             trajs = collect_episodes(workers, [x[0] for x in episodes], [x[1] for x in episodes], cfg.run.seed, 0,

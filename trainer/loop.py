@@ -105,14 +105,16 @@ class RLJob:
             for r in range(cfg.trainer.world_size)
         ]
         policy_cfg = ray.get(self.ranks[0].model_config_dict.remote())
-        self.engine = ray.remote(num_cpus=0)(InferenceEngine).remote(
+        self.engine = ray.remote(num_cpus=0)(InferenceEngine).options(name=f"engine-{run_id}").remote(
             policy_cfg, cfg.engine.max_batch_size, cfg.engine.session_memory_mb, cfg.run.seed, os.cpu_count() or 1
         )
         # one worker per node in turn (trainer/workers.py), so on a cluster every node's Docker daemon runs sandboxes; a
         # worker that dies (killed, OOM, its node lost) is restarted by Ray for the next episodes, and the episodes it
         # had in flight come back failed (``lost_episodes``)
+        # the engine goes by name: a handle among an actor's arguments is kept in the object store, which Ray warns
+        # may break restarts (ray-project/ray#53727)
         self.workers = start_workers(RolloutWorker, cfg.rollout.workers, cfg.model_dump(mode="json"), run_id,
-                                     self.engine, images, sandbox_labels)
+                                     f"engine-{run_id}", images, sandbox_labels)
         self.version = 0
         # with expert parallelism (experts) or ZeRO-3 (every parameter) the model is spread over the ranks: all of them
         # take part in gathering the whole model, and rank 0's copy goes to the engine
