@@ -118,6 +118,16 @@ class EngineConfig(Section):
     session_memory_mb: float = Field(1024, gt=0)  # idle episode caches kept between turns; least recently used go first
 
 
+class PretrainConfig(Section):
+    """Synthetic pretraining (trainer/pretrain.py): generated one-call exchanges over the job's tools teach a policy
+    built from scratch to copy names, phrases and values into tool calls, as a pretrained base model would. Runs
+    before the warm start; 0 steps for a policy loaded from ``model.init_from``."""
+
+    steps: int = Field(0, ge=0)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+
 class WarmupConfig(Section):
     """Supervised warm start on verified reference-solution episodes, so RL starts from a policy that calls tools."""
 
@@ -221,6 +231,7 @@ class JobConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

@@ -20,10 +20,10 @@ def test_the_plan_counts_every_kind_of_work():
     assert eval_episodes(cfg) == 2 * 2 * 3  # families x tasks x samples
     plan = RunPlan.of(cfg)
     # evaluations: before RL, after steps 5 and 10, at the end (12)
-    assert plan.units == {"scripted": 16, "sft": 50, "episode": 12 * 12 + 4 * 12, "update": 12}
-    assert RunPlan.of(cfg, sft_only=True).units == {"scripted": 16, "sft": 50, "episode": 0, "update": 0}
+    assert plan.units == {"pretrain": 0, "scripted": 16, "sft": 50, "episode": 12 * 12 + 4 * 12, "update": 12}
+    assert RunPlan.of(cfg, sft_only=True).units == {"pretrain": 0, "scripted": 16, "sft": 50, "episode": 0, "update": 0}
     resumed = RunPlan.of(cfg, start=10, warm=False)  # after step 10: steps 11, 12 and the last evaluation (+ before)
-    assert resumed.units == {"scripted": 0, "sft": 0, "episode": 2 * 12 + 2 * 12, "update": 2}
+    assert resumed.units == {"pretrain": 0, "scripted": 0, "sft": 0, "episode": 2 * 12 + 2 * 12, "update": 2}
     no_eval = RunPlan.of(job(eval={"tasks_per_family": 0}), warm=False)
     assert no_eval.units["episode"] == 12 * 12
 

@@ -1,7 +1,7 @@
 """How long a whole run has left: its plan (episodes, SFT steps, evaluations, RL steps) times what each kind of work
 has cost so far in this run.
 
-Four kinds of work: ``scripted`` (a reference-solution episode of the warm start), ``sft`` (one supervised step),
+Five kinds of work: ``pretrain`` (one synthetic pretraining step), ``scripted`` (a reference-solution episode of the warm start), ``sft`` (one supervised step),
 ``episode`` (a policy episode: RL rollouts and held-out evaluation) and ``update`` (one RL trainer step with its weight
 push). Until a kind has been measured its cost is a prior for a small policy on two cores; the estimate sharpens as the
 run goes: after the first RL step every kind has been measured.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from sandforge.config import JobConfig
 
 # seconds per unit on 2 CPU cores with a k3-nano policy: only used until the run has measured the kind itself
-PRIORS = {"scripted": 1.5, "sft": 1.2, "episode": 1.6, "update": 4.0}
+PRIORS = {"pretrain": 0.4, "scripted": 1.5, "sft": 1.2, "episode": 1.6, "update": 4.0}
 
 
 @dataclass
@@ -26,7 +26,9 @@ class RunPlan:
     def of(cls, cfg: JobConfig, start: int = 0, warm: bool = True, sft_only: bool = False) -> RunPlan:
         """The work of ``cfg`` from RL step ``start`` on (``warm``: the warm start still to do)."""
         w, r, e, t = cfg.warmup, cfg.rollout, cfg.eval, cfg.trainer
-        units = {"scripted": 0, "sft": 0, "episode": 0, "update": 0}
+        units = {"pretrain": 0, "scripted": 0, "sft": 0, "episode": 0, "update": 0}
+        if warm:
+            units["pretrain"] = cfg.pretrain.steps
         if warm and w.steps:
             units["scripted"], units["sft"] = w.episodes, w.steps
         if sft_only:

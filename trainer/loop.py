@@ -212,6 +212,30 @@ class RLJob:
             out[i::world] = shard
         return out
 
+    def pretrain(self) -> None:
+        """Synthetic pretraining (trainer/pretrain.py): the policy learns to copy values into tool calls."""
+        import ray
+
+        from sandforge.models.policy import load_chat
+        from sandforge.trainer.pretrain import copy_rows, job_tools
+
+        p = self.cfg.pretrain
+        chat = load_chat(self.cfg.model.model_dump(mode="json"))
+        tools = job_tools(sorted({e.name for e in self.cfg.environments}))
+        rng = random.Random(f"pretrain/{self.cfg.run.seed}")
+        ray.get([rank.set_lr.remote(p.lr) for rank in self.ranks])
+        job = self.bar.add_task("pretraining: copying into tool calls", total=p.steps)
+        losses = []
+        for step in range(p.steps):
+            t0 = time.monotonic()
+            m = self.train(copy_rows(chat, tools, rng, p.batch_size), mode="sft")
+            self.tick("pretrain", 1, time.monotonic() - t0)
+            losses.append(m["loss"])
+            self.logger.log("pretrain", {"pretrain/step": step, "pretrain/loss": m["loss"]})
+            self.bar.update(job, advance=1, description=f"pretraining: loss {m['loss']:.3f}")
+        self.bar.console.print(f"pretraining: {p.steps} steps of generated tool calls over {len(tools)} tools; loss "
+                               f"{losses[0]:.3f} -> {losses[-1]:.3f}", soft_wrap=True)
+
     def warmup(self) -> None:
         w = self.cfg.warmup
         tasks = self.sampler.sample(w.episodes)
@@ -221,6 +245,13 @@ class RLJob:
         if not demos:
             reasons = {t.failure or (t.reward.reason if t.reward else "") for t in trajs}
             raise JobError(f"warm start: no reference episode passed its verifier ({'; '.join(sorted(reasons))})")
+        for family in sorted({f"{t.task.env}/{t.task.family}" for t in trajs}
+                             - {f"{t.task.env}/{t.task.family}" for t in demos}):
+            failed = [t for t in trajs if f"{t.task.env}/{t.task.family}" == family]
+            why = failed[0].failure or (failed[0].reward.reason if failed[0].reward else "") or failed[0].finish_reason
+            self.bar.console.print(f"[yellow]warm start: no verified demonstration of {family} ({len(failed)} tried; "
+                                   f"first: {why}); is rollout.max_turns ({self.cfg.rollout.max_turns}) shorter than "
+                                   f"its reference solution?[/]", soft_wrap=True)
         import ray
 
         ray.get([rank.set_lr.remote(w.lr) for rank in self.ranks])
@@ -507,6 +538,8 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
             if resume:
                 job.restore(start)
             else:
+                if cfg.pretrain.steps:
+                    job.pretrain()
                 if cfg.warmup.steps:
                     job.warmup()
                     bar.console.print(job.clock.line(), soft_wrap=True)

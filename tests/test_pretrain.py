@@ -1,0 +1,55 @@
+"""Synthetic pretraining data (trainer/pretrain.py): well-formed calls of the job's tools, loss on the answer only,
+values that come from no environment's word pools."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+from sandforge.models.policy import load_chat
+from sandforge.trainer.pretrain import copy_exchange, copy_rows, job_tools
+
+ENVS = ["terminal", "repo", "slack", "notion", "browser"]
+
+
+def test_job_tools_are_every_environment_tool_once():
+    names = [t["name"] for t in job_tools(ENVS)]
+    assert len(names) == len(set(names))
+    assert {"write_file", "str_replace", "post_message", "create_page", "goto", "submit"} <= set(names)
+    assert [t["name"] for t in job_tools(["terminal"])] == ["bash", "read_file", "write_file", "submit"]
+
+
+def test_each_exchange_asks_for_the_call_its_answer_makes():
+    chat = load_chat({"tokenizer": "bpe"})
+    tools = {t["name"]: t for t in job_tools(ENVS)}
+    rng = random.Random(0)
+    for _ in range(300):
+        tool = rng.choice(list(tools.values()))
+        prompt, answer = copy_exchange(chat, tool, rng)
+        assert prompt[-1] == chat.assistant and answer[-1] == chat.end
+        msg, errors = chat.parse_assistant(answer)
+        assert not errors and len(msg.tool_calls) == 1
+        call = msg.tool_calls[0]
+        assert call.name == tool["name"]
+        props = tool["parameters"]["properties"]
+        assert set(tool["parameters"]["required"]) <= set(call.arguments) <= set(props)
+        asked = chat.tokenizer.decode(prompt)
+        for value in call.arguments.values():  # every value to copy is in the request
+            assert (value if isinstance(value, str) else json.dumps(value)) in asked
+
+
+def test_rows_train_on_the_answer_only_and_use_no_task_words():
+    from sandforge.environments.terminal.tasks import _WORDS
+
+    chat = load_chat({"tokenizer": "bpe"})
+    rows = copy_rows(chat, job_tools(ENVS), random.Random(1), 200)
+    for row in rows:
+        mask = row["loss_mask"]
+        assert len(mask) == len(row["token_ids"]) and mask[-1] == 1
+        first = mask.index(1)
+        assert not any(mask[:first]) and all(mask[first:])  # one contiguous answer at the end
+        assert row["token_ids"][first] == chat.think
+    text = " ".join(chat.tokenizer.decode(r["token_ids"]) for r in rows).lower()
+    words = set(re.findall(r"[a-z]+", text))
+    assert not words & set(_WORDS["train"] + _WORDS["heldout"])  # syllable words, not the tasks' pools

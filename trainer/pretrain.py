@@ -1,0 +1,113 @@
+"""Synthetic pretraining: a policy built from scratch learns to copy text into tool calls before it sees a task.
+
+A real base model arrives knowing how to repeat a name or a phrase it was just shown; a K3 policy initialised at
+random does not, and a few hundred reference episodes over small word pools teach it to memorise them instead (it then
+writes words from its training tasks where a held-out task asks for new ones). This stage gives it the copying a
+pretrained model has: short generated exchanges in the policy's own chat format, each asking for one call of one of
+the job's tools with argument values made of random syllable words, numbers, paths, channels and dates, and answered
+with exactly that call (loss on the answer only). Nothing in them comes from a task: the words are drawn from
+syllables, not from any environment's pools, so held-out tasks stay held out.
+
+``pretrain.steps`` of ``pretrain.batch_size`` exchanges each, before the warm start, on the same trainer (``sft``
+mode). A policy loaded with ``model.init_from`` is pretrained already: set ``pretrain.steps: 0``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from sandforge.types import Message, ToolCall
+
+SYLLABLES = ("ba be bi bo bu da de di do du fa fe fi fo ga ge go gu ka ke ki ko ku la le li lo lu ma me mi mo mu na "
+             "ne ni no nu pa pe pi po ra re ri ro ru sa se si so su ta te ti to tu va ve vi vo za ze zi zo").split()
+
+
+def word(rng: random.Random) -> str:
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3)))
+
+
+def phrase(rng: random.Random, lo: int = 1, hi: int = 4) -> str:
+    return " ".join(word(rng) for _ in range(rng.randint(lo, hi)))
+
+
+def string_value(rng: random.Random) -> str:
+    """A value of the shapes tool arguments take: words, a path, a channel, a name, a date, a time, an id."""
+    kind = rng.randrange(8)
+    if kind == 0:
+        return f"/workspace/{word(rng)}.{rng.choice(['txt', 'py', 'md'])}"
+    if kind == 1:
+        return f"#{word(rng)}"
+    if kind == 2:
+        return f"{word(rng).capitalize()} {word(rng).capitalize()}"
+    if kind == 3:
+        return f"20{rng.randint(20, 39)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+    if kind == 4:
+        return f"{rng.randint(8, 22):02d}:{rng.choice(['00', '15', '30', '45'])}"
+    if kind == 5:
+        return f"{rng.choice('pCM')}{rng.randint(1, 99):02d}"
+    return phrase(rng)
+
+
+def value_for(schema: dict, rng: random.Random):
+    kind = schema.get("type", "string")
+    if kind == "integer":
+        return rng.randint(0, 99)
+    if kind == "number":
+        return round(rng.uniform(0, 99), 1)
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "string":
+        return string_value(rng)
+    return None  # arrays and objects: left out
+
+
+def job_tools(env_names: list[str]) -> list[dict]:
+    """The tool schemas of the job's environments (one entry per distinct tool name)."""
+    from sandforge.environments.tools import tool_schemas
+    from sandforge.registry import environment
+
+    tools: dict[str, dict] = {}
+    for name in env_names:
+        cls = environment(name).env_class()
+        for schema in tool_schemas(cls.__new__(cls)):  # schemas come from the class's @tool methods
+            tools.setdefault(schema["name"], schema)
+    return list(tools.values())
+
+
+def instruction(name: str, args: dict, rng: random.Random) -> str:
+    shown = {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
+    style = rng.randrange(3)
+    if not args:
+        return rng.choice([f"Call {name}.", f"Use {name} now.", f"{name}, please."])
+    if style == 0:
+        return f"Call {name} with " + ", ".join(f'{k} "{v}"' for k, v in shown.items()) + "."
+    if style == 1:
+        return f"{name}: " + "; ".join(f"{k}={v}" for k, v in shown.items())
+    return f"Use {name}. " + " ".join(f'The {k} is "{v}".' for k, v in shown.items())
+
+
+def copy_exchange(chat, tool: dict, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): a user asks for one call of ``tool`` with given values; the answer makes it."""
+    props = tool.get("parameters", {}).get("properties", {})
+    required = set(tool.get("parameters", {}).get("required", []))
+    args = {}
+    for arg, schema in props.items():
+        if arg in required or rng.random() < 0.5:
+            value = value_for(schema, rng)
+            if value is not None:
+                args[arg] = value
+    prompt = chat.render_prompt([], [Message("user", instruction(tool["name"], args, rng))])
+    answer = chat.render_assistant(Message("assistant", reasoning=f"I will use {tool['name']}.",
+                                           tool_calls=[ToolCall(tool["name"], args)]))
+    return prompt, answer
+
+
+def copy_rows(chat, tools: list[dict], rng: random.Random, n: int) -> list[dict]:
+    """``n`` training rows (the trainer's ``sft`` mode) of generated exchanges over ``tools``."""
+    rows = []
+    for _ in range(n):
+        prompt, answer = copy_exchange(chat, rng.choice(tools), rng)
+        rows.append({"token_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer),
+                     "logprobs": None, "routed_experts": None})
+    return rows
