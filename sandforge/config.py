@@ -135,6 +135,9 @@ class WarmupConfig(Section):
     episodes: int = Field(16, ge=1)
     batch_size: int = Field(8, ge=1)
     lr: float = Field(3e-3, gt=0)
+    # generated copy exchanges (as in pretrain) mixed into each step: reference episodes drawn from small word pools
+    # otherwise teach a small policy to recite the pools' words instead of copying the task's
+    copy_rows: int = Field(0, ge=0)
 
 
 class EvalConfig(Section):

@@ -92,8 +92,17 @@ def panels(metrics: dict[str, list[dict]], summary: dict) -> list[Panel]:
         single("turns per episode", "turns/mean", rl, "rl"),
         single("KL to reference", "kl", rl, "rl"),
         single("entropy", "entropy", rl, "rl"),
-        single("warm-start SFT loss", "warmup/loss", warm, "warmup", x_key="warmup/step"),
+        cold_start(metrics.get("pretrain", []), warm),
     ]
+
+
+def cold_start(pre: list[dict], warm: list[dict]) -> Panel:
+    """Synthetic pretraining loss, then the warm start's SFT loss, on one axis of optimizer steps."""
+    panel = Panel("cold start: pretraining, then SFT loss", "no pretrain or warmup rows in metrics.jsonl")
+    panel.series += curve(pre, "pretrain/loss", "pretraining", "pretrain", x_key="pretrain/step")
+    shifted = [{**r, "cold/step": len(pre) + r["warmup/step"]} for r in warm if "warmup/step" in r]
+    panel.series += curve(shifted, "warmup/loss", "warm-start SFT", "warmup", x_key="cold/step")
+    return panel
 
 
 MARKERS = {"before": "o", "after": "*"}

@@ -16,8 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = {"terminal", "repo", "slack", "notion", "browser"}
 
-SHORT = ["warmup.steps=3", "warmup.episodes=5", "trainer.steps=2", "eval.every=1", "eval.tasks_per_family=1",
-         "eval.samples=2", "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=48"]
+SHORT = ["pretrain.steps=3", "warmup.steps=3", "warmup.episodes=5", "trainer.steps=2", "eval.every=1",
+         "eval.tasks_per_family=1", "eval.samples=2", "rollout.tasks_per_step=2", "rollout.group_size=2",
+         "rollout.max_new_tokens=48"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def test_quickstart_covers_every_builtin_environment():
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", [])
     assert {e.name for e in cfg.environments} == ENVS
-    assert cfg.warmup.steps > 0 and cfg.trainer.steps > 0 and cfg.eval.tasks_per_family > 0 and cfg.eval.every > 0
+    assert cfg.pretrain.steps > 0 and cfg.warmup.steps > 0 and cfg.warmup.copy_rows > 0
+    assert cfg.trainer.steps > 0 and cfg.eval.tasks_per_family > 0 and cfg.eval.every > 0
 
 
 def test_eval_json_has_before_and_after_per_environment(run):

@@ -90,8 +90,12 @@ def test_curves_follow_the_metrics_rows():
     assert lines["terminal"] == ([0, 5, 10], [0.3, 0.55, 0.8])  # eval rows
     markers = {s.label: (s.x, s.y) for s in held if s.style != "line"}
     assert markers["terminal before"] == ([0], [0.3]) and markers["all after"] == ([10], [0.7])
-    sft = panel(p, "warm-start SFT loss").series[0]
+    sft = panel(p, "cold start: pretraining, then SFT loss").series[0]  # the sample run has no pretraining rows
     assert sft.x == [0, 1, 2, 3, 4] and sft.y[0] > sft.y[-1]
+    both = panel(panels({"pretrain": [{"pretrain/step": i, "pretrain/loss": 5.0 - i} for i in range(3)],
+                         "warmup": [{"warmup/step": i, "warmup/loss": 1.0} for i in range(2)]}, {}),
+                 "cold start: pretraining, then SFT loss").series
+    assert [(s.label, s.x) for s in both] == [("pretraining", [0, 1, 2]), ("warm-start SFT", [3, 4])]
 
 
 def test_long_noisy_curves_are_drawn_smoothed_over_the_raw_values():
@@ -116,7 +120,7 @@ def test_panels_without_data_say_so(tmp_path):
     assert len(texts) == 8
     assert "no data" in texts["KL to reference"] and "kl" in texts["KL to reference"]
     assert "no eval rows" in texts["held-out success"]
-    assert "no data" not in texts["warm-start SFT loss"]
+    assert "no data" not in texts["cold start: pretraining, then SFT loss"]
     png, page = write_report(tmp_path)
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "No data yet for: reward (mean)" in page.read_text() and "No episodes recorded yet" in page.read_text()

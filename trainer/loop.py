@@ -216,25 +216,30 @@ class RLJob:
         """Synthetic pretraining (trainer/pretrain.py): the policy learns to copy values into tool calls."""
         import ray
 
-        from sandforge.models.policy import load_chat
-        from sandforge.trainer.pretrain import copy_rows, job_tools
-
         p = self.cfg.pretrain
-        chat = load_chat(self.cfg.model.model_dump(mode="json"))
-        tools = job_tools(sorted({e.name for e in self.cfg.environments}))
-        rng = random.Random(f"pretrain/{self.cfg.run.seed}")
+        copies = self.copy_source("pretrain")
         ray.get([rank.set_lr.remote(p.lr) for rank in self.ranks])
         job = self.bar.add_task("pretraining: copying into tool calls", total=p.steps)
         losses = []
         for step in range(p.steps):
             t0 = time.monotonic()
-            m = self.train(copy_rows(chat, tools, rng, p.batch_size), mode="sft")
+            m = self.train(copies(p.batch_size), mode="sft")
             self.tick("pretrain", 1, time.monotonic() - t0)
             losses.append(m["loss"])
             self.logger.log("pretrain", {"pretrain/step": step, "pretrain/loss": m["loss"]})
             self.bar.update(job, advance=1, description=f"pretraining: loss {m['loss']:.3f}")
-        self.bar.console.print(f"pretraining: {p.steps} steps of generated tool calls over {len(tools)} tools; loss "
-                               f"{losses[0]:.3f} -> {losses[-1]:.3f}", soft_wrap=True)
+        self.bar.console.print(f"pretraining: {p.steps} steps of generated tool calls; loss {losses[0]:.3f} -> "
+                               f"{losses[-1]:.3f}", soft_wrap=True)
+
+    def copy_source(self, stream: str):
+        """``n -> rows`` of generated copy exchanges over the job's tools (trainer/pretrain.py), from a seeded stream."""
+        from sandforge.models.policy import load_chat
+        from sandforge.trainer.pretrain import copy_rows, job_tools
+
+        chat = load_chat(self.cfg.model.model_dump(mode="json"))
+        tools = job_tools(sorted({e.name for e in self.cfg.environments}))
+        rng = random.Random(f"{stream}/{self.cfg.run.seed}")
+        return lambda n: copy_rows(chat, tools, rng, n)
 
     def warmup(self) -> None:
         w = self.cfg.warmup
@@ -257,10 +262,11 @@ class RLJob:
         ray.get([rank.set_lr.remote(w.lr) for rank in self.ranks])
         job = self.bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
         losses = []
+        copies = self.copy_source("warmup") if w.copy_rows else None
         for step in range(w.steps):
             batch = self.rng.sample(demos, min(w.batch_size, len(demos)))
             t0 = time.monotonic()
-            m = self.train(training_rows(batch), mode="sft")
+            m = self.train(training_rows(batch) + (copies(w.copy_rows) if copies else []), mode="sft")
             self.tick("sft", 1, time.monotonic() - t0)
             losses.append(m["loss"])
             self.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
