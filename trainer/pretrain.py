@@ -31,22 +31,21 @@ def phrase(rng: random.Random, lo: int = 1, hi: int = 4) -> str:
     return " ".join(word(rng) for _ in range(rng.randint(lo, hi)))
 
 
+# the shapes tool arguments take besides plain words: a path, a channel, a name, a date, a time, an id
+_SHAPES = (
+    lambda r: f"/workspace/{word(r)}.{r.choice(['txt', 'py', 'md'])}",
+    lambda r: f"#{word(r)}",
+    lambda r: f"{word(r).capitalize()} {word(r).capitalize()}",
+    lambda r: f"20{r.randint(20, 39)}-{r.randint(1, 12):02d}-{r.randint(1, 28):02d}",
+    lambda r: f"{r.randint(8, 22):02d}:{r.choice(['00', '15', '30', '45'])}",
+    lambda r: f"{r.choice('pCM')}{r.randint(1, 99):02d}",
+)
+
+
 def string_value(rng: random.Random) -> str:
-    """A value of the shapes tool arguments take: words, a path, a channel, a name, a date, a time, an id."""
-    kind = rng.randrange(8)
-    if kind == 0:
-        return f"/workspace/{word(rng)}.{rng.choice(['txt', 'py', 'md'])}"
-    if kind == 1:
-        return f"#{word(rng)}"
-    if kind == 2:
-        return f"{word(rng).capitalize()} {word(rng).capitalize()}"
-    if kind == 3:
-        return f"20{rng.randint(20, 39)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-    if kind == 4:
-        return f"{rng.randint(8, 22):02d}:{rng.choice(['00', '15', '30', '45'])}"
-    if kind == 5:
-        return f"{rng.choice('pCM')}{rng.randint(1, 99):02d}"
-    return phrase(rng)
+    """A string argument: one of ``_SHAPES`` three times in four, else a phrase of words."""
+    kind = rng.randrange(len(_SHAPES) + 2)
+    return _SHAPES[kind](rng) if kind < len(_SHAPES) else phrase(rng)
 
 
 def value_for(schema: dict, rng: random.Random):
