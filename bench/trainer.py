@@ -61,6 +61,7 @@ def _job(mode: str, out: Path, args) -> list[dict]:
     """Run one job; returns its RL metric rows."""
     from sandforge.config import load_config
     from sandforge.trainer import loop
+    from sandforge.trainer.run import run
 
     cfg = load_config(ROOT / "configs/terminal.yaml", [
         f"run.output_dir={out}", f"trainer.steps={args.steps}", f"trainer.mode={mode}",
@@ -73,7 +74,7 @@ def _job(mode: str, out: Path, args) -> list[dict]:
     real = loop.TaskSampler
     loop.TaskSampler = _slow_sampler(args.delay)
     try:
-        loop.run(cfg)
+        run(cfg)
     finally:
         loop.TaskSampler = real
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

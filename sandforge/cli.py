@@ -182,7 +182,8 @@ def evaluate(
 def _run(cfg: JobConfig, **kwargs) -> None:
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError
-    from sandforge.trainer.loop import JobError, run
+    from sandforge.trainer.loop import JobError
+    from sandforge.trainer.run import run
 
     try:
         run(cfg, **kwargs)
