@@ -44,7 +44,7 @@ def test_tasks_are_deterministic_varied_and_split_apart(family):
 
 
 def test_train_and_heldout_draw_from_disjoint_pools():
-    for pool in (slack_tasks._PEOPLE, slack_tasks._SERVICES, slack_tasks._CHANNELS, slack_tasks._EMOJI,
+    for pool in (slack_tasks._PEOPLE, slack_tasks._SERVICES, slack_tasks._CHANNELS, slack_tasks._CI, slack_tasks._EMOJI,
                  slack_tasks._WORDS):
         assert not set(pool["train"]) & set(pool["heldout"])
     held_names = {u[1] for t in (make_task(f, s, "heldout") for f in FAMILIES for s in range(5))
@@ -157,14 +157,14 @@ def test_tool_arguments_cannot_escape_the_api(env):
     assert act(env, "reply_in_thread", message_id="m001' OR '1'='1", text="hi").startswith("Error: no message")
     assert act(env, "add_reaction", message_id="m001", emoji="x; rm -rf /").startswith("Error: 'x; rm -rf /' is not")
     shell = "$(touch /tmp/pwned) `touch /tmp/pwned2` '; touch /tmp/pwned3 #"
-    assert act(env, "post_message", channel="#random", text=shell).startswith("posted")
+    assert act(env, "post_message", channel="#ci", text=shell).startswith("posted")
     assert query_rows(env.sandbox, DB, "SELECT count(*), (SELECT count(*) FROM users) FROM messages") == \
         [[before[0][0] + 1, before[0][1]]]
     assert query_rows(env.sandbox, DB, "SELECT text FROM messages WHERE user_id = 'U00'") == [[shell]]
     found = env.sandbox.exec("find /tmp /workspace -name 'pwned*' | wc -l", user="root", session=False)
     assert found.output.strip() == "0"
     assert act(env, "read_channel", channel=7).startswith("Error: read_channel: 'channel' must be string")
-    assert act(env, "post_message", channel="#random", text="x" * 5000).startswith("Error: the message is 5000")
+    assert act(env, "post_message", channel="#ci", text="x" * 5000).startswith("Error: the message is 5000")
     assert act(env, "search_messages", query="x" * 200_000).startswith("Error: search.messages: the arguments are")
 
 

@@ -17,6 +17,7 @@ from datetime import date, timedelta
 from typing import Callable
 
 from sandforge.environments.browser.env import SITE_DB, SITE_URL
+from sandforge.environments.words import pools
 from sandforge.types import Task, ToolCall
 
 SPLITS = ("train", "heldout")
@@ -25,9 +26,9 @@ _PRODUCTS = {
               "Rain hat", "Bath towel", "Cutting board"],
     "heldout": ["Coffee grinder", "Yoga mat", "Bike bell", "Candle", "Picture frame", "Plant pot", "Backpack"],
 }
-_NAMES = {
-    "train": ["Ada Park", "Ben Ruiz", "Cleo Ward", "Dan Okafor", "Eva Lind", "Finn Shaw", "Gia Moreau", "Hal Berg"],
-    "heldout": ["Iris Kato", "Jon Abara", "Kim Novak", "Leo Marsh", "Mia Torres", "Ned Quinn"],
+_NAMES = {  # guests' names: two syllable words (environments/words.py), so a held-out name is typed, not recalled
+    split: [f"{first.capitalize()} {last.capitalize()}" for first, last in zip(firsts, lasts)]
+    for (split, firsts), lasts in zip(pools("browser/first", 60, 15).items(), pools("browser/last", 60, 15).values())
 }
 _TOWNS = {
     "train": ["Varno", "Belmora", "Ostrik", "Calden", "Merrow", "Tesska", "Dunmere", "Fallow", "Kirrin", "Lussa"],

@@ -2,7 +2,7 @@
 asks for one change.
 
 Same (family, seed, split) -> same workspace, same ids, same task. Held-out tasks draw page titles, database names
-and words from pools the train split never uses. Every check is one ``sql`` query listing everything the policy did
+and words from pools the train split never uses (environments/words.py). Every check is one ``sql`` query listing everything the policy did
 (pages and blocks it created, property values it set), so doing nothing, the wrong place, or extras all score 0.
 """
 
@@ -14,16 +14,13 @@ from typing import Callable
 
 from sandforge.environments.apps.tasks import check_family, start
 from sandforge.environments.notion.env import NotionEnv
+from sandforge.environments.words import WORDS, pools
 from sandforge.types import Task, ToolCall
 
-_PAGES = {"train": "Engineering Marketing Design Sales Support Research".split(),
-          "heldout": "Finance Legal Hiring Security Operations".split()}
+_PAGES = {split: [w.capitalize() for w in words] for split, words in pools("notion/pages", 60, 15).items()}
 _DATABASES = {"train": ("Sprint", "Roadmap"), "heldout": ("Backlog", "Projects")}
-_WORDS = {
-    "train": "red sun cat map box cup dog pen hat sea fox owl key ink bee oak tea jam fig rug".split(),
-    "heldout": "blue moon bird lamp rock tree wolf ship gold rain salt corn frog mint nest".split(),
-}
-_VERBS = {"train": "fix ship test plan".split(), "heldout": "review draft audit port".split()}
+_WORDS = WORDS
+_VERBS = pools("notion/verbs", 40, 10)
 STATUS = ["Todo", "In progress", "Done"]
 PRIORITY = ["Low", "Medium", "High"]
 

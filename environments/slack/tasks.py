@@ -1,7 +1,7 @@
 """Slack task families: each seeds a small workspace (people, channels, chatter, threads) and asks for one action.
 
 Same (family, seed, split) -> same workspace, same ids, same task. Held-out tasks draw people, services, channels,
-emoji and words from pools the train split never uses. Every check is one ``sql`` query over everything the policy
+emoji and words from pools the train split never uses (words and channels: environments/words.py). Every check is one ``sql`` query over everything the policy
 did (its messages and reactions), so doing nothing, doing it in the wrong place, or doing extra all score 0.
 """
 
@@ -13,6 +13,7 @@ from typing import Callable
 
 from sandforge.environments.apps.tasks import check_family, start
 from sandforge.environments.slack.env import SlackEnv
+from sandforge.environments.words import WORDS, pools
 from sandforge.types import Task, ToolCall
 
 ME = "U00"
@@ -22,12 +23,10 @@ _PEOPLE = {
     "heldout": "ana eli noor bo kai rosa finn yuki".split(),
 }
 _SERVICES = {"train": "api web billing search auth".split(), "heldout": "payments mobile gateway ledger".split()}
-_CHANNELS = {"train": ("ci", "general", "team", "random"), "heldout": ("builds", "lobby", "crew", "watercooler")}
+_CI = {"train": ["ci"], "heldout": ["builds"]}  # the build bot's channel
+_CHANNELS = pools("slack/channels", 60, 15)  # three of them in every workspace
 _EMOJI = {"train": "thumbsup eyes tada rocket heart".split(), "heldout": "fire clap star sparkles ok_hand".split()}
-_WORDS = {
-    "train": "red sun cat map box cup dog pen hat sea fox owl key ink bee oak tea jam fig rug".split(),
-    "heldout": "blue moon bird lamp rock tree wolf ship gold rain salt corn frog mint nest".split(),
-}
+_WORDS = WORDS
 _CHATTER = ("anyone seen the {} {}?", "the {} {} is back", "lunch: {} or {}?", "moving the {} to the {}",
             "who has the {} {}", "{} {} meeting at three")
 
@@ -68,7 +67,7 @@ def _workspace(rng: random.Random, split: str, n_people: int = 5) -> tuple[Works
     names = rng.sample(_PEOPLE[split], n_people)
     ws.users = [[ME, "me", "You"], [BOT, "ci-bot", "CI"]]
     ws.users += [[f"U{i + 1:02d}", n, n.capitalize()] for i, n in enumerate(names)]
-    ci, *rest = _CHANNELS[split]
+    ci, rest = _CI[split][0], rng.sample(_CHANNELS[split], 3)
     topics = ("build results", "company-wide news", "the team's channel", "anything else")
     ws.channels = [[f"C{i + 1:02d}", name, topic] for i, (name, topic) in enumerate(zip((ci, *rest), topics))]
     return ws, [u[0] for u in ws.users[2:]], [c[0] for c in ws.channels]

@@ -1,7 +1,7 @@
 """Procedural terminal tasks: each family turns a seed into a Task with a reference solution and its checks.
 
 Same (family, seed, split) -> same task. Held-out tasks draw file names and words from pools the train split never
-uses, so a held-out score measures what the policy learned, not what it memorised.
+uses (environments/words.py), so a held-out score measures what the policy learned, not what it memorised.
 """
 
 from __future__ import annotations
@@ -9,17 +9,12 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+from sandforge.environments.words import WORDS, pools
 from sandforge.types import Task, ToolCall
 
-# Short words: a tiny byte-level policy has to type them. Train and held-out pools are disjoint.
-_WORDS = {
-    "train": "red sun cat map box cup dog pen hat sea fox owl key ink bee oak tea jam fig rug".split(),
-    "heldout": "blue moon bird lamp rock tree wolf ship gold rain salt corn frog mint nest".split(),
-}
-_NAMES = {
-    "train": "notes data memo list todo log draft plan".split(),
-    "heldout": "diary items index story quiz ledger".split(),
-}
+# Short syllable words: a tiny byte-level policy has to type them. Train and held-out pools are disjoint.
+_WORDS = WORDS
+_NAMES = pools("terminal/files", 100, 20)
 SPLITS = ("train", "heldout")
 
 
