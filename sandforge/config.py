@@ -126,6 +126,7 @@ class PretrainConfig(Section):
     steps: int = Field(0, ge=0)
     batch_size: int = Field(32, ge=1)
     lr: float = Field(3e-3, gt=0)
+    listed: float = Field(0.0, ge=0, le=1)  # share of exchanges whose prompt first lists the environment's tools
 
 
 class WarmupConfig(Section):

@@ -1,5 +1,5 @@
 """Synthetic pretraining data (trainer/pretrain.py): well-formed calls of the job's tools, loss on the answer only,
-values that come from no environment's word pools."""
+values made of train-split syllable words only (environments/words.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import re
 
 from sandforge.models.policy import load_chat
-from sandforge.trainer.pretrain import copy_exchange, copy_rows, job_tools
+from sandforge.trainer.pretrain import copy_exchange, copy_rows, env_tools, job_tools
 
 ENVS = ["terminal", "repo", "slack", "notion", "browser"]
 
@@ -39,11 +39,11 @@ def test_each_exchange_asks_for_the_call_its_answer_makes():
             assert (value if isinstance(value, str) else json.dumps(value)) in asked
 
 
-def test_rows_train_on_the_answer_only_and_use_no_task_words():
-    from sandforge.environments.terminal.tasks import _WORDS
+def test_rows_train_on_the_answer_only_and_use_no_heldout_words():
+    from sandforge.environments.words import WORDS, split_of
 
     chat = load_chat({"tokenizer": "bpe"})
-    rows = copy_rows(chat, job_tools(ENVS), random.Random(1), 200)
+    rows = copy_rows(chat, env_tools(ENVS), random.Random(1), 200)
     for row in rows:
         mask = row["loss_mask"]
         assert len(mask) == len(row["token_ids"]) and mask[-1] == 1
@@ -51,5 +51,24 @@ def test_rows_train_on_the_answer_only_and_use_no_task_words():
         assert not any(mask[:first]) and all(mask[first:])  # one contiguous answer at the end
         assert row["token_ids"][first] == chat.think
     text = " ".join(chat.tokenizer.decode(r["token_ids"]) for r in rows).lower()
-    words = set(re.findall(r"[a-z]+", text))
-    assert not words & set(_WORDS["train"] + _WORDS["heldout"])  # syllable words, not the tasks' pools
+    syllable_words = set(re.findall(r"\b(?:[bdfgklmnprstvz][aeiou])+\b", text))
+    assert len(syllable_words) > 100
+    assert {split_of(w) for w in syllable_words} == {"train"}  # held-out tasks' words never appear
+    assert not syllable_words & set(WORDS["heldout"])
+
+
+def test_a_share_of_exchanges_lists_the_environments_tools_as_an_episode_does():
+    chat = load_chat({"tokenizer": "bpe"})
+    tools = env_tools(ENVS)
+    listings = {env: chat.render_prompt(schemas, [])[:-2] for env, schemas in tools.items()}  # up to <|end|>
+    for listed, lo, hi in ((0.0, 0, 0), (1.0, 100, 100), (0.5, 30, 70)):
+        rows = copy_rows(chat, tools, random.Random(2), 100, listed=listed)
+        n = 0
+        for row in rows:
+            ids = row["token_ids"]
+            hits = [env for env, head in listings.items() if ids[: len(head)] == head]
+            n += bool(hits)
+            if hits:  # the requested tool is one of the listed environment's
+                call = chat.parse_assistant(ids[row["loss_mask"].index(1):])[0].tool_calls[0]
+                assert any(call.name == t["name"] for env in hits for t in tools[env])
+        assert lo <= n <= hi, (listed, n)

@@ -232,12 +232,12 @@ class RLJob:
     def copy_source(self, stream: str):
         """``n -> rows`` of generated copy exchanges over the job's tools (trainer/pretrain.py), from a seeded stream."""
         from sandforge.models.policy import load_chat
-        from sandforge.trainer.pretrain import copy_rows, job_tools
+        from sandforge.trainer.pretrain import copy_rows, env_tools
 
         chat = load_chat(self.cfg.model.model_dump(mode="json"))
-        tools = job_tools(sorted({e.name for e in self.cfg.environments}))
+        tools = env_tools(sorted({e.name for e in self.cfg.environments}))
         rng = random.Random(f"{stream}/{self.cfg.run.seed}")
-        return lambda n: copy_rows(chat, tools, rng, n)
+        return lambda n: copy_rows(chat, tools, rng, n, listed=self.cfg.pretrain.listed)
 
     def warmup(self) -> None:
         w = self.cfg.warmup

@@ -5,8 +5,8 @@ random does not, and a few hundred reference episodes over small word pools teac
 writes words from its training tasks where a held-out task asks for new ones). This stage gives it the copying a
 pretrained model has: short generated exchanges in the policy's own chat format, each asking for one call of one of
 the job's tools with argument values made of random syllable words, numbers, paths, channels and dates, and answered
-with exactly that call (loss on the answer only). Nothing in them comes from a task: the words are drawn from
-syllables, not from any environment's pools, so held-out tasks stay held out.
+with exactly that call (loss on the answer only). Nothing in them comes from a task, and the words are train-split
+syllable words (environments/words.py), the kind tasks are made of, so held-out tasks stay held out.
 
 ``pretrain.steps`` of ``pretrain.batch_size`` exchanges each, before the warm start, on the same trainer (``sft``
 mode). A policy loaded with ``model.init_from`` is pretrained already: set ``pretrain.steps: 0``.
@@ -17,14 +17,12 @@ from __future__ import annotations
 import json
 import random
 
+from sandforge.environments import words
 from sandforge.types import Message, ToolCall
 
-SYLLABLES = ("ba be bi bo bu da de di do du fa fe fi fo ga ge go gu ka ke ki ko ku la le li lo lu ma me mi mo mu na "
-             "ne ni no nu pa pe pi po ra re ri ro ru sa se si so su ta te ti to tu va ve vi vo za ze zi zo").split()
-
-
 def word(rng: random.Random) -> str:
-    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3)))
+    """A train-split syllable word: held-out words (environments/words.py) never appear in pretraining."""
+    return words.word(rng, "train")
 
 
 def phrase(rng: random.Random, lo: int = 1, hi: int = 4) -> str:
@@ -61,15 +59,23 @@ def value_for(schema: dict, rng: random.Random):
     return None  # arrays and objects: left out
 
 
-def job_tools(env_names: list[str]) -> list[dict]:
-    """The tool schemas of the job's environments (one entry per distinct tool name)."""
+def env_tools(env_names: list[str]) -> dict[str, list[dict]]:
+    """Each environment's tool schemas, as its episodes list them to the policy."""
     from sandforge.environments.tools import tool_schemas
     from sandforge.registry import environment
 
-    tools: dict[str, dict] = {}
+    out = {}
     for name in env_names:
         cls = environment(name).env_class()
-        for schema in tool_schemas(cls.__new__(cls)):  # schemas come from the class's @tool methods
+        out[name] = tool_schemas(cls.__new__(cls))  # schemas come from the class's @tool methods
+    return out
+
+
+def job_tools(env_names: list[str]) -> list[dict]:
+    """The tool schemas of the job's environments (one entry per distinct tool name)."""
+    tools: dict[str, dict] = {}
+    for schemas in env_tools(env_names).values():
+        for schema in schemas:
             tools.setdefault(schema["name"], schema)
     return list(tools.values())
 
@@ -86,8 +92,11 @@ def instruction(name: str, args: dict, rng: random.Random) -> str:
     return f"Use {name}. " + " ".join(f'The {k} is "{v}".' for k, v in shown.items())
 
 
-def copy_exchange(chat, tool: dict, rng: random.Random) -> tuple[list[int], list[int]]:
-    """(prompt ids, answer ids): a user asks for one call of ``tool`` with given values; the answer makes it."""
+def copy_exchange(chat, tool: dict, rng: random.Random, listed: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): a user asks for one call of ``tool`` with given values; the answer makes it.
+
+    ``listed``: tools the prompt lists first, as an episode's prompt does (the value to copy then sits a few hundred
+    tokens in, where a task puts it); None for the bare request."""
     props = tool.get("parameters", {}).get("properties", {})
     required = set(tool.get("parameters", {}).get("required", []))
     args = {}
@@ -96,17 +105,22 @@ def copy_exchange(chat, tool: dict, rng: random.Random) -> tuple[list[int], list
             value = value_for(schema, rng)
             if value is not None:
                 args[arg] = value
-    prompt = chat.render_prompt([], [Message("user", instruction(tool["name"], args, rng))])
+    prompt = chat.render_prompt(listed or [], [Message("user", instruction(tool["name"], args, rng))])
     answer = chat.render_assistant(Message("assistant", reasoning=f"I will use {tool['name']}.",
                                            tool_calls=[ToolCall(tool["name"], args)]))
     return prompt, answer
 
 
-def copy_rows(chat, tools: list[dict], rng: random.Random, n: int) -> list[dict]:
-    """``n`` training rows (the trainer's ``sft`` mode) of generated exchanges over ``tools``."""
+def copy_rows(chat, tools: dict[str, list[dict]], rng: random.Random, n: int, listed: float = 0.0) -> list[dict]:
+    """``n`` training rows (the trainer's ``sft`` mode) of generated exchanges over ``tools`` (environment -> its
+    tool schemas): each picks an environment, then one of its tools; a share ``listed`` of them lists that
+    environment's tools before the request, as its episodes do."""
     rows = []
+    envs = sorted(tools)
     for _ in range(n):
-        prompt, answer = copy_exchange(chat, rng.choice(tools), rng)
+        schemas = tools[rng.choice(envs)]
+        tool = rng.choice(schemas)
+        prompt, answer = copy_exchange(chat, tool, rng, schemas if rng.random() < listed else None)
         rows.append({"token_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer),
                      "logprobs": None, "routed_experts": None})
     return rows
