@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
+    "pretrain.steps=150",  # copying syllable words into calls: 8 demonstrations alone do not teach the format
+    "pretrain.batch_size=16",
     "warmup.steps=60",
     "warmup.episodes=8",
     "rollout.workers=2",

@@ -115,7 +115,7 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
         dump_config(cfg, out / "config.yaml")
         (out / "run_id").write_text(run_id + "\n")
         console.print(f"[bold]sandforge[/] run [cyan]{run_id}[/] → {out}")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     logger = job = None
     try:
         client = docker_client()
@@ -127,7 +127,8 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
         ray.init(address=cfg.ray.address or "local",  # "local": a new instance, never a cluster found lying around
                  num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
                  object_store_memory=None if cfg.ray.address else 256 * 1024**2)
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # after ray.init, which installs an aborting handler of its own
+        for sig in previous:  # after ray.init, which installs handlers of its own
+            signal.signal(sig, _raise_interrupt)
         logger = RunLogger(out, cfg, run_id, resume=resume)
         with progress() as bar:
             job = RLJob(cfg, run_id, images, logger, bar, driver_labels(run_id))
@@ -175,7 +176,8 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
     except ray.exceptions.RayActorError as e:  # a trainer rank or the engine died (killed, OOM, node lost)
         raise JobError(actor_died(e, out)) from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if logger is not None:
             logger.close()
         if job is not None and sys.exc_info()[0] is None:  # interrupted or failed: the label sweep below suffices
