@@ -64,6 +64,17 @@ def test_score_task_runs_registered_sql_checks(app_sandbox):
     assert reward.value == 0.0 and not reward.success and "expected [[5]], got [[2]]" in reward.reason
 
 
+def test_partial_credit_ranks_near_misses_and_keeps_success_exact(app_sandbox):
+    query = "SELECT name, n FROM t"
+    assert sql_check(app_sandbox, DB, query, [["c", 3], ["a", 1], ["b", 2]], partial=True)[0] == 1.0
+    one_cell_off = sql_check(app_sandbox, DB, query, [["a", 1], ["b", 2], ["d", 3]], partial=True)[0]
+    one_row_short = sql_check(app_sandbox, DB, query, [["a", 1], ["b", 2]], partial=True)[0]
+    unrelated = sql_check(app_sandbox, DB, query, [["zz", 9]], partial=True)[0]
+    assert 0.5 > one_cell_off > one_row_short > unrelated == 0.0
+    reward = score_task(app_sandbox, check(query="SELECT name FROM t WHERE n = 2", expect=[["bb"]], partial=True))
+    assert 0.0 < reward.value < 0.5 and not reward.success
+
+
 def test_checks_never_write_the_database(app_sandbox):
     for query in ("DELETE FROM t", "UPDATE t SET n = 0", "SELECT 1; DELETE FROM t", "DROP TABLE t"):
         with pytest.raises(VerifierError, match="failed"):

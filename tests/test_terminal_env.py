@@ -75,6 +75,15 @@ def test_score_task_averages_checks():
     assert score_task(FakeSandbox({"/a": " one "}), _task(checks[:1])).success
 
 
+def test_partial_file_equals_scores_a_near_miss_below_one_and_success_stays_exact():
+    check = {"verifier": "file_equals", "path": "/a", "content": "kolu dasi", "partial": True}
+    scores = {text: score_task(FakeSandbox({"/a": text}), _task([check])) for text in ("kolu dasi\n", "kolu dasu", "zz")}
+    assert scores["kolu dasi\n"].value == 1.0 and scores["kolu dasi\n"].success
+    assert 0.5 > scores["kolu dasu"].value > scores["zz"].value >= 0.0
+    assert not scores["kolu dasu"].success and not scores["zz"].success
+    assert score_task(FakeSandbox({}), _task([check])).value == 0.0  # no file, no credit
+
+
 def test_score_task_raises_verifier_error_when_a_check_cannot_run():
     with pytest.raises(VerifierError, match="unknown verifier 'tests_pass'.*file_equals"):
         score_task(FakeSandbox({}), _task([{"verifier": "tests_pass"}]))

@@ -13,6 +13,7 @@ import shlex
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
 from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.verifiers.partial import near_miss, text_similarity
 
 MAX_BYTES = 64 << 20  # larger files are not the answer anyone asked for: score 0 instead of reading them
 
@@ -50,24 +51,29 @@ def _takes(name: str, args: dict, required: set[str], optional: set[str]) -> Non
 # --- file_equals --------------------------------------------------------------------------------------------------
 
 
-def file_equals(sandbox: Sandbox, path: str, content: str, strip: bool = True) -> tuple[float, str]:
-    """1.0 if the file at ``path`` holds exactly ``content`` (both stripped of surrounding whitespace if ``strip``)."""
+def file_equals(sandbox: Sandbox, path: str, content: str, strip: bool = True,
+                partial: bool = False) -> tuple[float, str]:
+    """1.0 if the file at ``path`` holds exactly ``content`` (both stripped of surrounding whitespace if ``strip``);
+    with ``partial``, a file that differs scores its closeness to ``content`` as a near miss (below 1)."""
     try:
         actual = sandbox.read_file(path, user="root")
     except OSError as e:  # a directory, a FIFO the policy made, ...: the answer is not a readable file
         return 0.0, f"{path}: unreadable ({e})"
     if actual is None:
         return 0.0, f"{path}: missing"
-    ok = actual.strip() == content.strip() if strip else actual == content
-    return (1.0, f"{path}: matches") if ok else (0.0, f"{path}: expected {_show(content)}, got {_show(actual)}")
+    got, want = (actual.strip(), content.strip()) if strip else (actual, content)
+    if got == want:
+        return 1.0, f"{path}: matches"
+    score = near_miss(text_similarity(got, want)) if partial else 0.0
+    return score, f"{path}: expected {_show(content)}, got {_show(actual)}"
 
 
 @register("file_equals")
 def _file_equals_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
-    unknown = set(args) - {"path", "content", "strip"}
+    unknown = set(args) - {"path", "content", "strip", "partial"}
     if unknown or "path" not in args or "content" not in args:
-        raise VerifierError(f"file_equals takes path, content[, strip, timeout]; got {sorted(args)}")
+        raise VerifierError(f"file_equals takes path, content[, partial, strip, timeout]; got {sorted(args)}")
     return file_equals(sandbox, **args)
 
 

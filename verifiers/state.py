@@ -6,8 +6,9 @@ in a fresh exec as root with python3's sqlite3, opening the database read-only (
 check can never change what it grades, and the policy's processes and permissions play no part.
 
 Check: ``{"verifier": "sql", "db": "/abs/app.db", "query": "SELECT ...", "expect": [[...], ...]}``; optional
-``"ordered": true`` (rows must come in this order; default: any order, as a multiset) and ``"timeout"`` (seconds;
-the query is killed inside the container when the check's time is up, and the episode fails).
+``"ordered": true`` (rows must come in this order; default: any order, as a multiset), ``"partial": true`` (rows that
+are not exactly right score their closeness, see verifiers/partial.py; success still needs the exact rows) and
+``"timeout"`` (seconds; the query is killed inside the container when the check's time is up, and the episode fails).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections import Counter
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
 from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.verifiers.partial import near_miss, rows_similarity
 
 _SHOW = 120  # characters of expected/got in a reason
 
@@ -70,8 +72,10 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = No
     return answer["rows"]
 
 
-def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool = False) -> tuple[float, str]:
-    """1.0 iff ``query`` returns exactly the rows ``expect`` (any order unless ``ordered``); the reason shows both."""
+def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool = False,
+              partial: bool = False) -> tuple[float, str]:
+    """1.0 iff ``query`` returns exactly the rows ``expect`` (any order unless ``ordered``), else 0 or, with
+    ``partial``, a near miss's credit (below 1); the reason shows both."""
     got = query_rows(sandbox, db, query)
     # JSON normalises both sides (tuples -> lists, 1 vs 1.0 stay distinct only if SQLite stored them so)
     want = json.loads(json.dumps(expect))
@@ -81,15 +85,16 @@ def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool
         ok = Counter(map(_key, got)) == Counter(map(_key, want))
     if ok:
         return 1.0, f"{db}: state matches ({len(got)} row{'s' if len(got) != 1 else ''})"
-    return 0.0, f"{db}: expected {_short(want)}, got {_short(got)}"
+    score = near_miss(rows_similarity(got, want, ordered)) if partial else 0.0
+    return score, f"{db}: expected {_short(want)}, got {_short(got)}"
 
 
 @register("sql")
 def _sql_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)  # run_check enforces it; time_left() passes it on to the exec
-    unknown = set(args) - {"db", "query", "expect", "ordered"}
+    unknown = set(args) - {"db", "query", "expect", "ordered", "partial"}
     if unknown or not {"db", "query", "expect"} <= set(args):
-        raise VerifierError(f"sql takes db, query, expect[, ordered, timeout]; got {sorted(args)}")
+        raise VerifierError(f"sql takes db, query, expect[, ordered, partial, timeout]; got {sorted(args)}")
     if not isinstance(args["expect"], list) or not all(isinstance(r, list) for r in args["expect"]):
         raise VerifierError(f"sql: 'expect' must be a list of rows (lists), got {_short(args['expect'])}")
     return sql_check(sandbox, **args)
