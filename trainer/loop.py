@@ -160,7 +160,7 @@ class RLJob:
         for ref in [w.sandbox_stats.remote() for w in self.workers]:
             try:
                 stats.absorb(ray.get(ref))
-            except ray.exceptions.RayActorError:  # a worker that died for good: its samples went with it
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):  # gone: its samples too
                 pass
         return stats.snapshot()
 

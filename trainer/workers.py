@@ -77,7 +77,7 @@ def wait_ready(workers: list, timeout: float = READY_TIMEOUT_S) -> None:
             try:
                 ray.get(workers[i].ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
                 break
-            except ray.exceptions.ActorDiedError:
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError):  # pinned to a lost node
                 if replaced or not isinstance(workers, Workers):
                     break
                 workers.replace(i)
@@ -110,7 +110,7 @@ def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_se
         index, ts, gs = pending.pop(done[0])
         try:
             out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
-        except ray.exceptions.RayActorError as e:  # the worker died (killed, OOM, node lost); Ray restarts it
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:  # died or its node is gone
             out += lost_episodes(ts, gs, version, index, e)
         bar.advance(job, len(ts))
     bar.remove_task(job)
