@@ -25,7 +25,7 @@ from sandforge.rollout.metrics import rollout_metrics
 from sandforge.rollout.tasks import TaskSampler
 from sandforge.runlog import RunLogger
 from sandforge.trainer.weight_sync import WeightSync
-from sandforge.trainer.workers import collect_episodes, start_workers
+from sandforge.trainer.workers import collect_episodes, start_workers, worker_gone
 from sandforge.trainer.eta import RunClock
 from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
 from sandforge.types import Task, Trajectory
@@ -160,7 +160,7 @@ class RLJob:
         for ref in [w.sandbox_stats.remote() for w in self.workers]:
             try:
                 stats.absorb(ray.get(ref))
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):  # gone: its samples too
+            except worker_gone():  # a worker gone for good: its samples went with it
                 pass
         return stats.snapshot()
 

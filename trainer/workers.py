@@ -27,6 +27,13 @@ def episode_seed(run_seed: int, group: str, index: int) -> int:
     return int.from_bytes(digest, "little") % 2**63
 
 
+def worker_gone() -> tuple[type, ...]:
+    """What ``ray.get`` on a rollout worker raises once the worker is gone: it died, or it is pinned to a lost node."""
+    import ray
+
+    return ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError
+
+
 def worker_strategies(n: int) -> list:
     """A scheduling strategy per worker: round-robin over the alive nodes, the driver's first; one node: default.
     (Ray's soft node affinity and SPREAD are best effort: with zero-CPU actors both put every worker on one node.)"""
@@ -110,7 +117,7 @@ def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_se
         index, ts, gs = pending.pop(done[0])
         try:
             out += [Trajectory.from_dict(d) for d in ray.get(done[0])]
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as e:  # died or its node is gone
+        except worker_gone() as e:  # the worker died (killed, OOM) or its node is gone
             out += lost_episodes(ts, gs, version, index, e)
         bar.advance(job, len(ts))
     bar.remove_task(job)
