@@ -8,12 +8,14 @@ before anything starts.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from sandforge.config import EnvironmentConfig
 from sandforge.environments.task_sources import TaskSourceError, open_source
 from sandforge.registry import environment
 from sandforge.types import Task
+from sandforge.verifiers.base import PARTIAL
 
 
 class TaskSampler:
@@ -40,7 +42,8 @@ class TaskSampler:
         for _ in range(n):
             i = self.rng.choices(range(len(self.envs)), weights=[e.weight for e in self.envs])[0]
             family = self.rng.choice(self.families[i])
-            tasks.append(self.sources[i].task(family, self.rng.randrange(2**31), split))
+            task = self.sources[i].task(family, self.rng.randrange(2**31), split)
+            tasks.append(with_partial_credit(task) if self.envs[i].partial_credit else task)
         return tasks
 
     def images(self) -> dict[str, Path]:
@@ -51,6 +54,13 @@ class TaskSampler:
             drawn = {t.setup.get("image") for t in getattr(source, "tasks", []) if t.family in families}
             found |= {name: ctx for name, ctx in source.images.items() if name in drawn}
         return found
+
+
+def with_partial_credit(task: Task) -> Task:
+    """``task`` with ``"partial": true`` on every check whose verifier can give a near miss credit (a check that sets
+    ``partial`` itself keeps its choice)."""
+    checks = [{"partial": True, **c} if c.get("verifier") in PARTIAL else c for c in task.checks]
+    return replace(task, checks=checks)
 
 
 def image_key(task: Task, env_images: dict[str, str | None]) -> str:

@@ -73,6 +73,9 @@ class EnvironmentConfig(Section):
     # None: the environment's seeded generators. Else a JSONL file (one Task per line) or, for `harbor`, a Harbor task
     # directory or a folder of them. Relative to the working directory, like run.output_dir.
     tasks: Path | None = None
+    # Training tasks' checks that can give credit for a near miss (file_equals, sql, json_match) do so: a denser reward
+    # for GRPO. Success, and so held-out success, still needs the exact answer.
+    partial_credit: bool = False
 
     @field_validator("tasks")
     @classmethod

@@ -14,7 +14,7 @@ from sandforge.config import ConfigError, load_config
 from sandforge.environments.task_sources import FiniteSource, TaskSourceError, dump_jsonl, load_jsonl, open_source
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.registry import environment
-from sandforge.rollout.tasks import TaskSampler
+from sandforge.rollout.tasks import TaskSampler, with_partial_credit
 from sandforge.types import Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +100,25 @@ def test_two_sources_of_one_env_mix_by_weight(tmp_path, jsonl):
     from_file = sum(t.id in {x.id for x in load_jsonl(jsonl)} for t in tasks)
     assert 25 < from_file < 75  # weight 1 against 3: about a quarter
     assert all(isinstance(t, Task) for t in tasks)
+
+
+def test_partial_credit_marks_the_checks_that_can_give_it(tmp_path):
+    """``partial_credit`` on one environment: its checks whose verifier gives near misses credit get ``partial``,
+    the other environment's do not, and the tasks drawn are the same as without it."""
+    body = "environments:\n  - name: terminal\n{}  - name: slack\n"
+    plain = load_config(_config(tmp_path, body.format("")))
+    marked = load_config(_config(tmp_path, body.format("    partial_credit: true\n")))
+    tasks = TaskSampler(marked.environments, seed=0).sample(30)
+    assert [t.id for t in tasks] == [t.id for t in TaskSampler(plain.environments, seed=0).sample(30)]
+    assert {t.env for t in tasks} == {"terminal", "slack"}
+    for task in tasks:
+        assert [c.get("partial", False) for c in task.checks] == [task.env == "terminal"] * len(task.checks)
+
+    task = make_task("write_file", 0)
+    task.checks += [{"verifier": "file_equals", "path": "/x", "content": "y", "partial": False},
+                    {"verifier": "command", "cmd": "true"}]
+    assert [c.get("partial") for c in with_partial_credit(task).checks] == [True, False, None]
+    assert "partial" not in task.checks[0]  # the task itself is left as it was
 
 
 def test_harbor_folder_from_the_config_brings_its_images(tmp_path):

@@ -47,6 +47,7 @@ class CheckResult:
 Verifier = Callable[[Sandbox, dict], Union[tuple[float, str], tuple[float, str, dict]]]
 VERIFIERS: dict[str, Verifier] = {}
 DEFAULT_TIMEOUTS: dict[str, Callable[[dict], float]] = {}  # verifiers whose default budget depends on their arguments
+PARTIAL: set[str] = set()  # verifiers that take ``partial`` (credit below 1 for an answer that is close)
 
 
 class VerifierError(RuntimeError):
@@ -61,14 +62,18 @@ def _located(message: str) -> VerifierError:
     return error
 
 
-def register(name: str, default_timeout: Callable[[dict], float] | None = None) -> Callable[[Verifier], Verifier]:
+def register(name: str, default_timeout: Callable[[dict], float] | None = None,
+             partial: bool = False) -> Callable[[Verifier], Verifier]:
     """Make ``fn`` the verifier of checks ``{"verifier": name, ...}``. ``default_timeout(args)`` gives the budget of a
-    check that names no ``timeout`` (default ``DEFAULT_TIMEOUT``)."""
+    check that names no ``timeout`` (default ``DEFAULT_TIMEOUT``). ``partial``: its checks take ``"partial": true``
+    (see ``with_partial_credit``)."""
 
     def add(fn: Verifier) -> Verifier:
         VERIFIERS[name] = fn
         if default_timeout is not None:
             DEFAULT_TIMEOUTS[name] = default_timeout
+        if partial:
+            PARTIAL.add(name)
         return fn
 
     return add

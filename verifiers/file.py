@@ -68,7 +68,7 @@ def file_equals(sandbox: Sandbox, path: str, content: str, strip: bool = True,
     return score, f"{path}: expected {_show(content)}, got {_show(actual)}"
 
 
-@register("file_equals")
+@register("file_equals", partial=True)
 def _file_equals_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     unknown = set(args) - {"path", "content", "strip", "partial"}
@@ -224,7 +224,7 @@ def _leaves(value) -> int:
     return 1
 
 
-@register("json_match")
+@register("json_match", partial=True)
 def _json_match_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     _takes("json_match", args, {"path", "expected"}, {"at", "exact", "partial"})

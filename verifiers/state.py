@@ -89,7 +89,7 @@ def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool
     return score, f"{db}: expected {_short(want)}, got {_short(got)}"
 
 
-@register("sql")
+@register("sql", partial=True)
 def _sql_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)  # run_check enforces it; time_left() passes it on to the exec
     unknown = set(args) - {"db", "query", "expect", "ordered", "partial"}
