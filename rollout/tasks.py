@@ -15,7 +15,7 @@ from sandforge.config import EnvironmentConfig
 from sandforge.environments.task_sources import TaskSourceError, open_source
 from sandforge.registry import environment
 from sandforge.types import Task
-from sandforge.verifiers.base import PARTIAL
+from sandforge.verifiers.base import gives_partial_credit
 
 
 class TaskSampler:
@@ -59,7 +59,7 @@ class TaskSampler:
 def with_partial_credit(task: Task) -> Task:
     """``task`` with ``"partial": true`` on every check whose verifier can give a near miss credit (a check that sets
     ``partial`` itself keeps its choice)."""
-    checks = [{"partial": True, **c} if c.get("verifier") in PARTIAL else c for c in task.checks]
+    checks = [{"partial": True, **c} if gives_partial_credit(c.get("verifier")) else c for c in task.checks]
     return replace(task, checks=checks)
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
+from sandforge import registry
 from sandforge.config import ConfigError, load_config
 from sandforge.environments.task_sources import FiniteSource, TaskSourceError, dump_jsonl, load_jsonl, open_source
 from sandforge.environments.terminal.tasks import make_task
@@ -119,6 +120,27 @@ def test_partial_credit_marks_the_checks_that_can_give_it(tmp_path):
                     {"verifier": "command", "cmd": "true"}]
     assert [c.get("partial") for c in with_partial_credit(task).checks] == [True, False, None]
     assert "partial" not in task.checks[0]  # the task itself is left as it was
+
+
+def test_plugin_verifiers_declare_partial_credit_on_the_function(monkeypatch):
+    """A verifier that is not registered (a plugin's, or one beside its environment) says it takes ``partial`` with a
+    ``partial_credit`` attribute; one without it, an unknown one and one whose plugin fails to load are left alone."""
+
+    def near(sandbox, args):
+        return 1.0, "ok"
+
+    def strict(sandbox, args):
+        return 1.0, "ok"
+
+    def broken():
+        raise registry.PluginError("verifier 'x' of pkg cannot be loaded")
+
+    near.partial_credit = True
+    monkeypatch.setattr(registry, "verifier_plugins", lambda: {"near": near, "strict": strict})
+    task = replace(make_task("write_file", 0), checks=[{"verifier": n} for n in ("near", "strict", "nope", "sql")])
+    assert [c.get("partial") for c in with_partial_credit(task).checks] == [True, None, None, True]
+    monkeypatch.setattr(registry, "verifier_plugins", broken)
+    assert [c.get("partial") for c in with_partial_credit(task).checks] == [None, None, None, True]
 
 
 def test_harbor_folder_from_the_config_brings_its_images(tmp_path):

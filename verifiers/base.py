@@ -47,7 +47,6 @@ class CheckResult:
 Verifier = Callable[[Sandbox, dict], Union[tuple[float, str], tuple[float, str, dict]]]
 VERIFIERS: dict[str, Verifier] = {}
 DEFAULT_TIMEOUTS: dict[str, Callable[[dict], float]] = {}  # verifiers whose default budget depends on their arguments
-PARTIAL: set[str] = set()  # verifiers that take ``partial`` (credit below 1 for an answer that is close)
 
 
 class VerifierError(RuntimeError):
@@ -66,17 +65,31 @@ def register(name: str, default_timeout: Callable[[dict], float] | None = None,
              partial: bool = False) -> Callable[[Verifier], Verifier]:
     """Make ``fn`` the verifier of checks ``{"verifier": name, ...}``. ``default_timeout(args)`` gives the budget of a
     check that names no ``timeout`` (default ``DEFAULT_TIMEOUT``). ``partial``: its checks take ``"partial": true``
-    (see ``with_partial_credit``)."""
+    (see ``gives_partial_credit``)."""
 
     def add(fn: Verifier) -> Verifier:
         VERIFIERS[name] = fn
         if default_timeout is not None:
             DEFAULT_TIMEOUTS[name] = default_timeout
         if partial:
-            PARTIAL.add(name)
+            fn.partial_credit = True
         return fn
 
     return add
+
+
+def gives_partial_credit(name: object) -> bool:
+    """Do checks of verifier ``name`` take ``"partial": true`` (credit below 1 for an answer that is close)? Said by
+    ``register(..., partial=True)``, or, for a verifier found beside an environment or in a plugin, by a
+    ``partial_credit = True`` attribute on the function. A verifier that cannot be found or loaded says no here; scoring
+    the check reports why."""
+    if not isinstance(name, str):
+        return False
+    try:
+        fn = VERIFIERS.get(name) or find_verifier(name)
+    except Exception:  # a plugin that fails to load: the check's own scoring fails that episode with the reason
+        return False
+    return bool(getattr(fn, "partial_credit", False))
 
 
 # --- budgets --------------------------------------------------------------------------------------------------------
