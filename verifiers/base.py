@@ -78,6 +78,12 @@ def register(name: str, default_timeout: Callable[[dict], float] | None = None,
     return add
 
 
+def lookup(name: str) -> Verifier | None:
+    """The verifier of checks named ``name``: a registered one, else a plugin's or a built-in env's
+    (sandforge/registry.py); None when there is none."""
+    return VERIFIERS.get(name) or find_verifier(name)
+
+
 def gives_partial_credit(name: object) -> bool:
     """Do checks of verifier ``name`` take ``"partial": true`` (credit below 1 for an answer that is close)? Said by
     ``register(..., partial=True)``, or, for a verifier found beside an environment or in a plugin, by a
@@ -86,7 +92,7 @@ def gives_partial_credit(name: object) -> bool:
     if not isinstance(name, str):
         return False
     try:
-        fn = VERIFIERS.get(name) or find_verifier(name)
+        fn = lookup(name)
     except Exception:  # a plugin that fails to load: the check's own scoring fails that episode with the reason
         return False
     return bool(getattr(fn, "partial_credit", False))
@@ -145,8 +151,7 @@ def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
     if not isinstance(check, dict):
         raise _located(f"{where}: a check is a mapping {{'verifier': name, ...}}, got {check!r}")
     name = check.get("verifier")
-    # a built-in, else a plugin's or a built-in env's (sandforge/registry.py)
-    verifier = (VERIFIERS.get(name) or find_verifier(name)) if isinstance(name, str) else None
+    verifier = lookup(name) if isinstance(name, str) else None
     if verifier is None:
         known = ", ".join(sorted(VERIFIERS)) or "none"
         raise _located(f"{where}: unknown verifier {name!r} (known: {known})")
