@@ -199,18 +199,20 @@ def _episodes_per_s(concurrency: int, n_episodes: int, model, images: dict, run_
     from sandforge.config import JobConfig
     from sandforge.environments.sandbox.lifecycle import driver_labels
     from sandforge.environments.terminal.tasks import make_task
-    from sandforge.rollout.worker import RolloutWorker
+    from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
     job = JobConfig.model_validate({
         "rollout": {"workers": 1, "concurrency": concurrency, "max_turns": 3, "max_new_tokens": 24,
                     "temperature": 1.0, "episode_timeout": 300},
         "sandbox": {"warm_pool": concurrency, "max_live": concurrency, "creates_per_second": 32},
-    }).model_dump(mode="json")
+    })
+    setup = WorkerSetup(run_id=run_id, engine="in-process", images=images, labels=driver_labels(run_id),
+                        environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox, model=job.model)
     tasks = [asdict(make_task(("write_file", "count_words")[i % 2], i)) for i in range(n_episodes)]
 
     async def go() -> tuple[float, int]:
-        engine = None if scripted else EngineCore(model, max_batch_size=64)
-        worker = RolloutWorker(0, job, run_id, engine, images, driver_labels(run_id))
+        engine = object() if scripted else EngineCore(model, max_batch_size=64)  # scripted: never asked
+        worker = RolloutWorker(0, setup, engine)
         try:
             for pool in worker.pools.values():
                 await asyncio.to_thread(pool.wait_ready, 300)
@@ -220,7 +222,7 @@ def _episodes_per_s(concurrency: int, n_episodes: int, model, images: dict, run_
             return n_episodes / wall, sum(bool(t["failed"]) for t in out)
         finally:
             await asyncio.to_thread(worker.close)
-            if engine is not None:
+            if not scripted:
                 await engine.shutdown()
 
     return asyncio.run(go())
@@ -242,9 +244,10 @@ def sandbox_episodes_section(model, args, table: Table) -> dict:
     except SandboxError as e:
         table.add_row("episodes/s against real sandboxes", "skipped", f"no Docker daemon: {e}")
         return {}
-    from sandforge.models.policy import load_chat
+    from sandforge.config import ModelConfig
+    from sandforge.models.build import load_chat
 
-    vocab = load_chat({"tokenizer": "bpe"}).tokenizer.vocab_size  # the worker's chat format
+    vocab = load_chat(ModelConfig()).tokenizer.vocab_size  # the worker's chat format
     if model.config.vocab_size != vocab:
         model = K3Model(replace(model.config, vocab_size=vocab)).eval()
     run_id = f"bench-rollout-{uuid.uuid4().hex[:10]}"

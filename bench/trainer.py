@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _slow_sampler(delay: float):
     """A TaskSampler whose tasks each run ``sleep delay`` in their sandbox before the episode starts (the tasks travel
     to the rollout workers as plain data, so patching the driver's sampler is enough)."""
-    from sandforge.rollout.tasks import TaskSampler
+    from sandforge.job.tasks import TaskSampler
 
     class SlowTasks(TaskSampler):
         def sample(self, n: int, split: str = "train"):
@@ -60,8 +60,8 @@ def _slow_sampler(delay: float):
 def _job(mode: str, out: Path, args) -> list[dict]:
     """Run one job; returns its RL metric rows."""
     from sandforge.config import load_config
-    from sandforge.trainer import loop
-    from sandforge.trainer.run import run
+    from sandforge.job import rl_job
+    from sandforge.job.run import run
 
     cfg = load_config(ROOT / "configs/terminal.yaml", [
         f"run.output_dir={out}", f"trainer.steps={args.steps}", f"trainer.mode={mode}",
@@ -71,12 +71,12 @@ def _job(mode: str, out: Path, args) -> list[dict]:
         "trainer.grad_accum_steps=1",
         f"sandbox.exec_timeout={args.delay + 30:g}", f"sandbox.warm_pool={args.concurrency}",
     ])
-    real = loop.TaskSampler
-    loop.TaskSampler = _slow_sampler(args.delay)
+    real = rl_job.TaskSampler
+    rl_job.TaskSampler = _slow_sampler(args.delay)
     try:
         run(cfg)
     finally:
-        loop.TaskSampler = real
+        rl_job.TaskSampler = real
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("phase") == "rl"]
 
@@ -122,7 +122,7 @@ class _WeightSender:
     def __init__(self, policy_cfg: dict, seed: int):
         import torch
 
-        from sandforge.models.policy import policy_from_config
+        from sandforge.models.build import policy_from_config
 
         torch.set_num_threads(1)
         torch.manual_seed(seed)
@@ -132,7 +132,7 @@ class _WeightSender:
         return self.weights
 
     def open_weight_channel(self, host: str, port: int) -> None:
-        from sandforge.models.weight_sync import WeightChannel
+        from sandforge.models.weight_channel import WeightChannel
 
         self.channel = WeightChannel(host, port, rank=0)
 
@@ -148,22 +148,25 @@ def weight_sync_section(args, table: Table) -> dict:
 
     import ray
 
+    from sandforge.config import EngineConfig
+    from sandforge.job.fleet import free_port
+    from sandforge.job.weight_sync import WeightSync
+    from sandforge.models.build import policy_config
     from sandforge.models.k3.model import PRESETS, K3Model
-    from sandforge.models.policy import policy_config
     from sandforge.rollout.engine import InferenceEngine
-    from sandforge.trainer.weight_sync import WeightSync
 
     policy_cfg = policy_config(K3Model(PRESETS[args.sync_preset]))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=1024 * 1024**2)
     try:
         sender = ray.remote(num_cpus=0)(_WeightSender).remote(policy_cfg, 0)
-        engine = ray.remote(num_cpus=0)(InferenceEngine).remote(policy_cfg, 4, 64, 0, 1)
+        engine = ray.remote(num_cpus=0)(InferenceEngine).remote(policy_cfg, EngineConfig(max_batch_size=4, session_memory_mb=64),
+                                                                0, 1)
         weights = ray.get(sender.get_weights.remote())
         gb = sum(v.numel() * v.element_size() for v in weights.values()) / 1e9
         del weights
         out, version = {}, 0
         for mode in ("object_store", "collective"):
-            sync = WeightSync(mode, [sender], engine, gather_all=False)
+            sync = WeightSync(mode, [sender], engine, free_port(), gather_all=False)
             times = []
             for _ in range(args.sync_repeats + 1):  # the first push warms up (allocations, connections)
                 version += 1
@@ -204,22 +207,23 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
 
     import torch
 
-    from sandforge.config import TrainerConfig
+    from sandforge.config import ModelConfig, TrainerConfig
+    from sandforge.job.fleet import free_port
+    from sandforge.models.build import after_optimizer_step, build_policy
     from sandforge.models.generate import token_logprobs
-    from sandforge.models.policy import after_optimizer_step, build_policy
-    from sandforge.trainer.actor import TrainerRank, pad_right, split_micro_batches
-    from sandforge.trainer.loop import free_port
+    from sandforge.trainer.batches import pad_right, split_micro_batches
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    model_cfg = {"arch": "k3", "preset": "k3-nano", "k3": {}}
+    model_cfg = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes")
     # both sides pad every sequence to its micro-batch's longest: this compares the step machinery, not packing
-    trainer_cfg = TrainerConfig(grad_accum_steps=2, pack_sequences=False).model_dump() | {"temperature": 1.0,
-                                                                                          "response_budget": 256}
-    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg, trainer_cfg, None, "bytes", seed=0, num_threads=1)
+    trainer_cfg = TrainerConfig(grad_accum_steps=2, pack_sequences=False)
+    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg, trainer_cfg, RolloutShape(1.0, 256), seed=0,
+                       num_threads=1)
     torch.manual_seed(0)
     model = build_policy(model_cfg, len(rank.tokenizer))
     model.load_state_dict(rank.engine.module.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
+    opt = torch.optim.AdamW(model.parameters(), lr=trainer_cfg.lr, weight_decay=trainer_cfg.weight_decay)
     rows = _train_rows(len(rank.tokenizer), args.train_rows, args.train_len)
     total = sum(sum(r["loss_mask"]) for r in rows)
     tokens = sum(len(r["token_ids"]) for r in rows)
@@ -227,7 +231,7 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
     def torch_step() -> float:
         model.train()
         step_loss = 0.0
-        for micro in split_micro_batches(rows, trainer_cfg["grad_accum_steps"]):
+        for micro in split_micro_batches(rows, trainer_cfg.grad_accum_steps):
             ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
             attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
             mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
@@ -235,7 +239,7 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
             loss = -(logprobs * mask).sum() / total  # the SFT loss: token-mean over the whole step's assistant tokens
             (loss + aux).backward()
             step_loss += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), trainer_cfg.grad_clip)
         opt.step()
         opt.zero_grad()
         after_optimizer_step(model)
@@ -276,16 +280,18 @@ def packing_section(args, table: Table) -> dict:
     import os
     import time
 
-    from sandforge.config import TrainerConfig
+    from sandforge.config import ModelConfig, TrainerConfig
+    from sandforge.job.fleet import free_port
     from sandforge.models.packing import PackedLayout
-    from sandforge.trainer.actor import TrainerRank, split_micro_batches
-    from sandforge.trainer.loop import free_port
+    from sandforge.trainer.batches import split_micro_batches
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    model_cfg = {"arch": "k3", "preset": "k3-nano", "k3": {}}
+    model_cfg = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes")
     gas = 2
-    trainer_cfg = TrainerConfig(grad_accum_steps=gas).model_dump() | {"temperature": 1.0, "response_budget": 256}
-    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg, trainer_cfg, None, "bytes", seed=0, num_threads=1)
+    trainer_cfg = TrainerConfig(grad_accum_steps=gas)
+    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg, trainer_cfg, RolloutShape(1.0, 256), seed=0,
+                       num_threads=1)
     import torch
 
     g = torch.Generator().manual_seed(0)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from sandforge.config import RolloutConfig
 from sandforge.environments.sandbox.docker_sandbox import SandboxError
-from sandforge.rollout.policy import Policy, PolicyError, check_sample
+from sandforge.rollout.policy_client import Policy, PolicyError, check_sample
 from sandforge.rollout.tool_calls import ToolHang, ToolOutcome, run_tool_calls
 from sandforge.types import Message, Reward, Task, Trajectory, Turn
 from sandforge.verifiers.base import VerifierError, score_task

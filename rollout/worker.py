@@ -16,37 +16,53 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from sandforge.config import JobConfig
+from sandforge.config import EnvironmentConfig, ModelConfig, RolloutConfig, SandboxConfig
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, docker_client
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
-from sandforge.models.policy import load_chat
+from sandforge.models.build import load_chat
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode
-from sandforge.rollout.policy import EnginePolicy, scripted_policy
-from sandforge.rollout.tasks import image_key
+from sandforge.rollout.policy_client import EnginePolicy, scripted_policy
 from sandforge.types import Reward, Task, Trajectory
 
 TOOL_GRACE_S = 30.0  # beyond sandbox.exec_timeout: how long a tool call may outlive the episode's deadline
 
 
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a rollout worker is given: its part of the job's config, typed, and where things are."""
+
+    run_id: str
+    engine: str  # the engine actor's name (a handle among an actor's arguments may break its restarts, ray#53727)
+    images: dict[str, str]  # image name -> tag, every image the job's tasks use (built by the driver)
+    labels: dict[str, str]  # the driver's labels for every container (lifecycle.driver_labels)
+    environments: tuple[EnvironmentConfig, ...]
+    rollout: RolloutConfig
+    sandbox: SandboxConfig
+    model: ModelConfig  # for the chat format: how episodes become tokens
+
+
 class RolloutWorker:
-    def __init__(self, worker_id: int, job: dict, run_id: str, engine, images: dict[str, str],
-                 sandbox_labels: dict[str, str]):
+    """``engine``: the engine actor's name as in ``setup`` (the driver's way), or any object with ``async
+    generate(request)`` (tests, benchmarks)."""
+
+    def __init__(self, worker_id: int, setup: WorkerSetup, engine=None):
         self.worker_id = worker_id
-        self.cfg = JobConfig.model_validate(job)
-        self.run_id = run_id
-        if isinstance(engine, str):  # the engine actor's name (the driver's way: see RLJob)
+        self.run_id = setup.run_id
+        if engine is None:
             import ray
 
-            engine = ray.get_actor(engine)
+            engine = ray.get_actor(setup.engine)
         self.policy = EnginePolicy(engine)  # a Ray handle, or an object with async generate(request)
-        self.images = images  # image name -> tag, every image the job's tasks use (built by the driver)
-        self.chat = load_chat(self.cfg.model.model_dump(mode="json"))
-        r, s = self.cfg.rollout, self.cfg.sandbox
+        self.images = setup.images
+        self.rollout, self.sandbox = setup.rollout, setup.sandbox
+        self.chat = load_chat(setup.model)
+        r, s = setup.rollout, setup.sandbox
         self.limits = EpisodeLimits.from_config(r, self.chat.stop_ids, tool_grace=s.exec_timeout + TOOL_GRACE_S)
-        entries = {e.name: environment(e.name) for e in self.cfg.environments}
+        entries = {e.name: environment(e.name) for e in setup.environments}
         self.env_classes = {name: entry.env_class() for name, entry in entries.items()}
         self.env_images = {name: entry.image_name for name, entry in entries.items()}
         self.gate = asyncio.Semaphore(r.concurrency)  # episodes at once
@@ -54,7 +70,7 @@ class RolloutWorker:
         self.episodes = 0  # numbers the engine sessions of this worker
         self.executor: ThreadPoolExecutor | None = None
         self.stats = SandboxStats()
-        self.labels = sandbox_labels
+        self.labels = setup.labels
         self.client = docker_client(max_pool_size=max(32, 2 * s.max_live))
         self.pools: dict[str, SandboxPool] = {}
         for name, image in self.env_images.items():  # environment images warm up now; a task's own when first used
@@ -63,7 +79,7 @@ class RolloutWorker:
 
     def _spec(self, image: str, env_class: type) -> SandboxSpec:
         """The job's ``sandbox`` config, with what the env declares it needs (``sandbox_defaults``) on top."""
-        s = self.cfg.sandbox
+        s = self.sandbox
         fields = dict(memory=s.memory, cpus=s.cpus, pids_limit=s.pids_limit, network=s.network, runtime=s.runtime,
                       read_only=s.read_only, workspace_size=s.workspace_size, tmp_size=s.tmp_size, nofile=s.nofile,
                       max_file_size=s.max_file_size)
@@ -73,7 +89,7 @@ class RolloutWorker:
         if image not in self.pools:
             if image not in self.images:
                 raise ValueError(f"image {image!r} was not built by the driver (built: {', '.join(self.images)})")
-            s = self.cfg.sandbox
+            s = self.sandbox
             self.pools[image] = SandboxPool(self._spec(self.images[image], env_class), self.run_id, size=warm,
                                             client=self.client, max_live=s.max_live,
                                             max_creates_per_second=s.creates_per_second, labels=self.labels,
@@ -84,13 +100,13 @@ class RolloutWorker:
     def _make_env(self, task: Task):
         # a task's own image (Harbor) keeps no warm sandboxes: that task may not come again for many steps
         pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0)
-        return self.env_classes[task.env](task, pool.spec, self.run_id, exec_timeout=self.cfg.sandbox.exec_timeout,
+        return self.env_classes[task.env](task, pool.spec, self.run_id, exec_timeout=self.sandbox.exec_timeout,
                                           pool=pool)
 
     def _threads(self) -> None:
         """Env calls run in threads: enough for every episode's tool calls at once, so none waits for a thread."""
         if self.executor is None:
-            r = self.cfg.rollout
+            r = self.rollout
             self.executor = ThreadPoolExecutor(r.concurrency * r.max_tool_calls + 4, thread_name_prefix="episode")
             asyncio.get_running_loop().set_default_executor(self.executor)
 
@@ -137,3 +153,12 @@ class RolloutWorker:
             pool.close()
         if self.executor is not None:
             self.executor.shutdown(wait=False)
+
+
+def image_key(task: Task, env_images: dict[str, str | None]) -> str:
+    """Which image (and so which sandbox pool) runs ``task``: the task's own (Harbor), else its environment's."""
+    key = task.setup.get("image") or env_images.get(task.env)
+    if not key:
+        raise ValueError(f"task {task.id}: environment {task.env!r} has no image and the task names none "
+                         "(setup.image)")
+    return key

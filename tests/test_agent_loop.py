@@ -13,8 +13,8 @@ import pytest
 from agent_fakes import CHAT, TASK, FakeEnv, ReplayPolicy, grade, limits, reply
 
 from sandforge.rollout.agent import NO_TOOL_CALL, run_episode
-from sandforge.rollout.metrics import rollout_metrics
-from sandforge.rollout.policy import EnginePolicy, scripted_policy
+from sandforge.job.rollout_metrics import rollout_metrics
+from sandforge.rollout.policy_client import EnginePolicy, scripted_policy
 from sandforge.rollout.tool_calls import truncate_output
 from sandforge.types import ToolCall, Trajectory
 
@@ -247,7 +247,7 @@ def test_metrics_count_how_episodes_and_turns_ended():
     assert m["episodes/timeouts"] == 1 and m["turns/finish_timeout"] > 0
     assert m["tools/errors_per_episode"] == 0.5 and m["reward/mean"] == 1.0
     assert {"tokens/cache_hit_rate", "time/generate_per_turn", "time/episode_mean", "turns/max"} <= set(m)
-    from sandforge.trainer.loop import step_line
+    from sandforge.job.rl_job import step_line
 
     assert "timeouts 1" in step_line(0, 1, m | {"time/step": 1.0})
 
@@ -297,11 +297,12 @@ def test_worker_waits_for_a_sandbox_when_max_live_are_in_use(terminal_image, run
     from sandforge.config import JobConfig
     from sandforge.environments.sandbox.docker_sandbox import list_run_containers
     from sandforge.environments.terminal.tasks import make_task
-    from sandforge.rollout.worker import RolloutWorker
+    from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
     job = JobConfig.model_validate({"sandbox": {"max_live": 1, "warm_pool": 0}, "rollout": {"concurrency": 3}})
-    worker = RolloutWorker(0, job.model_dump(mode="json"), run_id, engine=None, images={"terminal": terminal_image},
-                           sandbox_labels={})
+    setup = WorkerSetup(run_id=run_id, engine="unused", images={"terminal": terminal_image}, labels={},
+                        environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox, model=job.model)
+    worker = RolloutWorker(0, setup, engine=object())  # scripted episodes never ask the engine
     tasks = [make_task("write_file", s) for s in range(3)]
     try:
         out = asyncio.run(worker.run_episodes([asdict(t) for t in tasks], ["a", "b", "c"], version=1, scripted=True))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sandforge.config import TrainerConfig
-from sandforge.trainer.actor import TrainerRank, split_micro_batches
+from sandforge.trainer.batches import split_micro_batches
+from sandforge.trainer.rank import TrainerRank
 from sandforge.trainer.algorithms import (
     ALGORITHMS, MicroBatch, Totals, aggregate, informative_groups, kl_estimate, overlong_penalty, resolve, rl_objective,
     sft_objective, token_advantages,
@@ -20,7 +21,7 @@ L2 = math.log(2.0)
 
 
 def settings(algorithm="grpo", budget=4, **overrides):
-    return resolve(TrainerConfig(algorithm=algorithm, **overrides).model_dump() | {"response_budget": budget})
+    return resolve(TrainerConfig(algorithm=algorithm, **overrides), budget)
 
 
 def ep(rewards, groups, lengths=None):
@@ -279,10 +280,10 @@ def fake_rank(model, s, head=None, temperature=1.0):
     """What ``TrainerRank._micro_batch_loss`` reads from its rank, without DeepSpeed or torch.distributed."""
     import copy
 
-    from sandforge.trainer.actor import TrainerRank
+    from sandforge.trainer.rank import TrainerRank
 
     rank = SimpleNamespace(engine=Engine(model), reference=copy.deepcopy(model), settings=s, value_head=head,
-                           cfg={"temperature": temperature})
+                           cfg=TrainerConfig(), temperature=temperature)
     rank.layout = TrainerRank.layout.__get__(rank)  # the tiny model has no pack_align: one row per sequence
     return rank
 

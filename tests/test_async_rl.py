@@ -12,7 +12,7 @@ import torch
 from test_engine import peaky_k3, request, serve
 
 from sandforge.models.generate import SamplingParams, generate
-from sandforge.trainer.async_loop import admits, episode_staleness
+from sandforge.job.async_loop import admits, episode_staleness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def test_a_tiny_async_run_completes_with_bounded_staleness(tmp_path, terminal_im
                  "rollout.workers=1", "rollout.concurrency=4", "rollout.tasks_per_step=1", "rollout.group_size=2",
                  "rollout.max_turns=2", "rollout.max_new_tokens=24", "logging.wandb.mode=disabled",
                  f"run.output_dir={out}"]
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/terminal.yaml", *overrides],
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/terminal.yaml", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -23,7 +23,7 @@ from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.registry import environment
 from sandforge.rollout.agent import run_episode
-from sandforge.rollout.policy import scripted_policy
+from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 from sandforge.verifiers.base import score_task
 
@@ -203,7 +203,7 @@ def test_one_training_step_on_browser_tasks(tmp_path, browser_image):
     overrides = ["trainer.steps=1", "warmup.steps=0", "rollout.tasks_per_step=1",
                  "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=32",
                  "logging.wandb.mode=disabled", f"run.output_dir={out}"]
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/browser.yaml", *overrides],
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/browser.yaml", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

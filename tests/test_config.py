@@ -77,7 +77,7 @@ def test_override_parses_yaml_values():
 def test_cli_fails_fast_with_one_line(args, needle):
     """A bad config must fail before Ray, Docker or torch start: one line on stderr, non-zero exit, in seconds."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", *args], cwd=ROOT, capture_output=True, text=True)
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

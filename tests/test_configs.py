@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sandforge.cli import validate_job
+from sandforge.job.cli import validate_job
 from sandforge.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_mixed_config_warm_starts_and_trains_one_step_in_every_environment(tmp_p
     overrides = ["trainer.steps=1", "warmup.steps=2", "warmup.episodes=5", "warmup.batch_size=5",
                  "rollout.tasks_per_step=5", "rollout.group_size=2", "rollout.max_new_tokens=32",
                  "eval.tasks_per_family=0", "logging.wandb.mode=disabled", f"run.output_dir={out}"]
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/mixed.yaml", *overrides],
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/mixed.yaml", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]

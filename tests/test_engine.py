@@ -186,12 +186,14 @@ def test_hf_tiny_qwen3_moe_greedy_and_sessions_match_generate(tmp_path):
 
 def test_the_ray_actor_serves_requests_and_takes_weights():
     ray = pytest.importorskip("ray")
+    from sandforge.config import EngineConfig
     from sandforge.rollout.engine import InferenceEngine
 
     weights = peaky_k3().state_dict()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=128 * 1024**2)
     try:
-        engine = ray.remote(num_cpus=0)(InferenceEngine).remote({"arch": "k3", **CFG.to_dict()}, 4, 64, 0, 1)
+        engine = ray.remote(num_cpus=0)(InferenceEngine).remote({"arch": "k3", **CFG.to_dict()},
+                                                              EngineConfig(max_batch_size=4, session_memory_mb=64), 0, 1)
         assert ray.get(engine.load_weights.remote(weights, 7)) == 7
         outs = ray.get([engine.generate.remote(request(p, session_id=f"s{i}")) for i, p in enumerate(PROMPTS[:3])])
         ray.get(engine.close_session.remote("s0"))

@@ -15,7 +15,7 @@ HARBOR = ROOT / "tests" / "data" / "harbor"
 
 
 def envs_list(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sandforge.cli", "envs", "list", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "sandforge.job.cli", "envs", "list", *args], capture_output=True,
                           text=True, timeout=120)
 
 

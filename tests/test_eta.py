@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sandforge.config import JobConfig
-from sandforge.trainer.eta import PRIORS, RunClock, RunPlan, eval_episodes
+from sandforge.job.eta import PRIORS, RunClock, RunPlan, eval_episodes
 
 
 def job(**sections) -> JobConfig:

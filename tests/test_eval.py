@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sandforge.config import EnvironmentConfig
-from sandforge.rollout.evaluate import EvalRecord, heldout_tasks, metric_row, pass_at_k, summarize
+from sandforge.job.evaluation import EvalRecord, heldout_tasks, metric_row, pass_at_k, summarize
 from sandforge.types import Reward, Task, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_eval_record_before_after_and_resume(tmp_path):
 
 
 def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sandforge.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sandforge.job.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -98,7 +98,7 @@ def test_sft_then_train_with_eval_then_eval_the_checkpoint(tmp_path, terminal_im
     assert [r["step"] for r in evals] == [0, 1, 2] and all("eval/success/terminal" in r for r in evals)
     assert "held-out success (eval.json)" in proc.stderr
     assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (run / "report.html").is_file()
-    from sandforge.wandb_offline import find_run_file, history_rows
+    from wandb_offline import find_run_file, history_rows
 
     history = history_rows(find_run_file(run))  # the same curves in the offline wandb run
     assert [r["eval/success/terminal"] for r in history if "eval/success" in r] == [

@@ -17,13 +17,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sandforge.trainer.loop import free_port
+from sandforge.config import ModelConfig
+from sandforge.job.fleet import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "terminal.yaml"
 D = 32
-MODEL = dict(arch="k3", preset="k3-nano",
-             k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16, n_experts=4))
+MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
+                    k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16, n_experts=4))
 
 
 def launch(fn, world: int, *args):
@@ -96,7 +97,7 @@ def layer_inputs():
 
 
 def make_model():
-    from sandforge.models.policy import build_policy
+    from sandforge.models.build import build_policy
 
     torch.manual_seed(0)
     return build_policy(MODEL, 96)
@@ -254,12 +255,11 @@ def training_rows() -> list[dict]:
 def ds_worker(rank: int, world: int, port: int, expert_parallel: int, zero_stage: int, checkpoint: str | None) -> dict:
     os.environ["DS_ACCELERATOR"] = "cpu"
     from sandforge.config import TrainerConfig
-    from sandforge.trainer.actor import TrainerRank
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     cfg = TrainerConfig(lr=3e-3, kl_coef=0.05, grad_clip=1.0, zero_stage=zero_stage, grad_accum_steps=2,
                         world_size=world, expert_parallel=expert_parallel)
-    trainer_cfg = cfg.model_dump() | {"temperature": 1.0, "response_budget": 64}
-    trainer = TrainerRank(rank, world, "127.0.0.1", port, MODEL, trainer_cfg, None, "bytes", seed=0, num_threads=1)
+    trainer = TrainerRank(rank, world, "127.0.0.1", port, MODEL, cfg, RolloutShape(1.0, 64), seed=0, num_threads=1)
     rows = training_rows()
     total = sum(sum(r["loss_mask"]) for r in rows)
     metrics = [trainer.train_step(rows[rank::world], total, "rl") for _ in range(3)]  # grpo: token-mean
@@ -311,7 +311,7 @@ def test_exported_weights_after_three_steps_match_the_single_rank_run(ds_runs):
 
 
 def test_checkpoint_of_an_expert_parallel_run_is_whole_and_resumes(ds_runs):
-    from sandforge.models.policy import load_policy
+    from sandforge.models.build import load_policy
 
     _, ep = ds_runs
     policy = load_policy(ep[0]["policy_dir"]).state_dict()  # the standalone policy rank 0 writes: every expert
@@ -341,7 +341,7 @@ def test_config_rejects_expert_parallel_that_cannot_work(overrides, needle):
 
 
 def test_job_check_rejects_experts_that_do_not_split_evenly(tmp_path):
-    from sandforge.cli import validate_job
+    from sandforge.job.cli import validate_job
     from sandforge.config import ConfigError, load_config
 
     ok = load_config(QUICKSTART, ["trainer.world_size=4", "trainer.expert_parallel=2", "trainer.zero_stage=1"])

@@ -7,7 +7,7 @@ import torch
 from sandforge.config import TrainerConfig
 from sandforge.models.generate import SamplingParams, generate
 from sandforge.models.k3.model import K3Config, K3Model
-from sandforge.trainer.actor import TrainerRank
+from sandforge.trainer.rank import TrainerRank
 from sandforge.trainer.algorithms import Totals, resolve, token_advantages
 from test_algorithms import fake_rank
 
@@ -33,7 +33,7 @@ def test_grpo_raises_the_mean_reward(one_thread):
     torch.manual_seed(0)
     model = K3Model(K3Config(vocab_size=16, d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16, q_latent=16,
                              kv_latent=8, kda_low_rank=8, n_experts=4))
-    settings = resolve(TrainerConfig(algorithm="grpo").model_dump() | {"response_budget": len(TARGET)})
+    settings = resolve(TrainerConfig(algorithm="grpo"), len(TARGET))
     rank = fake_rank(model, settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     params, generator = SamplingParams(max_new_tokens=len(TARGET), temperature=1.0), torch.Generator().manual_seed(0)

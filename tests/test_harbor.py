@@ -21,7 +21,7 @@ from sandforge.environments.sandbox.images import ImageError, build_images
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
-from sandforge.rollout.policy import scripted_policy
+from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 from sandforge.verifiers.base import VerifierError, score_task
 
@@ -168,7 +168,7 @@ def test_a_harbor_task_trains_for_one_step(tmp_path, harbor_images):
     overrides = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
                  "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=2", "rollout.max_new_tokens=32",
                  "trainer.grad_accum_steps=1", "logging.wandb.mode=disabled", f"run.output_dir={out}"]
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/harbor.yaml", *overrides],
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/harbor.yaml", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     import json

@@ -220,16 +220,17 @@ def served(tmp_path_factory):
     """``sandforge serve`` on a random k3-nano checkpoint: (base URL, model name)."""
     import torch
 
+    from sandforge.config import ModelConfig
     from sandforge.models.bpe import load_tokenizer
-    from sandforge.models.policy import build_policy, save_policy
+    from sandforge.models.build import build_policy, save_policy
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer("bpe")
     directory = tmp_path_factory.mktemp("judge") / "policy"
-    save_policy(build_policy({"arch": "k3", "preset": "k3-nano"}, len(tokenizer)), directory, tokenizer=tokenizer)
+    save_policy(build_policy(ModelConfig(), len(tokenizer)), directory, tokenizer=tokenizer)
     log = directory.parent / "serve.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sandforge.cli", "serve", str(directory), "--port", "0"],
+        proc = subprocess.Popen([sys.executable, "-m", "sandforge.job.cli", "serve", str(directory), "--port", "0"],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline, url = time.monotonic() + 90, None

@@ -123,7 +123,7 @@ def test_sandbox_reap_command_removes_a_sigkilled_drivers_containers(terminal_im
         driver.send_signal(signal.SIGKILL)
         driver.wait()
     assert list_run_containers(dead, docker_client)
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "sandbox", "reap"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "sandbox", "reap"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert f"of dead run {dead}" in proc.stdout
     assert list_run_containers(dead, docker_client) == []

@@ -20,7 +20,7 @@ from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.tools import ToolError
 from sandforge.rollout.agent import run_episode
-from sandforge.rollout.policy import scripted_policy
+from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 from sandforge.verifiers.base import score_task
 from sandforge.verifiers.state import query_rows
@@ -211,7 +211,7 @@ ONE_STEP = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.c
 @pytest.mark.slow
 def test_configs_notion_yaml_trains_one_step(tmp_path, notion_spec):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "sandforge.cli", "train", "configs/notion.yaml", *ONE_STEP,
+    command = [sys.executable, "-m", "sandforge.job.cli", "train", "configs/notion.yaml", *ONE_STEP,
                f"run.output_dir={out}"]
     proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

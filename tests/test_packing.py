@@ -144,15 +144,16 @@ def rank():
     """A real DeepSpeed rank (ZeRO-2, CPU) on a small K3 policy, per-sequence loss aggregation."""
     import os
 
-    from sandforge.config import TrainerConfig
-    from sandforge.trainer.actor import TrainerRank
-    from sandforge.trainer.loop import free_port
+    from sandforge.config import ModelConfig, TrainerConfig
+    from sandforge.job.fleet import free_port
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    model = dict(arch="k3", preset="k3-nano", k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
-    cfg = TrainerConfig(lr=1e-3, grad_accum_steps=1, loss_agg="seq-mean-token-mean", kl_coef=0.1).model_dump()
-    return TrainerRank(0, 1, "127.0.0.1", free_port(), model, cfg | dict(temperature=0.9, response_budget=256),
-                       None, "bytes", seed=0, num_threads=1)
+    model = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
+                        k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
+    cfg = TrainerConfig(lr=1e-3, grad_accum_steps=1, loss_agg="seq-mean-token-mean", kl_coef=0.1)
+    return TrainerRank(0, 1, "127.0.0.1", free_port(), model, cfg, RolloutShape(temperature=0.9, response_budget=256),
+                       seed=0, num_threads=1)
 
 
 def _rows(n_vocab: int = 256) -> list[dict]:
@@ -180,14 +181,14 @@ def test_packed_training_loss_stats_and_gradients_equal_padded(rank):
     results = {}
     try:
         for pack in (False, True):
-            rank.cfg["pack_sequences"] = pack
+            rank.cfg.pack_sequences = pack
             policy.zero_grad()
             loss, stats, aux = rank._micro_batch_loss(rows, totals, "rl")
             (loss + aux).backward()
             grads = [None if p.grad is None else p.grad.clone() for p in policy.parameters()]
             results[pack] = (loss.detach(), {k: v.detach() for k, v in stats.sums.items()}, grads)
     finally:
-        rank.engine, rank.cfg["pack_sequences"] = engine, True
+        rank.engine, rank.cfg.pack_sequences = engine, True
     (loss_pad, stats_pad, grads_pad), (loss_pack, stats_pack, grads_pack) = results[False], results[True]
     torch.testing.assert_close(loss_pack, loss_pad, atol=1e-5, rtol=1e-5)
     assert stats_pack.keys() == stats_pad.keys() and "kl" in stats_pad and "clip_frac" in stats_pad
@@ -202,9 +203,9 @@ def test_packed_training_loss_stats_and_gradients_equal_padded(rank):
 
 def test_packed_scores_equal_padded(rank):
     rows = _rows()
-    rank.cfg["pack_sequences"] = False
+    rank.cfg.pack_sequences = False
     padded = rank.score(rows)
-    rank.cfg["pack_sequences"] = True
+    rank.cfg.pack_sequences = True
     packed = rank.score(rows)
     for a, b in zip(packed, padded):
         assert a["old_logprobs"] == pytest.approx(b["old_logprobs"], abs=1e-5)

@@ -23,7 +23,7 @@ from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
-from sandforge.rollout.policy import scripted_policy
+from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_plugin_tasks_score_through_the_plugin_verifier(plugin_installed, termin
 
 
 def test_envs_list_shows_the_plugin(plugin_installed):
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "envs", "list"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "envs", "list"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
@@ -98,7 +98,7 @@ def test_envs_list_shows_the_plugin(plugin_installed):
 @pytest.mark.timeout(300)
 def test_one_training_step_on_the_plugin_env(plugin_installed, terminal_image, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "examples/plugin_env/config.yaml",
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "examples/plugin_env/config.yaml",
                            "trainer.steps=1", f"run.output_dir={out}", "rollout.tasks_per_step=1",
                            "rollout.max_turns=2", "rollout.max_new_tokens=32", "logging.wandb.mode=disabled"],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)

@@ -7,8 +7,9 @@ import json
 import random
 import re
 
-from sandforge.models.policy import load_chat
-from sandforge.trainer.pretrain import copy_exchange, copy_rows, env_tools, job_tools
+from sandforge.config import ModelConfig
+from sandforge.models.build import load_chat
+from sandforge.job.copy_data import copy_exchange, copy_rows, env_tools, job_tools
 
 ENVS = ["terminal", "repo", "slack", "notion", "browser"]
 
@@ -21,7 +22,7 @@ def test_job_tools_are_every_environment_tool_once():
 
 
 def test_each_exchange_asks_for_the_call_its_answer_makes():
-    chat = load_chat({"tokenizer": "bpe"})
+    chat = load_chat(ModelConfig())
     tools = {t["name"]: t for t in job_tools(ENVS)}
     rng = random.Random(0)
     for _ in range(300):
@@ -42,7 +43,7 @@ def test_each_exchange_asks_for_the_call_its_answer_makes():
 def test_rows_train_on_the_answer_only_and_use_no_heldout_words():
     from sandforge.environments.words import WORDS, split_of
 
-    chat = load_chat({"tokenizer": "bpe"})
+    chat = load_chat(ModelConfig())
     rows = copy_rows(chat, env_tools(ENVS), random.Random(1), 200)
     for row in rows:
         mask = row["loss_mask"]
@@ -58,7 +59,7 @@ def test_rows_train_on_the_answer_only_and_use_no_heldout_words():
 
 
 def test_a_share_of_exchanges_lists_the_environments_tools_as_an_episode_does():
-    chat = load_chat({"tokenizer": "bpe"})
+    chat = load_chat(ModelConfig())
     tools = env_tools(ENVS)
     listings = {env: chat.render_prompt(schemas, [])[:-2] for env, schemas in tools.items()}  # up to <|end|>
     for listed, lo, hi in ((0.0, 0, 0), (1.0, 100, 100), (0.5, 30, 70)):

@@ -24,7 +24,7 @@ SHORT = ["pretrain.steps=3", "warmup.steps=3", "warmup.episodes=5", "trainer.ste
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, terminal_image):
     out = tmp_path_factory.mktemp("quickstart") / "run"
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/quickstart.yaml",
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/quickstart.yaml",
                            f"run.output_dir={out}", *SHORT], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc.stderr
@@ -67,7 +67,7 @@ def test_report_png_and_html(run):
 
 
 def test_wandb_offline_run_has_the_same_curves(run):
-    from sandforge.wandb_offline import find_run_file, history_rows
+    from wandb_offline import find_run_file, history_rows
 
     out, _ = run
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -21,8 +21,9 @@ import pytest
 import torch
 from aiohttp import web
 
+from sandforge.config import ModelConfig
 from sandforge.models.bpe import load_tokenizer
-from sandforge.models.policy import build_policy, load_policy, save_policy
+from sandforge.models.build import build_policy, load_policy, save_policy
 from sandforge.rollout.engine.core import EngineCore
 from sandforge.rollout.engine.remote import RemoteEngine, RemoteEngineError
 from sandforge.rollout.engine.server import complete, load_checkpoint, parse_request, served_from
@@ -39,7 +40,7 @@ def tokenizer():
 def checkpoint(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("serve") / "policy"
-    save_policy(build_policy({"arch": "k3", "preset": "k3-nano"}, len(tokenizer)), directory, tokenizer=tokenizer)
+    save_policy(build_policy(ModelConfig(), len(tokenizer)), directory, tokenizer=tokenizer)
     return directory
 
 
@@ -57,7 +58,7 @@ def server(checkpoint, tmp_path_factory):
     """``sandforge serve CHECKPOINT --port 0`` in a subprocess; yields its base URL, stops it afterwards."""
     log = tmp_path_factory.mktemp("serve-log") / "out.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sandforge.cli", "serve", str(checkpoint), "--port", "0"],
+        proc = subprocess.Popen([sys.executable, "-m", "sandforge.job.cli", "serve", str(checkpoint), "--port", "0"],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline, url = time.monotonic() + 60, None
@@ -251,7 +252,7 @@ def test_remote_engine_errors_say_what_is_missing_and_where():
 
 
 def test_serve_names_a_missing_checkpoint_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "serve", str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "serve", str(tmp_path / "nope")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

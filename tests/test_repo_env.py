@@ -24,7 +24,7 @@ from sandforge.environments.sandbox.images import build_images
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
-from sandforge.rollout.policy import scripted_policy
+from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import Task, ToolCall
 from sandforge.verifiers.base import score_task
 
@@ -202,7 +202,7 @@ def test_configs_repo_yaml_trains_one_step(tmp_path, repo_spec):
     small = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
              "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=16",
              "logging.wandb.mode=disabled", f"run.output_dir={out}"]
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", "configs/repo.yaml", *small],
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/repo.yaml", *small],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

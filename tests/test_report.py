@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandforge.report import panels, plot_curves, rolling_mean, write_report
+from sandforge.job.report import panels, plot_curves, rolling_mean, write_report
 from sandforge.rundir import read_eval, read_metrics
 
 SAMPLE = Path(__file__).parent / "data" / "run_sample"
@@ -139,7 +139,7 @@ def test_bad_run_dir_is_one_clear_line(tmp_path):
 def test_wandb_sample_table_carries_reward_breakdown(tmp_path):
     """The offline wandb run's sample table has a breakdown column: each check's score, as JSON."""
     from sandforge.config import JobConfig
-    from sandforge.runlog import RunLogger
+    from sandforge.job.runlog import RunLogger
     from sandforge.types import Trajectory
 
     rows = [json.loads(line) for line in (SAMPLE / "trajectories.jsonl").read_text().splitlines()]

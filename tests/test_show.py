@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sandforge.rundir import find_episodes, read_episodes
-from sandforge.show import episode_table, render_episode
+from sandforge.job.show import episode_table, render_episode
 
 SAMPLE = Path(__file__).parent / "data" / "run_sample"
 SANDFORGE = Path(sys.executable).parent / "sandforge"

@@ -20,7 +20,7 @@ from sandforge.environments.slack import tasks as slack_tasks
 from sandforge.environments.slack.env import SlackEnv
 from sandforge.environments.slack.tasks import FAMILIES, make_task
 from sandforge.rollout.agent import run_episode
-from sandforge.rollout.policy import scripted_policy
+from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 from sandforge.verifiers.base import score_task
 from sandforge.verifiers.state import query_rows
@@ -221,7 +221,7 @@ ONE_STEP = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.c
 @pytest.mark.slow
 def test_configs_slack_yaml_trains_one_step(tmp_path, slack_spec):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "sandforge.cli", "train", "configs/slack.yaml", *ONE_STEP,
+    command = [sys.executable, "-m", "sandforge.job.cli", "train", "configs/slack.yaml", *ONE_STEP,
                f"run.output_dir={out}"]
     proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,7 +15,7 @@ from sandforge.config import ConfigError, load_config
 from sandforge.environments.task_sources import FiniteSource, TaskSourceError, dump_jsonl, load_jsonl, open_source
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.registry import environment
-from sandforge.rollout.tasks import TaskSampler, with_partial_credit
+from sandforge.job.tasks import TaskSampler, with_partial_credit
 from sandforge.types import Task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def test_train_fails_fast_on_a_bad_task_file(tmp_path, jsonl):
     """Before Ray, Docker or torch start: one line naming the key, the file and the line."""
     jsonl.write_text(jsonl.read_text() + '{"id": "x"}\n')
     config = _config(tmp_path, f"environments:\n  - name: terminal\n    tasks: {jsonl}\n")
-    proc = subprocess.run([sys.executable, "-m", "sandforge.cli", "train", str(config)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", str(config)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: environments[0].tasks: {jsonl} line 7: missing task field(s) env, "

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from sandforge.models.chat import ChatFormat
 from sandforge.models.bpe import load_tokenizer
 from sandforge.types import Trajectory
-from sandforge.wandb_offline import find_run_file, history_rows
+from wandb_offline import find_run_file, history_rows
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ TINY = ["trainer.steps=1", "warmup.episodes=4", "rollout.tasks_per_step=1", "rol
 
 
 def sandforge(*args: str, **kwargs):
-    return [sys.executable, "-m", "sandforge.cli", *args]
+    return [sys.executable, "-m", "sandforge.job.cli", *args]
 
 
 def one_step_run(out: Path, *overrides: str) -> None:
@@ -187,7 +187,7 @@ def test_two_trainer_ranks_shard_the_optimizer(tmp_path, terminal_image):
 def test_the_k3_policy_trains_end_to_end(tmp_path, terminal_image):
     """model.arch=k3: the K3 model (KDA + MLA, AttnRes, LatentMoE) generates, trains and checkpoints through the same loop."""
     from sandforge.models.k3.model import K3Model
-    from sandforge.models.policy import load_policy
+    from sandforge.models.build import load_policy
 
     out = tmp_path / "run"
     one_step_run(out, "model.arch=k3", "warmup.steps=5")

@@ -6,24 +6,26 @@ import os
 import pytest
 import torch
 
-from sandforge.config import TrainerConfig
-from sandforge.trainer.loop import free_port
+from sandforge.config import ModelConfig, TrainerConfig
+from sandforge.trainer.rank import RolloutShape
+from sandforge.job.fleet import free_port
 
-MODEL = dict(arch="k3", preset="k3-nano", k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
-TRAINER = TrainerConfig(lr=1e-3, zero_stage=2, grad_accum_steps=2, routing_replay=True).model_dump() | dict(
-    temperature=1.0, response_budget=64)
+MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
+                    k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
+TRAINER = TrainerConfig(lr=1e-3, zero_stage=2, grad_accum_steps=2, routing_replay=True)
+SHAPE = RolloutShape(temperature=1.0, response_budget=64)
 
 
 def new_rank():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from sandforge.trainer.actor import TrainerRank
+    from sandforge.trainer.rank import TrainerRank
 
-    return TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER, None, "bytes", seed=0, num_threads=2)
+    return TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER, SHAPE, seed=0, num_threads=2)
 
 
 def make_rows(rank) -> list[dict]:
     """Three sequences scored by the rank's own model, with the routing it chose (as an engine would record it)."""
-    from sandforge.trainer.actor import pad_right
+    from sandforge.trainer.batches import pad_right
 
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -80,7 +82,7 @@ def test_a_missing_tag_is_an_error(tmp_path):
 def test_rank_broadcasts_its_weights_over_the_channel():
     import threading
 
-    from sandforge.models.weight_sync import WeightChannel
+    from sandforge.models.weight_channel import WeightChannel
 
     rank, port, got = new_rank(), free_port(), []
     template = rank.get_weights()
@@ -98,7 +100,7 @@ def test_rank_broadcasts_its_weights_over_the_channel():
 
 
 def test_resume_point_is_the_newest_complete_checkpoint(tmp_path):
-    from sandforge.trainer.checkpoint import ResumeError, mark_complete, resume_point
+    from sandforge.job.checkpoint import ResumeError, mark_complete, resume_point
 
     with pytest.raises(ResumeError, match="not a sandforge run directory"):
         resume_point(tmp_path)
@@ -113,7 +115,7 @@ def test_resume_point_is_the_newest_complete_checkpoint(tmp_path):
 def test_rows_past_the_checkpoint_and_a_torn_line_are_dropped(tmp_path):
     import json
 
-    from sandforge.trainer.checkpoint import truncate_jsonl
+    from sandforge.job.checkpoint import truncate_jsonl
 
     path = tmp_path / "metrics.jsonl"
     rows = [{"phase": "warmup", "step": 5}] + [{"phase": "rl", "step": s} for s in range(4)]
@@ -125,7 +127,7 @@ def test_rows_past_the_checkpoint_and_a_torn_line_are_dropped(tmp_path):
 
 def test_config_hash_ignores_where_and_how_long():
     from sandforge.config import JobConfig
-    from sandforge.trainer.checkpoint import config_hash
+    from sandforge.job.checkpoint import config_hash
 
     job = JobConfig().model_dump(mode="json")
     other = JobConfig.model_validate({"run": {"output_dir": "elsewhere"}, "trainer": {"steps": 99}}).model_dump(

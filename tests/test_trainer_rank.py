@@ -5,25 +5,31 @@ import os
 import pytest
 import torch
 
-from sandforge.config import TrainerConfig
-from sandforge.trainer.loop import free_port
+from sandforge.config import ModelConfig, TrainerConfig
+from sandforge.trainer.rank import RolloutShape
+from sandforge.job.fleet import free_port
 
-MODEL = dict(arch="k3", preset="k3-nano", k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
-TRAINER = TrainerConfig(lr=1e-3, zero_stage=2, grad_accum_steps=2).model_dump() | dict(temperature=1.0,
-                                                                                       response_budget=64)
+MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
+                    k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
+TRAINER = TrainerConfig(lr=1e-3, zero_stage=2, grad_accum_steps=2)
+SHAPE = RolloutShape(temperature=1.0, response_budget=64)
+
+
+def trainer(**fields) -> TrainerConfig:
+    return TRAINER.model_copy(update=fields)
 
 
 @pytest.fixture(scope="module")
 def rank():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from sandforge.trainer.actor import TrainerRank
+    from sandforge.trainer.rank import TrainerRank
 
-    return TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER, None, "bytes", seed=0, num_threads=2)
+    return TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER, SHAPE, seed=0, num_threads=2)
 
 
 def masked_logprobs(rank, rows):
     from sandforge.models.generate import token_logprobs
-    from sandforge.trainer.actor import pad_right
+    from sandforge.trainer.batches import pad_right
 
     ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
     attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
@@ -80,9 +86,9 @@ def test_sft_steps_lower_the_nll(rank):
 
 
 def test_ppo_value_head_learns_the_returns_and_scores_rows():
-    from sandforge.trainer.actor import TrainerRank
+    from sandforge.trainer.rank import TrainerRank
 
-    ppo = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER | dict(algorithm="ppo", lr=1e-2), None, "bytes",
+    ppo = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, trainer(algorithm="ppo", lr=1e-2), SHAPE,
                       seed=0, num_threads=2)
     rows = make_rows(ppo, [1.0, -1.0])
     for r in rows:
@@ -97,7 +103,7 @@ def test_ppo_value_head_learns_the_returns_and_scores_rows():
 
 
 def test_checkpoint_holds_a_loadable_policy(rank, tmp_path):
-    from sandforge.models.policy import load_policy
+    from sandforge.models.build import load_policy
 
     policy_dir = rank.save_checkpoint(str(tmp_path), "step_1", {"step": 1})
     loaded = load_policy(policy_dir)
@@ -141,10 +147,10 @@ def test_lr_factor_shapes():
 def test_lr_follows_the_schedule_over_rl_steps_only_and_survives_a_checkpoint(tmp_path):
     """linear, 2 warmup steps over 3 RL steps x 2 mini-batches: 0.5, 1, 1, 0.75, 0.5, 0.25 of trainer.lr. A warm-start
     (SFT) step in between runs at the lr set_lr gave it and does not advance the schedule; a reloaded rank goes on."""
-    from sandforge.trainer.actor import TrainerRank
+    from sandforge.trainer.rank import TrainerRank
 
-    cfg = TRAINER | dict(lr=1e-3, lr_schedule="linear", lr_warmup_steps=2, steps=3, mini_batches=2)
-    a = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, None, "bytes", seed=0, num_threads=2)
+    cfg = trainer(lr=1e-3, lr_schedule="linear", lr_warmup_steps=2, steps=3, mini_batches=2)
+    a = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, SHAPE, seed=0, num_threads=2)
     rows = make_rows(a, [1.0, -1.0])
     total = sum(sum(r["loss_mask"]) for r in rows)
     a.set_lr(5e-3)
@@ -154,29 +160,30 @@ def test_lr_follows_the_schedule_over_rl_steps_only_and_survives_a_checkpoint(tm
     a.save_checkpoint(str(tmp_path), "step_3", {"step": 3})
     want = [a.train_step(rows, total, mode="rl")["lr"] for _ in range(3)]
     assert want == pytest.approx([7.5e-4, 5e-4, 2.5e-4])
-    b = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, None, "bytes", seed=0, num_threads=2)
+    b = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, SHAPE, seed=0, num_threads=2)
     b.load_checkpoint(str(tmp_path), "step_3")
     assert b.train_step(rows, total, mode="rl")["lr"] == want[0]
 
 
 def test_deepspeed_config_for_each_precision_setting():
-    from sandforge.trainer.actor import deepspeed_config
+    from sandforge.trainer.rank import deepspeed_config
 
-    base = TrainerConfig(zero_stage=1, grad_accum_steps=3, grad_clip=0.5).model_dump()
+    base = TrainerConfig(zero_stage=1, grad_accum_steps=3, grad_clip=0.5)
     cpu, gpu = deepspeed_config(base, cuda=False), deepspeed_config(base, cuda=True)
     assert "bf16" not in cpu and gpu["bf16"] == {"enabled": True}  # null: bf16 exactly when CUDA is there
     assert cpu["zero_optimization"] == {"stage": 1} and cpu["gradient_accumulation_steps"] == 3
     assert cpu["gradient_clipping"] == 0.5
-    assert "bf16" not in deepspeed_config(base | dict(bf16=False), cuda=True)
-    assert deepspeed_config(base | dict(bf16=True), cuda=False)["bf16"] == {"enabled": True}
+    assert "bf16" not in deepspeed_config(base.model_copy(update=dict(bf16=False)), cuda=True)
+    assert deepspeed_config(base.model_copy(update=dict(bf16=True)), cuda=False)["bf16"] == {"enabled": True}
 
 
 def test_a_bf16_step_on_cpu_keeps_log_probs_values_and_moe_biases_in_fp32():
     from sandforge.models.generate import token_scores
-    from sandforge.trainer.actor import TrainerRank, pad_right
+    from sandforge.trainer.batches import pad_right
+    from sandforge.trainer.rank import TrainerRank
 
-    r = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER | dict(bf16=True, algorithm="ppo", lr=1e-2), None,
-                    "bytes", seed=0, num_threads=2)
+    r = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, trainer(bf16=True, algorithm="ppo", lr=1e-2), SHAPE,
+                    seed=0, num_threads=2)
     assert next(r.engine.module.parameters()).dtype == torch.bfloat16
     biases = [b for n, b in r.engine.module.named_buffers() if n.endswith("ffn.bias")]
     assert biases and all(b.dtype == torch.float32 for b in biases)

@@ -18,7 +18,7 @@ from sandforge.environments.sandbox.docker_sandbox import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.rollout.agent import run_episode
-from sandforge.rollout.policy import scripted_policy
+from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import Task
 from sandforge.verifiers import base
 from sandforge.verifiers.base import VERIFIERS, VerifierError, register, score_task, time_left

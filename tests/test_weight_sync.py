@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from sandforge.models.weight_sync import WeightChannel, flatten, unflatten
+from sandforge.models.weight_channel import WeightChannel, flatten, unflatten
 
 
 def free_port() -> int:
@@ -80,7 +80,7 @@ def test_a_run_with_collective_sync_and_routing_replay(tmp_path, terminal_image)
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "sandforge.cli", "train", "configs/terminal.yaml", f"run.output_dir={tmp_path}",
+        [sys.executable, "-m", "sandforge.job.cli", "train", "configs/terminal.yaml", f"run.output_dir={tmp_path}",
          "trainer.steps=2", "warmup.steps=0", "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=1",
          "rollout.max_new_tokens=8", "rollout.workers=1", "sandbox.warm_pool=1", "logging.wandb.mode=disabled",
          "trainer.weight_sync=collective", "trainer.routing_replay=true"],

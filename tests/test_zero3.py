@@ -14,12 +14,11 @@ from test_expert_parallel import MODEL, collect, launch, training_rows
 def z3_worker(rank: int, world: int, port: int, zero_stage: int, checkpoint: str | None) -> dict:
     os.environ["DS_ACCELERATOR"] = "cpu"
     from sandforge.config import TrainerConfig
-    from sandforge.trainer.actor import TrainerRank
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     cfg = TrainerConfig(lr=3e-3, kl_coef=0.05, grad_clip=1.0, zero_stage=zero_stage, grad_accum_steps=2,
                         world_size=world)
-    trainer_cfg = cfg.model_dump() | {"temperature": 1.0, "response_budget": 64}
-    trainer = TrainerRank(rank, world, "127.0.0.1", port, MODEL, trainer_cfg, None, "bytes", seed=0, num_threads=1)
+    trainer = TrainerRank(rank, world, "127.0.0.1", port, MODEL, cfg, RolloutShape(1.0, 64), seed=0, num_threads=1)
     rows = training_rows()
     total = sum(sum(r["loss_mask"]) for r in rows)
     metrics = [trainer.train_step(rows[rank::world], total, "rl") for _ in range(2)]
@@ -60,7 +59,7 @@ def test_two_zero3_ranks_track_the_single_rank_run(z3_runs):
 
 
 def test_zero3_exports_the_whole_model_on_every_rank(z3_runs):
-    from sandforge.models.policy import load_policy
+    from sandforge.models.build import load_policy
 
     single, ranks = z3_runs
     assert list(ranks[0]["weights"]) == list(single["weights"])

@@ -274,7 +274,8 @@ def build_app(served: Served) -> web.Application:
 
 def load_checkpoint(directory: str | Path):
     """(model, tokenizer) of a ``save_policy`` directory or a Hugging Face model directory; ValueError says why not."""
-    from sandforge.models.policy import load_chat, load_policy
+    from sandforge.config import ModelConfig
+    from sandforge.models.build import load_chat, load_policy
 
     path = Path(directory)
     config_file = path / "config.json"
@@ -284,7 +285,7 @@ def load_checkpoint(directory: str | Path):
     try:
         hf = "model_type" in json.loads(config_file.read_text())
         model = load_policy(path).eval()
-        chat = load_chat({"arch": "hf", "path": str(path)} if hf else {"init_from": str(path)})
+        chat = load_chat(ModelConfig(arch="hf", path=path) if hf else ModelConfig(init_from=path))
     except Exception as e:  # whatever the loaders say (bad JSON, missing weights or tokenizer): one line, not a trace
         raise ValueError(f"cannot load the checkpoint in {directory}: {e}") from None
     return model, chat.tokenizer

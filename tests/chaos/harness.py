@@ -34,7 +34,7 @@ TINY_RUN = ["warmup.steps=0", "rollout.tasks_per_step=1", "rollout.group_size=2"
 
 
 def sandforge(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sandforge.cli", *args]
+    return [sys.executable, "-m", "sandforge.job.cli", *args]
 
 
 def start_train(out: Path, *overrides: str, resume: bool = False) -> subprocess.Popen:
@@ -159,28 +159,21 @@ def live_job(tmp_path_factory, terminal_image, docker_client):
     import ray
 
     from sandforge.config import load_config
-    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.lifecycle import driver_labels
-    from sandforge.runlog import RunLogger
-    from sandforge.trainer.loop import RLJob, job_images, progress
+    from sandforge.job.console import progress
+    from sandforge.job.fleet import open_fleet
+    from sandforge.job.rl_job import RLJob
+    from sandforge.job.runlog import RunLogger
 
     out = tmp_path_factory.mktemp("live") / "run"
     cfg = load_config(ROOT / "configs/terminal.yaml", [f"run.output_dir={out}", *LIVE_JOB])
     run_id = f"chaos-{uuid.uuid4().hex[:10]}"
-    images = build_images([], client=docker_client, show_progress=False, contexts=job_images(cfg))
+    # the fleet joins this Ray instance, whose workers know the chaos verifiers
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2,
              runtime_env={"env_vars": {"PYTHONPATH": str(CHAOS_DIR)},
                           "worker_process_setup_hook": "chaos_verifiers.register_all"})
     logger = RunLogger(out, cfg, run_id)
-    job = None
     try:
-        with progress() as bar:
-            job = RLJob(cfg, run_id, images, logger, bar, driver_labels(run_id))
-            yield LiveJob(job, docker_client, out)
+        with open_fleet(cfg, run_id) as fleet, progress() as bar:
+            yield LiveJob(RLJob(cfg, fleet, logger, bar), docker_client, out)
     finally:
         logger.close()
-        if job is not None:
-            job.close()
-        ray.shutdown()
-        remove_run_containers(run_id, docker_client)

@@ -209,7 +209,7 @@ def test_a_killed_rollout_worker_is_restarted_and_its_episodes_come_back_failed(
     other worker's episodes finish; the next episodes run on the restarted worker."""
     import ray
 
-    from sandforge.rollout.metrics import rollout_metrics
+    from sandforge.job.rollout_metrics import rollout_metrics
 
     job = live_job.job
     tasks = [scripted(f"long{i}", f"sleep 6.{i}", "echo done") for i in range(4)]  # episode i goes to worker i % 2
@@ -227,4 +227,4 @@ def test_a_killed_rollout_worker_is_restarted_and_its_episodes_come_back_failed(
     again = live_job.collect([FINE, FINE])  # one per worker: the restarted one included
     assert all(not t.failed and t.reward.success for t in again), [t.failure for t in again]
     assert {t.metadata["worker"] for t in again} == {0, 1}
-    live_job.job.close()  # the dead worker's sandboxes are the run's: the end-of-run sweep takes them
+    live_job.job.fleet.close_workers()  # the dead worker's sandboxes are the run's: the end-of-run sweep takes them

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from sandforge.config import TrainerConfig
+
 from . import advantages as adv
 from .losses import PolicyLoss, cispo_loss, gspo_loss, ppo_clip_loss
 
@@ -69,34 +71,32 @@ class Settings:
         return self.algorithm.value_head or (self.kl_in == "reward" and self.kl_coef > 0)
 
 
-def resolve(trainer: dict) -> Settings:
-    """Settings from the ``trainer`` section as a dict (plus ``response_budget``, which the RL loop adds)."""
-    name = trainer["algorithm"]
-    if name not in ALGORITHMS:
-        raise ValueError(f"trainer.algorithm: unknown {name!r}; known: {', '.join(ALGORITHMS)}")
-    algo = ALGORITHMS[name]
+def resolve(trainer: TrainerConfig, response_budget: int) -> Settings:
+    """Settings from the ``trainer`` section and the rollout's ``response_budget`` (the most policy tokens an episode
+    can have)."""
+    algo = ALGORITHMS[trainer.algorithm]
 
-    def pick(key: str, default):
-        return trainer[key] if trainer.get(key) is not None else default
+    def pick(value, default):
+        return value if value is not None else default
 
-    budget = int(trainer["response_budget"])
+    t = trainer
     return Settings(
-        name=name,
+        name=t.algorithm,
         algorithm=algo,
-        loss_agg=pick("loss_agg", algo.loss_agg),
-        eps_low=pick("clip_eps_low", pick("clip_eps", 0.2) if algo.clip_eps_low is None else algo.clip_eps_low),
-        eps_high=pick("clip_eps_high", pick("clip_eps", 0.2) if algo.clip_eps_high is None else algo.clip_eps_high),
-        kl_coef=trainer["kl_coef"],
-        kl_estimator=trainer["kl_estimator"],
-        kl_in=trainer["kl_in"],
-        tis_cap=trainer["tis_cap"],
-        entropy_coef=trainer["entropy_coef"],
-        value_coef=trainer["value_coef"],
-        gamma=trainer["gamma"],
-        gae_lambda=trainer["gae_lambda"],
-        dynamic_sampling=pick("dynamic_sampling", algo.dynamic_sampling),
-        dynamic_sampling_max_rounds=trainer["dynamic_sampling_max_rounds"],
-        overlong_buffer=pick("overlong_buffer", int(algo.overlong_buffer * budget)),
-        overlong_penalty=trainer["overlong_penalty"],
-        response_budget=budget,
+        loss_agg=pick(t.loss_agg, algo.loss_agg),
+        eps_low=pick(t.clip_eps_low, t.clip_eps if algo.clip_eps_low is None else algo.clip_eps_low),
+        eps_high=pick(t.clip_eps_high, t.clip_eps if algo.clip_eps_high is None else algo.clip_eps_high),
+        kl_coef=t.kl_coef,
+        kl_estimator=t.kl_estimator,
+        kl_in=t.kl_in,
+        tis_cap=t.tis_cap,
+        entropy_coef=t.entropy_coef,
+        value_coef=t.value_coef,
+        gamma=t.gamma,
+        gae_lambda=t.gae_lambda,
+        dynamic_sampling=pick(t.dynamic_sampling, algo.dynamic_sampling),
+        dynamic_sampling_max_rounds=t.dynamic_sampling_max_rounds,
+        overlong_buffer=pick(t.overlong_buffer, int(algo.overlong_buffer * response_budget)),
+        overlong_penalty=t.overlong_penalty,
+        response_budget=int(response_budget),
     )

@@ -1,4 +1,6 @@
-"""Held-out evaluation: a fixed set of held-out tasks, several episodes each, summarised per environment.
+"""Held-out evaluation, for a run (before RL, every ``eval.every`` steps, at the end: ``eval`` rows and eval.json) and
+for ``sandforge eval CONFIG --checkpoint DIR`` (a policy directory, no trainer): a fixed set of held-out tasks, several
+episodes each, summarised per environment.
 
 The task set is the same every time it is built (seeds 0..n-1 of every family, split "heldout"), so numbers before
 and after training compare the same tasks. Success counts every episode (a failed one is a failure: it did not solve
@@ -7,11 +9,16 @@ the task); pass@k uses the unbiased estimator of Chen et al. (2021) from n sampl
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from math import comb
+from pathlib import Path
 from statistics import fmean
+from typing import Callable
 
-from sandforge.config import EnvironmentConfig
+from rich.table import Table
+
+from sandforge.config import EnvironmentConfig, JobConfig
 from sandforge.environments.task_sources import FiniteSource, open_source
 from sandforge.registry import environment
 from sandforge.types import Task, Trajectory
@@ -70,15 +77,82 @@ def metric_row(summary: dict) -> dict[str, float]:
     return row
 
 
+def heldout_episodes(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
+                     tag: str) -> tuple[list[Trajectory], dict]:
+    """Run ``eval.samples`` episodes of each held-out task through ``collect(tasks, groups, scripted, label)`` (groups
+    named ``<tag>/<task id>``, which seeds their sampling); (the episodes, their summary)."""
+    e = cfg.eval
+    tasks = heldout_tasks(cfg.environments, e.tasks_per_family)
+    episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(e.samples)]
+    trajs = collect([x[0] for x in episodes], [x[1] for x in episodes], scripted=False,
+                    label=f"held-out eval: {len(tasks)} tasks x {e.samples}")
+    return trajs, summarize(trajs, e.samples)
+
+
+def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dict:
+    """``sandforge eval``: ``cfg.eval.samples`` episodes of each held-out task with the policy in ``checkpoint``, on the
+    same fleet a run starts (without trainer ranks); writes the summary (success and pass@k, overall and per
+    environment) to ``out_file`` and returns it."""
+    from sandforge.job.console import console, make_run_id, progress
+    from sandforge.job.fleet import checkpoint_policy, open_fleet
+    from sandforge.job.rollout_workers import collect_episodes
+
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": checkpoint})})
+    with open_fleet(cfg, make_run_id(f"{cfg.run.name}-eval"), frozenset({"engine", "workers"}),
+                    policy=checkpoint_policy(checkpoint)) as fleet, progress() as bar:
+
+        def collect(tasks, groups, scripted, label):
+            return collect_episodes(fleet.workers, tasks, groups, cfg.run.seed, 0, scripted, bar, label)
+
+        _, summary = heldout_episodes(cfg, collect, "eval")
+    summary = {"checkpoint": str(checkpoint), **summary}
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    out_file.write_text(json.dumps(summary, indent=1) + "\n")
+    console.print(summary_table(summary))
+    console.print(f"[green]done[/]: {out_file}")
+    return summary
+
+
+def summary_table(summary: dict) -> Table:
+    k = summary["k"]
+    table = Table(title=f"held-out success: {summary['tasks']} tasks x {summary['episodes'] // max(summary['tasks'], 1)}"
+                        f" episodes")
+    for column in ("environment", "tasks", "success (pass@1)", f"pass@{k}", "failed episodes"):
+        table.add_column(column)
+    rows = [*summary["per_env"].items(), ("all", summary)]
+    for env, s in rows:
+        table.add_row(env, str(s["tasks"]), f"{100 * s['success']:.1f}%", f"{100 * s['pass@k']:.1f}%",
+                      str(s["failed"]))
+    return table
+
+
+def eval_line(summary: dict) -> str:
+    """One evaluation during a run, in one line."""
+    envs = "  ".join(f"{env} {s['success']:.2f}" for env, s in summary["per_env"].items())
+    return (f"held-out eval after step {summary['step']}: success {summary['success']:.2f}  "
+            f"pass@{summary['k']} {summary['pass@k']:.2f}  ({envs})")
+
+
+def eval_summary(result: dict) -> str:
+    """Before -> after held-out success per environment (an ``EvalRecord``), for the end of a run."""
+    if "before" not in result:
+        return "held-out eval: nothing measured"
+    b, a = result["before"], result["after"]
+    lines = [f"held-out success (eval.json): {100 * b['success']:.1f}% after step {b['step']} -> "
+             f"{100 * a['success']:.1f}% after step {a['step']} ({result['delta_points']['success']:+.1f} points)"]
+    for env, delta in result["delta_points"]["per_env"].items():
+        before = b["per_env"].get(env, {}).get("success", 0.0)
+        after = a["per_env"].get(env, {}).get("success", 0.0)
+        lines.append(f"  {env}: {100 * before:.1f}% -> {100 * after:.1f}% ({delta:+.1f})")
+    return "\n".join(lines)
+
+
 class EvalRecord:
     """``eval.json`` in a run directory: every held-out evaluation of the run, "before" (the first, the policy RL
     starts from) and "after" (the last), and the change in percentage points per environment. Rewritten after each
     evaluation, so a killed run keeps what it measured; ``resume_from(step)`` drops evaluations a resumed run redoes."""
 
     def __init__(self, path, k: int, per_family: int):
-        import json
-        from pathlib import Path
-
         self.path = Path(path)
         self.k, self.per_family = k, per_family
         self.history: list[dict] = json.loads(self.path.read_text())["history"] if self.path.is_file() else []
@@ -110,8 +184,18 @@ class EvalRecord:
         return out
 
     def _write(self) -> None:
-        import json
-
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.as_dict(), indent=1) + "\n")
         tmp.replace(self.path)
+
+
+def run_record(cfg: JobConfig, out: Path, resume: bool, start: int) -> EvalRecord | None:
+    """The run's eval.json (None without held-out evaluation); a resumed run drops evaluations after ``start``."""
+    if not cfg.eval.tasks_per_family:
+        return None
+    path = out / "eval.json"
+    if not resume:
+        path.unlink(missing_ok=True)
+    record = EvalRecord(path, cfg.eval.samples, cfg.eval.tasks_per_family)
+    record.resume_from(start)
+    return record

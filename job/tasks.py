@@ -61,12 +61,3 @@ def with_partial_credit(task: Task) -> Task:
     ``partial`` itself keeps its choice)."""
     checks = [{"partial": True, **c} if gives_partial_credit(c.get("verifier")) else c for c in task.checks]
     return replace(task, checks=checks)
-
-
-def image_key(task: Task, env_images: dict[str, str | None]) -> str:
-    """Which image (and so which sandbox pool) runs ``task``: the task's own (Harbor), else its environment's."""
-    key = task.setup.get("image") or env_images.get(task.env)
-    if not key:
-        raise ValueError(f"task {task.id}: environment {task.env!r} has no image and the task names none "
-                         "(setup.image)")
-    return key

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandforge.rundir import check_run_dir, read_episodes, read_eval, read_metrics, run_id
-from sandforge.show import clip_observation
+from sandforge.job.show import clip_observation
 
 
 @dataclass

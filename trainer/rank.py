@@ -12,88 +12,55 @@ import contextlib
 import copy
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from sandforge.models.generate import TokenScores, token_scores
+from sandforge.config import ModelConfig, RolloutConfig, TrainerConfig
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_objective, sft_objective
-from sandforge.trainer.routing_replay import (UNKNOWN, RouterRecorder, mismatch_counts, mismatch_rate, replaying,
-                                              routed_ids)
-
-# an empty micro-batch's stand-in: no loss tokens, so it adds nothing but keeps the ranks' backward counts equal
-DUMMY_ROW = {"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "advantages": [0.0, 0.0],
-             "returns": [0.0, 0.0]}
+from sandforge.trainer.batches import DUMMY_ROW, forward_scores, pad_right, split_micro_batches, token_batch
+from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, routed_ids
 
 
-def pad_right(rows: list[list], value, dtype) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+@dataclass(frozen=True)
+class RolloutShape:
+    """What the rollout fixes about the tokens the trainer scores."""
+
+    temperature: float  # the engine sampled at it; the trainer scores under the same, or the ratio is off
+    response_budget: int  # the most policy tokens an episode can have: Dr.GRPO's constant and DAPO's L_max
+
+    @classmethod
+    def of(cls, rollout: RolloutConfig) -> RolloutShape:
+        budget = min(rollout.max_new_tokens * rollout.max_turns, rollout.max_context)
+        return cls(rollout.temperature, budget)
 
 
-def token_batch(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids and their attention mask [B, T] for a micro-batch of rows."""
-    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
-    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
-    return ids, attn
-
-
-def forward_scores(model, rows: list[dict], layout: PackedLayout, temperature: float = 1.0,
-                   forced: torch.Tensor | None = None, **kwargs) -> TokenScores:
-    """``token_scores`` of right-padded ``rows``, computed in ``layout`` (packed rows, or one row each) and returned
-    in the padded layout, so everything after the forward is the same whether sequences were packed or not.
-    ``forced``: the engine's routing [B, T, layers, k] to replay (padded layout, -1 unknown)."""
-    ids, attn = token_batch(rows)
-    if layout.is_padded:
-        return token_scores(replaying(model, forced), ids, attn, temperature, **kwargs)
-    if forced is not None:
-        forced = layout.pack_tensor(forced, fill=UNKNOWN)
-    s = token_scores(replaying(model, forced), layout.pack_tensor(ids), None, temperature,
-                     segment_ids=layout.segment_ids(), **kwargs)
-    unpack = layout.unpack
-    return TokenScores(unpack(s.logprobs), s.aux_loss, None if s.entropy is None else unpack(s.entropy),
-                       None if s.hidden is None else unpack(s.hidden))
-
-
-def split_micro_batches(rows: list[dict], n: int) -> list[list[dict]]:
-    """Deal sequences longest-first into n micro-batches so their padded sizes stay close."""
-    order = sorted(rows, key=lambda r: len(r["token_ids"]), reverse=True)
-    return [order[i::n] for i in range(n)]
-
-
-def deepspeed_config(trainer_cfg: dict, cuda: bool) -> dict:
-    """DeepSpeed's config for ``trainer_cfg``. bf16 (``trainer.bf16``; null: on with CUDA) keeps fp32 master weights,
-    gradients accumulated in fp32 and fp32 buffers (the LatentMoE biases); log-probs are taken from fp32 logits."""
-    bf16 = trainer_cfg.get("bf16")
+def deepspeed_config(trainer: TrainerConfig, cuda: bool) -> dict:
+    """DeepSpeed's config for the ``trainer`` section. bf16 (``trainer.bf16``; null: on with CUDA) keeps fp32 master
+    weights, gradients accumulated in fp32 and fp32 buffers (the LatentMoE biases); log-probs are taken from fp32
+    logits."""
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,  # sequences are packed by us; DeepSpeed counts micro-steps only
-        "gradient_accumulation_steps": trainer_cfg["grad_accum_steps"],
-        "gradient_clipping": trainer_cfg["grad_clip"],
-        "zero_optimization": {"stage": trainer_cfg["zero_stage"]},
+        "gradient_accumulation_steps": trainer.grad_accum_steps,
+        "gradient_clipping": trainer.grad_clip,
+        "zero_optimization": {"stage": trainer.zero_stage},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if cuda if bf16 is None else bf16:
+    if cuda if trainer.bf16 is None else trainer.bf16:
         ds_config["bf16"] = {"enabled": True}
     return ds_config
 
 
 class TrainerRank:
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        model_cfg: dict,
-        trainer_cfg: dict,
-        init_from: str | None,
-        tokenizer: str,
-        seed: int,
-        num_threads: int = 1,
-    ):
+    """``model``: the policy to build (or ``model.init_from`` to load); ``trainer``: the whole trainer section;
+    ``shape``: what the rollout fixes about the scored tokens."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model: ModelConfig,
+                 trainer: TrainerConfig, shape: RolloutShape, seed: int = 0, num_threads: int = 1):
         os.environ.update(
             DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
             RANK=str(rank),
@@ -105,52 +72,53 @@ class TrainerRank:
         torch.set_num_threads(num_threads)
         import deepspeed
 
-        from sandforge.models.policy import build_policy, load_chat, load_policy
+        from sandforge.models.build import build_policy, load_chat, load_policy
 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         self.rank, self.world_size = rank, world_size
-        self.cfg = trainer_cfg
+        self.cfg, self.temperature = trainer, shape.temperature
         torch.manual_seed(seed)  # identical initial weights on every rank
-        self.tokenizer = load_chat({**model_cfg, "init_from": init_from, "tokenizer": tokenizer}).tokenizer
-        model = load_policy(init_from) if init_from else build_policy(model_cfg, len(self.tokenizer))
-        if model.config.vocab_size < len(self.tokenizer):
-            raise ValueError(f"tokenizer {tokenizer!r} has {len(self.tokenizer)} ids but the model only "
-                             f"{model.config.vocab_size}")
+        self.tokenizer = load_chat(model).tokenizer
+        policy = load_policy(model.init_from) if model.init_from else build_policy(model, len(self.tokenizer))
+        if policy.config.vocab_size < len(self.tokenizer):
+            raise ValueError(f"tokenizer {model.tokenizer_source()!r} has {len(self.tokenizer)} ids but the model only "
+                             f"{policy.config.vocab_size}")
 
-        self.expert_parallel = trainer_cfg.get("expert_parallel", 1)
-        self.zero3 = trainer_cfg["zero_stage"] == 3  # parameters partitioned over ranks: forwards all-gather them
+        self.expert_parallel = trainer.expert_parallel
+        self.zero3 = trainer.zero_stage == 3  # parameters partitioned over ranks: forwards all-gather them
         # building the whole model is a collective: every rank must call get_weights / save_checkpoint together
         self.gathers = self.expert_parallel > 1 or self.zero3
         if self.expert_parallel > 1:  # keep this rank's experts only; the reference copy shares the expert groups
             from sandforge.trainer.expert_parallel import optimizer_groups, shard_model
 
-            shard_model(model, self.expert_parallel)
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
-        params = optimizer_groups(model) if self.expert_parallel > 1 else model.parameters()
-        optimizer = torch.optim.AdamW(params, lr=trainer_cfg["lr"], weight_decay=trainer_cfg["weight_decay"])
-        ds_config = deepspeed_config(trainer_cfg, torch.cuda.is_available())
+            shard_model(policy, self.expert_parallel)
+        self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
+        params = optimizer_groups(policy) if self.expert_parallel > 1 else policy.parameters()
+        optimizer = torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay)
+        ds_config = deepspeed_config(trainer, torch.cuda.is_available())
         if self.expert_parallel > 1:
             from sandforge.trainer import expert_parallel
 
-            self.engine, self.optimizer = expert_parallel.initialize(model, optimizer, ds_config, self.expert_parallel)
+            self.engine, self.optimizer = expert_parallel.initialize(policy, optimizer, ds_config, self.expert_parallel)
         else:
             if self.zero3:  # an expert runs only on ranks whose tokens chose it: gather a MoE layer's experts together
                 from deepspeed.utils import set_z3_leaf_modules
 
                 from sandforge.models.k3.latent_moe import LatentMoE
 
-                if any(isinstance(m, LatentMoE) for m in model.modules()):
-                    set_z3_leaf_modules(model, [LatentMoE])
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        self.settings = resolve(trainer_cfg)
+                if any(isinstance(m, LatentMoE) for m in policy.modules()):
+                    set_z3_leaf_modules(policy, [LatentMoE])
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer,
+                                                                     config=ds_config)
+        self.settings = resolve(trainer, shape.response_budget)
         self.value_head = self.value_optimizer = None
         if self.settings.algorithm.value_head:  # PPO's critic: a linear head on the policy's last hidden state
-            width = getattr(model.config, "d_model", None) or model.hf_config.hidden_size
-            self.value_head = torch.nn.Linear(width, 1).to(next(model.parameters()).device)
+            width = getattr(policy.config, "d_model", None) or policy.hf_config.hidden_size
+            self.value_head = torch.nn.Linear(width, 1).to(next(policy.parameters()).device)
             torch.nn.init.zeros_(self.value_head.weight)  # V = 0 at first: GAE starts as discounted returns
             torch.nn.init.zeros_(self.value_head.bias)
-            self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=trainer_cfg["lr"],
-                                                     weight_decay=trainer_cfg["weight_decay"])
+            self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=trainer.lr,
+                                                     weight_decay=trainer.weight_decay)
         self.steps = 0
         self.rl_updates = 0  # RL optimizer steps taken: where the lr schedule stands (trainer/lr_schedule.py)
 
@@ -173,9 +141,8 @@ class TrainerRank:
     def rl_lr(self, update: int) -> float:
         from sandforge.trainer.lr_schedule import lr_factor
 
-        total = self.cfg.get("steps", 1) * self.cfg.get("mini_batches", 1)
-        return self.cfg["lr"] * lr_factor(update, total, self.cfg.get("lr_schedule", "constant"),
-                                          self.cfg.get("lr_warmup_steps", 0))
+        t = self.cfg
+        return t.lr * lr_factor(update, t.steps * t.mini_batches, t.lr_schedule, t.lr_warmup_steps)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -190,7 +157,7 @@ class TrainerRank:
 
         RL rows carry ``token_ids``, ``loss_mask``, the engine's ``logprobs``, per-token ``advantages`` and, for PPO,
         per-token ``returns``."""
-        gas = self.cfg["grad_accum_steps"]
+        gas = self.cfg.grad_accum_steps
         totals = Totals(tokens=total_tokens, sequences=total_sequences or len(rows))
         scale = gas * self.world_size  # undo DeepSpeed's 1/gas and 1/world averaging: each loss is already a share
         stats = Stats()
@@ -218,7 +185,7 @@ class TrainerRank:
         one row each (Hugging Face policies, whose attention cannot keep packed sequences apart on every backend)."""
         lengths = [len(r["token_ids"]) for r in rows]
         align = getattr(self.engine.module, "pack_align", None)
-        if self.cfg.get("pack_sequences", True) and align is not None:
+        if self.cfg.pack_sequences and align is not None:
             return PackedLayout.pack(lengths, align)
         return PackedLayout.padded(lengths)
 
@@ -230,9 +197,9 @@ class TrainerRank:
         if mode == "sft":
             scores = forward_scores(self.engine, micro, layout)
             return *sft_objective(scores.logprobs, mask, totals), scores.aux_loss
-        temperature = self.cfg["temperature"]  # RL scores tokens as the engine sampled them
+        temperature = self.temperature  # RL scores tokens as the engine sampled them
         engine_ids = routed_ids(micro, ids.shape[1])  # trainer/routing_replay.py
-        forced = engine_ids if self.cfg.get("routing_replay") else None
+        forced = engine_ids if self.cfg.routing_replay else None
         with RouterRecorder(self.engine.module) as router:
             scores = forward_scores(self.engine, micro, layout, temperature, forced, entropy=True,
                                     hidden=self.value_head is not None)
@@ -263,17 +230,17 @@ class TrainerRank:
         denominator when the step takes several mini-batches). Eval mode: no MoE statistics accumulate."""
         from sandforge.trainer.algorithms import kl_estimate
 
-        s, temperature = self.settings, self.cfg["temperature"]
-        size = max(1, -(-len(rows) // self.cfg["grad_accum_steps"]))  # as many rows at once as a training micro-batch
+        s, temperature = self.settings, self.temperature
+        size = max(1, -(-len(rows) // self.cfg.grad_accum_steps))  # as many rows at once as a training micro-batch
         self.engine.eval()
         out = []
         batches = [rows[start : start + size] for start in range(0, len(rows), size)]
         if self.gathers:  # every forward is an all-to-all (experts) or all-gathers (ZeRO-3): all ranks run gas of them
-            batches += [[DUMMY_ROW]] * (self.cfg["grad_accum_steps"] - len(batches))
+            batches += [[DUMMY_ROW]] * (self.cfg.grad_accum_steps - len(batches))
         for micro in batches:
             layout = self.layout(micro)
             width = max(len(r["token_ids"]) for r in micro)
-            forced = routed_ids(micro, width) if self.cfg.get("routing_replay") else None
+            forced = routed_ids(micro, width) if self.cfg.routing_replay else None
             scores = forward_scores(self.engine, micro, layout, temperature, forced,
                                     hidden=self.value_head is not None)
             penalty = torch.zeros_like(scores.logprobs)
@@ -299,14 +266,14 @@ class TrainerRank:
             for p in params:
                 dist.all_reduce(p.grad)
                 p.grad /= self.world_size
-        torch.nn.utils.clip_grad_norm_(params, self.cfg["grad_clip"])
+        torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.value_optimizer.step()
         self.value_optimizer.zero_grad()
 
     def _after_step(self) -> dict[str, float]:
         import torch.distributed as dist
 
-        from sandforge.models.policy import after_optimizer_step
+        from sandforge.models.build import after_optimizer_step
 
         return after_optimizer_step(self.engine.module, dist.all_reduce if self.world_size > 1 else None)
 
@@ -342,8 +309,8 @@ class TrainerRank:
         return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
     def open_weight_channel(self, host: str, port: int) -> None:
-        """Rank 0's end of the collective weight sync (models/weight_sync.py); the engine opens the other end."""
-        from sandforge.models.weight_sync import WeightChannel
+        """Rank 0's end of the collective weight sync (models/weight_channel.py); the engine opens the other end."""
+        from sandforge.models.weight_channel import WeightChannel
 
         self.channel = WeightChannel(host, port, rank=0)
 
@@ -354,13 +321,13 @@ class TrainerRank:
         return self.channel.send(weights, version) if self.rank == 0 else version
 
     def model_config_dict(self) -> dict:
-        from sandforge.models.policy import policy_config
+        from sandforge.models.build import policy_config
 
         return policy_config(self.engine.module)
 
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
         """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors)."""
-        from sandforge.models.policy import save_policy
+        from sandforge.models.build import save_policy
 
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
         policy_dir = Path(directory) / tag / "policy"
@@ -398,7 +365,7 @@ class TrainerRank:
             self.value_head.load_state_dict(extra["value_head"])
             self.value_optimizer.load_state_dict(extra["value_optimizer"])
         if reference:
-            from sandforge.models.policy import load_policy
+            from sandforge.models.build import load_policy
 
             ref = load_policy(reference)
             if self.expert_parallel > 1:  # keep this rank's experts, as the live reference does

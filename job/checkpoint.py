@@ -103,3 +103,51 @@ def truncate_jsonl(path: Path, keep: Callable[[dict], bool]) -> int:
     tmp.write_text("".join(r + "\n" for r in rows))
     tmp.replace(path)
     return dropped
+
+
+def save_checkpoint(job, step: int) -> str:
+    """Everything a resumed run needs after ``step`` RL steps (``job``: an RLJob): the ranks' DeepSpeed state and
+    policy, then ``driver.pt``; ``complete`` goes last. Returns the policy directory."""
+    import ray
+    import torch
+
+    directory = str(job.output_dir / "checkpoints")
+    state = {"step": step, "policy_version": job.version, "run_id": job.run_id}
+    paths = ray.get([rank.save_checkpoint.remote(directory, f"step_{step}", state) for rank in job.ranks])
+    where = checkpoint_dir(job.output_dir, step)
+    save_driver_state(where, {
+        **state,
+        "sampler_rng": job.sampler.rng.getstate(),  # the data cursor: which tasks come next
+        "driver_rng": job.rng.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "engine_rng": ray.get(job.engine.rng_state.remote()),
+        "config_hash": config_hash(job.cfg.model_dump(mode="json")),
+    })
+    mark_complete(where)
+    (job.output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
+    return paths[0]
+
+
+def restore_checkpoint(job, step: int) -> None:
+    """Continue ``job`` from checkpoint ``step``: ranks reload (DeepSpeed), RNGs, data cursor and version come back,
+    and the engine gets the restored weights."""
+    import ray
+    import torch
+
+    from sandforge.job.console import console
+
+    where = checkpoint_dir(job.output_dir, step)
+    driver = load_driver_state(where)
+    if driver["config_hash"] != config_hash(job.cfg.model_dump(mode="json")):
+        console.print(f"[yellow]resume: the config differs from the one {where} was written with (beyond "
+                      "run.output_dir, trainer.steps, trainer.checkpoint_every, logging); continuing anyway[/]")
+    reference = checkpoint_dir(job.output_dir, 0) / "policy"  # the policy RL started from: the KL reference
+    ray.get([rank.load_checkpoint.remote(str(job.output_dir / "checkpoints"), where.name,
+                                         str(reference) if reference.is_dir() else None)
+             for rank in job.ranks])
+    job.sampler.rng.setstate(driver["sampler_rng"])
+    job.rng.setstate(driver["driver_rng"])
+    torch.set_rng_state(driver["torch_rng"])
+    job.version = driver["policy_version"]
+    job.push_weights()
+    ray.get(job.engine.set_rng_state.remote(driver["engine_rng"]))

@@ -1,6 +1,6 @@
 """The engine as a Ray actor: builds the policy from its config and serves ``EngineCore`` on the actor's event loop.
 
-    engine = ray.remote(num_cpus=0)(InferenceEngine).remote(model_cfg, max_batch_size, session_memory_mb, seed, threads)
+    engine = ray.remote(num_cpus=0)(InferenceEngine).remote(policy_config, cfg.engine, seed, threads)
     [sample] = await engine.generate.remote({"prompt_ids": [...], "session_id": "ep-3", "max_tokens": 256, ...})
 """
 
@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import torch
 
+from sandforge.config import EngineConfig
+
 from .core import EngineCore
 
 
 class InferenceEngine:
-    def __init__(self, model_cfg: dict, max_batch_size: int = 32, session_memory_mb: float = 1024, seed: int = 0,
-                 num_threads: int = 1):
-        from sandforge.models.policy import policy_from_config
+    """``policy_config``: the policy's own config (``models.build.policy_config``: its ``arch`` and sizes), from which
+    the engine builds it; weights arrive by ``load_weights`` or ``receive_weights``."""
+
+    def __init__(self, policy_config: dict, engine: EngineConfig, seed: int = 0, num_threads: int = 1):
+        from sandforge.models.build import policy_from_config
 
         torch.set_num_threads(num_threads)
-        model = policy_from_config(model_cfg)
+        model = policy_from_config(policy_config)
         if torch.cuda.is_available():
             model = model.cuda()
-        self.core = EngineCore(model, max_batch_size, session_memory_mb, seed)
+        self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed)
 
     async def generate(self, request: dict) -> list[dict]:
         return await self.core.generate(request)
@@ -39,8 +43,8 @@ class InferenceEngine:
         return self.core.stats()
 
     def open_weight_channel(self, host: str, port: int) -> None:
-        """The receiving end of the collective weight sync (models/weight_sync.py); trainer rank 0 sends."""
-        from sandforge.models.weight_sync import WeightChannel
+        """The receiving end of the collective weight sync (models/weight_channel.py); trainer rank 0 sends."""
+        from sandforge.models.weight_channel import WeightChannel
 
         self.channel = WeightChannel(host, port, rank=1)
 

@@ -5,7 +5,7 @@
 - ``object_store``: rank 0's state dict goes through Ray's object store (a copy into shared memory, one out); works
   anywhere Ray does.
 - ``collective``: rank 0 broadcasts flat buffers to the engine over a process group of their own
-  (models/weight_sync.py: NCCL on GPU, Gloo on CPU), GPU memory to GPU memory without the object store.
+  (models/weight_channel.py: NCCL on GPU, Gloo on CPU), GPU memory to GPU memory without the object store.
 - ``auto``: collective where there is a GPU, object store otherwise.
 
 With expert parallelism or ZeRO-3 every rank takes part (the whole model is gathered first) on either path.
@@ -13,7 +13,6 @@ With expert parallelism or ZeRO-3 every rank takes part (the whole model is gath
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 
@@ -25,23 +24,18 @@ def resolve_mode(mode: str) -> str:
     return "collective" if torch.cuda.is_available() else "object_store"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class WeightSync:
-    def __init__(self, mode: str, ranks: list[Any], engine: Any, gather_all: bool, host: str = "127.0.0.1"):
-        """``ranks``: TrainerRank handles (rank 0 first); ``engine``: an InferenceEngine handle; ``gather_all``: every
-        rank takes part in building the whole state dict (expert parallelism). ``host``: rank 0's address."""
+    def __init__(self, mode: str, ranks: list[Any], engine: Any, port: int, gather_all: bool,
+                 host: str = "127.0.0.1"):
+        """``ranks``: TrainerRank handles (rank 0 first); ``engine``: an InferenceEngine handle; ``port``: a free port
+        on ``host`` (rank 0's address) for the collective channel; ``gather_all``: every rank takes part in building
+        the whole state dict (expert parallelism, ZeRO-3)."""
         import ray
 
         self.mode = resolve_mode(mode)
         self.ranks = ranks if gather_all else ranks[:1]
         self.engine = engine
         if self.mode == "collective":
-            port = _free_port()
             ray.get([ranks[0].open_weight_channel.remote(host, port), engine.open_weight_channel.remote(host, port)])
 
     def push(self, version: int) -> int:

@@ -1,5 +1,5 @@
-"""Which architecture a job trains, by name: the K3-shaped model (``"k3"``, a preset size plus optional field
-overrides) or a local Hugging Face causal LM (``"hf"``, from ``model.path``).
+"""Building, loading and saving policies by architecture: the K3-shaped model (``"k3"``, a preset size plus optional
+field overrides) or a local Hugging Face causal LM (``"hf"``, from ``model.path``).
 
 The trainer, the engine and the rollout workers build, load and save policies and their chat formats only through these
 functions, so a checkpoint directory says what it holds (``config.json`` carries ``arch``, or HF's ``model_type``) and
@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 from torch import nn
+
+from sandforge.config import ModelConfig
 
 from .k3 import model as k3
 from .k3.config import preset_config
@@ -28,19 +30,11 @@ def _hf_policy(path: str | Path) -> nn.Module:
     return policy
 
 
-def k3_config(options: dict, vocab_size: int) -> k3.K3Config:
-    """The preset named by ``options["preset"]`` with the fields in ``options["k3"]`` replaced; errors name the key."""
-    return preset_config(options.get("preset", "k3-nano"), options.get("k3"), vocab_size)
-
-
-def build_policy(options: dict, vocab_size: int) -> nn.Module:
-    """A fresh policy (for ``hf``: the local model at ``path``). ``options``: the config's ``model`` section."""
-    arch = options.get("arch", "k3")
-    if arch == "hf":
-        return _hf_policy(options["path"])
-    if arch == "k3":
-        return k3.K3Model(k3_config(options, vocab_size))
-    raise ValueError(f"unknown model.arch {arch!r}; known: {', '.join(ARCHES)}")
+def build_policy(model: ModelConfig, vocab_size: int) -> nn.Module:
+    """A fresh policy as the config's ``model`` section describes it (for ``hf``: the local model at ``path``)."""
+    if model.arch == "hf":
+        return _hf_policy(model.path)
+    return k3.K3Model(preset_config(model.preset, model.k3, vocab_size))
 
 
 def policy_config(model: nn.Module) -> dict:
@@ -90,20 +84,18 @@ def after_optimizer_step(model: nn.Module, all_reduce=None) -> dict[str, float]:
     return {k: v for k, v in update_all_biases(model).items() if k.count("/") == 1}  # the summary, not every layer
 
 
-def load_chat(options: dict):
-    """The chat format (and through ``.tokenizer`` the tokenizer) of the policy ``options`` describe.
-
-    ``options`` is the config's ``model`` section; a checkpoint in ``init_from`` brings its own tokenizer.
-    """
-    source = options.get("init_from") or None
-    if options.get("arch") == "hf":
+def load_chat(model: ModelConfig):
+    """The chat format (and through ``.tokenizer`` the tokenizer) of the policy the ``model`` section describes; a
+    checkpoint in ``init_from`` brings its own tokenizer."""
+    source = model.init_from
+    if model.arch == "hf":
         from transformers import AutoTokenizer
 
         from .hf import HFChatFormat
 
-        tokenizer = AutoTokenizer.from_pretrained(str(source or options["path"]), local_files_only=True)
-        return HFChatFormat(tokenizer, parser=options.get("parser", "hermes"))
+        tokenizer = AutoTokenizer.from_pretrained(str(source or model.path), local_files_only=True)
+        return HFChatFormat(tokenizer, parser=model.parser)
     from .bpe import load_tokenizer
     from .chat import ChatFormat
 
-    return ChatFormat(load_tokenizer(str(source) if source else options.get("tokenizer", "bpe")))
+    return ChatFormat(load_tokenizer(str(source) if source else model.tokenizer))

@@ -30,7 +30,9 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import asdict
 from typing import Iterator
 
-from sandforge.rollout.metrics import rollout_metrics
+from sandforge.job.console import JobError
+from sandforge.job.rollout_metrics import rollout_metrics
+from sandforge.job.rollout_workers import lost_episodes
 from sandforge.types import Task, Trajectory
 
 
@@ -89,8 +91,6 @@ class AsyncDriver:
 
         job = self.job
         if getattr(job, "settings", None) is not None and job.settings.dynamic_sampling:
-            from sandforge.trainer.loop import JobError
-
             raise JobError("trainer.mode async does not resample groups (dynamic sampling): set "
                            "trainer.dynamic_sampling=false or trainer.mode=sync")
         ray.get(job.engine.set_interrupt_loads.remote(True))
@@ -156,8 +156,6 @@ class AsyncDriver:
             try:
                 self.batches[b] += [Trajectory.from_dict(d) for d in ray.get(ref)]
             except ray.exceptions.RayActorError as e:  # the worker died; Ray restarts it: this episode failed
-                from sandforge.trainer.workers import lost_episodes
-
                 self.batches[b] += lost_episodes([asdict(task)], [group], self.served, w, e)
             self.job.bar.advance(bar)
 

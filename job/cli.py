@@ -6,13 +6,13 @@ cluster start-up.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from sandforge.config import ConfigError, JobConfig, load_config
+from sandforge.job.preflight import check_host, validate_job
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL post-training on real sandboxes.")
 images_app = typer.Typer(no_args_is_help=True, help="Build the sandbox images (no registry needed).")
@@ -26,77 +26,6 @@ app.add_typer(envs_app, name="envs")
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def validate_job(cfg: JobConfig, source: str = "config") -> None:
-    """Checks that need the registry (environment names, task families); still no heavy imports."""
-    from sandforge.registry import PluginError
-    from sandforge.rollout.tasks import TaskSampler
-
-    try:
-        TaskSampler(cfg.environments, cfg.run.seed)
-    except (KeyError, ValueError, PluginError) as e:
-        raise ConfigError(str(e).strip("'\"")) from None
-    n_experts = 0
-    if cfg.model.arch == "k3":
-        from sandforge.models.k3.config import preset_config  # plain dataclasses, no torch
-
-        try:
-            n_experts = preset_config(cfg.model.preset, cfg.model.k3).n_experts
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{source}: {e}") from None
-        if cfg.model.init_from is not None:  # a checkpoint brings its own sizes
-            n_experts = json.loads((Path(cfg.model.init_from) / "config.json").read_text()).get("n_experts", 0)
-    ep = cfg.trainer.expert_parallel
-    if ep > 1 and cfg.model.arch != "k3":
-        raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep}: expert parallelism shards the K3 LatentMoE "
-                          f"(model.arch k3); model.arch {cfg.model.arch} cannot use it")
-    if ep > 1 and n_experts % ep:
-        raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep} must divide the model's n_experts "
-                          f"({n_experts}); change model.k3.n_experts or trainer.expert_parallel")
-
-
-def check_host(cfg: JobConfig, source: str = "config") -> None:
-    """What this host cannot give the job, found before anything starts: one sandbox needing more memory or cpus than
-    the machine has, a runtime or a named base image the Docker daemon lacks. (On a cluster, ``ray.address``, the
-    sandboxes run on other nodes, so only the Docker checks apply.)"""
-    import os
-
-    from docker.utils import parse_bytes
-
-    s = cfg.sandbox
-    if cfg.ray.address is None:
-        try:
-            memory = parse_bytes(s.memory)
-        except Exception:  # noqa: BLE001 - docker's own error names no key
-            raise ConfigError(f"{source}: 'sandbox.memory' = {s.memory!r} is not a size such as 512m or 2g") from None
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if memory > host:
-            raise ConfigError(f"{source}: 'sandbox.memory' = {s.memory} is more than this machine has "
-                              f"({host / 2**30:.1f} GiB); lower sandbox.memory")
-        if s.cpus > (os.cpu_count() or 1):
-            raise ConfigError(f"{source}: 'sandbox.cpus' = {s.cpus:g} is more than this machine has "
-                              f"({os.cpu_count()}); lower sandbox.cpus")
-    if s.base_image is None and s.runtime is None:
-        return
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError, docker_client
-
-    try:
-        client = docker_client()
-    except SandboxError:
-        return  # the run reports the missing daemon itself, with what to do
-    if s.runtime is not None and s.runtime not in (client.info().get("Runtimes") or {}):
-        raise ConfigError(f"{source}: 'sandbox.runtime' = {s.runtime!r}: the Docker daemon has no such runtime "
-                          f"(it has: {', '.join(sorted(client.info().get('Runtimes') or {}))})")
-    if s.base_image is not None:
-        import docker.errors
-
-        try:
-            client.images.get(s.base_image)
-        except docker.errors.ImageNotFound:
-            raise ConfigError(f"{source}: 'sandbox.base_image' = {s.base_image!r} is not a local image: "
-                              f"`docker pull {s.base_image}` (or `docker load`) first, or leave sandbox.base_image "
-                              "unset to bootstrap Debian bookworm") from None
 
 
 @app.command()
@@ -118,7 +47,7 @@ def train(
     except ConfigError as e:
         fail(str(e))
     if resume:
-        from sandforge.trainer.checkpoint import ResumeError, resume_point
+        from sandforge.job.checkpoint import ResumeError, resume_point
 
         try:
             resume_point(cfg.run.output_dir)
@@ -167,26 +96,25 @@ def evaluate(
         validate_job(cfg, str(config))
     except ConfigError as e:
         fail(str(e))
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError
-    from sandforge.environments.sandbox.images import ImageError
-    from sandforge.trainer.eval_job import evaluate_checkpoint
+    from sandforge.job.evaluation import evaluate_checkpoint
 
-    try:
-        evaluate_checkpoint(cfg, checkpoint.resolve(), (out or checkpoint / "eval.json").resolve())
-    except KeyboardInterrupt:
-        raise typer.Exit(130)
-    except (SandboxError, ImageError) as e:
-        fail(str(e), 1)
+    _drive(evaluate_checkpoint, cfg, checkpoint.resolve(), (out or checkpoint / "eval.json").resolve())
 
 
 def _run(cfg: JobConfig, **kwargs) -> None:
+    from sandforge.job.run import run
+
+    _drive(run, cfg, **kwargs)
+
+
+def _drive(job, *args, **kwargs) -> None:
+    """Run a job (train, sft, eval); Ctrl-C exits with 130, an error the user can act on is one line, exit 1."""
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError
-    from sandforge.trainer.loop import JobError
-    from sandforge.trainer.run import run
+    from sandforge.job.console import JobError
 
     try:
-        run(cfg, **kwargs)
+        job(*args, **kwargs)
     except KeyboardInterrupt:
         raise typer.Exit(130)
     except (JobError, SandboxError, ImageError) as e:
@@ -300,7 +228,7 @@ def serve(
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="Run directory (run.output_dir of a job)")) -> None:
     """Write the run's curves (report.png) and a page with a summary and sample episodes (report.html) into RUN_DIR."""
-    from sandforge.report import write_report
+    from sandforge.job.report import write_report
     from sandforge.rundir import RunDirError
 
     try:
@@ -322,7 +250,7 @@ def show(
     from rich.console import Console
 
     from sandforge.rundir import RunDirError, check_run_dir, find_episodes, read_episodes
-    from sandforge.show import episode_table, render_episode
+    from sandforge.job.show import episode_table, render_episode
 
     try:
         episodes = read_episodes(check_run_dir(run_dir))

@@ -1,0 +1,105 @@
+"""The cold start before RL, for a policy that cannot call tools yet: synthetic pretraining, then the warm start.
+
+Pretraining (``pretrain.steps``) trains on generated one-call exchanges over the job's tools (job/copy_data.py). The
+warm start (``warmup.steps``) replays each task's reference solution through the real agent loop and sandboxes, keeps
+the episodes the verifier accepts, and trains on their assistant tokens; afterwards the policy is the KL reference and
+the engine serves it as a new version.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable
+
+from sandforge.job import learner
+from sandforge.job.checkpoint import save_checkpoint
+from sandforge.job.console import JobError
+from sandforge.job.rl_job import RLJob, training_rows
+
+
+def copy_source(job: RLJob, stream: str) -> Callable[[int], list[dict]]:
+    """``n -> rows`` of generated copy exchanges over the job's tools (job/copy_data.py), from a seeded stream."""
+    from sandforge.job.copy_data import copy_rows, env_tools
+    from sandforge.models.build import load_chat
+
+    chat = load_chat(job.cfg.model)
+    tools = env_tools(sorted({e.name for e in job.cfg.environments}))
+    rng = random.Random(f"{stream}/{job.cfg.run.seed}")
+    return lambda n: copy_rows(chat, tools, rng, n, listed=job.cfg.pretrain.listed)
+
+
+def pretrain(job: RLJob) -> None:
+    """Synthetic pretraining: the policy learns to copy values into tool calls."""
+    p = job.cfg.pretrain
+    copies = copy_source(job, "pretrain")
+    learner.set_lr(job.ranks, p.lr)
+    bar = job.bar.add_task("pretraining: copying into tool calls", total=p.steps)
+    losses = []
+    for step in range(p.steps):
+        t0 = time.monotonic()
+        m = learner.train(job.ranks, copies(p.batch_size), mode="sft")
+        job.tick("pretrain", 1, time.monotonic() - t0)
+        losses.append(m["loss"])
+        job.logger.log("pretrain", {"pretrain/step": step, "pretrain/loss": m["loss"]})
+        job.bar.update(bar, advance=1, description=f"pretraining: loss {m['loss']:.3f}")
+    job.bar.console.print(f"pretraining: {p.steps} steps of generated tool calls; loss {losses[0]:.3f} -> "
+                          f"{losses[-1]:.3f}", soft_wrap=True)
+
+
+def verified_demonstrations(job: RLJob) -> tuple[list, int]:
+    """``warmup.episodes`` reference-solution episodes, logged: (the ones their verifier accepted, how many were run).
+    Families with none are named, with the first reason."""
+    tasks = job.sampler.sample(job.cfg.warmup.episodes)
+    trajs = job.collect(tasks, [t.id for t in tasks], scripted=True, label="warm start: reference episodes")
+    job.logger.log_trajectories(0, "warmup", trajs)
+    demos = [t for t in trajs if not t.failed and t.reward and t.reward.success]
+    if not demos:
+        reasons = {t.failure or (t.reward.reason if t.reward else "") for t in trajs}
+        raise JobError(f"warm start: no reference episode passed its verifier ({'; '.join(sorted(reasons))})")
+    for family in sorted({f"{t.task.env}/{t.task.family}" for t in trajs}
+                         - {f"{t.task.env}/{t.task.family}" for t in demos}):
+        failed = [t for t in trajs if f"{t.task.env}/{t.task.family}" == family]
+        why = failed[0].failure or (failed[0].reward.reason if failed[0].reward else "") or failed[0].finish_reason
+        job.bar.console.print(f"[yellow]warm start: no verified demonstration of {family} ({len(failed)} tried; "
+                              f"first: {why}); is rollout.max_turns ({job.cfg.rollout.max_turns}) shorter than "
+                              f"its reference solution?[/]", soft_wrap=True)
+    return demos, len(trajs)
+
+
+def warmup(job: RLJob) -> None:
+    """SFT on verified reference episodes (``warmup.copy_rows`` generated exchanges mixed into each step), then the
+    policy becomes the KL reference and a new version on the engine."""
+    import ray
+
+    w = job.cfg.warmup
+    demos, tried = verified_demonstrations(job)
+    learner.set_lr(job.ranks, w.lr)
+    bar = job.bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
+    losses = []
+    copies = copy_source(job, "warmup") if w.copy_rows else None
+    for step in range(w.steps):
+        batch = job.rng.sample(demos, min(w.batch_size, len(demos)))
+        t0 = time.monotonic()
+        m = learner.train(job.ranks, training_rows(batch) + (copies(w.copy_rows) if copies else []), mode="sft")
+        job.tick("sft", 1, time.monotonic() - t0)
+        losses.append(m["loss"])
+        job.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
+        job.bar.update(bar, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
+    job.bar.console.print(f"warm start: {len(demos)}/{tried} reference episodes verified; SFT loss {losses[0]:.3f} -> "
+                          f"{losses[-1]:.3f} in {w.steps} steps", soft_wrap=True)
+    learner.set_lr(job.ranks, job.cfg.trainer.lr)
+    ray.get([rank.reset_reference.remote() for rank in job.ranks])
+    job.version += 1
+    job.push_weights()
+
+
+def before_rl(job: RLJob) -> None:
+    """Pretraining and the warm start where configured, then checkpoint 0: the policy RL starts from, kept for
+    comparison and evaluation."""
+    if job.cfg.pretrain.steps:
+        pretrain(job)
+    if job.cfg.warmup.steps:
+        warmup(job)
+        job.bar.console.print(job.clock.line(), soft_wrap=True)
+    save_checkpoint(job, 0)

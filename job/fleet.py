@@ -1,0 +1,224 @@
+"""The fleet of one job: everything a run starts and stops, in one place for ``train``, ``sft``, ``eval`` and ``serve``.
+
+``open_fleet`` does, in order: Ctrl-C and SIGTERM become KeyboardInterrupt (so every exit path below runs); the
+containers of dead drivers on this host are reaped; the job's images are built (each environment's, a plugin's from its
+package, a Harbor task's from its folder); Ray starts, its workers at the driver's priority; the trainer ranks
+(DeepSpeed, when the job trains); the inference engine, named ``engine-<run id>`` so rollout workers find it by name; the
+weight sync from rank 0 to the engine; the rollout workers, one per node in turn. Leaving the block closes the workers'
+warm sandboxes, stops Ray, removes every container labelled with the run and puts the signal handlers back, whether
+the job ended, failed or was interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from sandforge.config import JobConfig
+from sandforge.job.console import console
+
+ALL_PARTS = frozenset({"trainer", "engine", "workers"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Fleet:
+    """Handles to one job's actors. ``ranks`` is empty when the job does not train (eval, serve); ``workers`` is empty
+    when it runs no episodes (serve); ``sync`` pushes the ranks' weights to the engine."""
+
+    cfg: JobConfig
+    run_id: str
+    parts: frozenset[str] = ALL_PARTS
+    images: dict[str, str] = field(default_factory=dict)  # image name -> tag, every image the job's tasks use
+    ranks: list = field(default_factory=list)
+    engine: Any = None
+    workers: list = field(default_factory=list)
+    sync: Any = None
+
+    def push_weights(self, version: int) -> None:
+        self.sync.push(version)
+
+    def close_workers(self) -> None:
+        """The workers remove their warm sandboxes (best effort: the run's label sweep follows anyway)."""
+        import ray
+
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=30)
+        except Exception as e:  # noqa: BLE001 - the label sweep removes what is left
+            console.print(f"[yellow]workers did not close cleanly: {e}[/]")
+
+
+def job_images(cfg: JobConfig) -> dict[str, Path]:
+    """Every image the job's tasks run in (image name -> folder with its Dockerfile): each environment's own (a
+    plugin's may live in its package, or reuse a built-in's), plus the ones tasks bring (a Harbor task's)."""
+    from sandforge.job.tasks import TaskSampler
+    from sandforge.registry import environment
+
+    contexts = {}
+    for env in cfg.environments:
+        entry = environment(env.name)
+        if entry.image_name is not None:
+            contexts[entry.image_name] = entry.image_context()
+    return contexts | TaskSampler(cfg.environments, cfg.run.seed).images()
+
+
+def build_job_images(cfg: JobConfig) -> dict[str, str]:
+    """Reap dead drivers' containers, then build (or find up to date) every image the job needs: name -> tag."""
+    from sandforge.environments.sandbox.docker_sandbox import docker_client
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.lifecycle import reap_dead_runs
+
+    client = docker_client()
+    reaped = reap_dead_runs(client)  # containers of drivers that died on this host (crash, SIGKILL)
+    if reaped:
+        console.print(f"reaped {sum(reaped.values())} container(s) of dead run(s): {', '.join(sorted(reaped))}")
+    return build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
+                        contexts=job_images(cfg))
+
+
+def start_ray(cfg: JobConfig) -> None:
+    """A new local Ray instance (never a cluster found lying around), or the cluster ``ray.address`` names. Ray starts
+    its worker processes at nice 15 by default, so a trainer rank would lose most of a core to any normal process:
+    locally they run at the driver's own priority. (A cluster's raylets were started with their own setting.)"""
+    import ray
+
+    if ray.is_initialized():  # this process joined Ray itself (a notebook, a test harness): the fleet uses it
+        return
+    local = cfg.ray.address is None
+    ray.init(address=cfg.ray.address or "local", num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+             log_to_driver=False, object_store_memory=256 * 1024**2 if local else None,
+             _system_config={"worker_niceness": os.nice(0)} if local else None)
+
+
+def start_trainer_ranks(cfg: JobConfig) -> list:
+    """``trainer.world_size`` DeepSpeed ranks, one torch.distributed group (gloo on CPU)."""
+    import ray
+
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
+
+    world = cfg.trainer.world_size
+    threads = max(1, (os.cpu_count() or 1) // world)
+    port, shape = free_port(), RolloutShape.of(cfg.rollout)
+    rank_actor = ray.remote(num_cpus=0)(TrainerRank)
+    return [rank_actor.remote(r, world, "127.0.0.1", port, cfg.model, cfg.trainer, shape, cfg.run.seed, threads)
+            for r in range(world)]
+
+
+def start_engine(cfg: JobConfig, run_id: str, policy_config: dict):
+    """The inference engine actor for the policy ``policy_config`` describes (weights come later, by a push)."""
+    import ray
+
+    from sandforge.rollout.engine.inference_engine import InferenceEngine
+
+    return ray.remote(num_cpus=0)(InferenceEngine).options(name=engine_name(run_id)).remote(
+        policy_config, cfg.engine, cfg.run.seed, os.cpu_count() or 1)
+
+
+def engine_name(run_id: str) -> str:
+    return f"engine-{run_id}"
+
+
+def start_rollout_workers(cfg: JobConfig, run_id: str, images: dict[str, str]) -> list:
+    """``rollout.workers`` rollout workers, one per node in turn (job/rollout_workers.py). They find the engine by
+    name: a handle among an actor's arguments is kept in the object store, which may break restarts (ray#53727)."""
+    from sandforge.environments.sandbox.lifecycle import driver_labels
+    from sandforge.job.rollout_workers import start_workers
+    from sandforge.rollout.worker import RolloutWorker, WorkerSetup
+
+    setup = WorkerSetup(run_id=run_id, engine=engine_name(run_id), images=images, labels=driver_labels(run_id),
+                        environments=tuple(cfg.environments), rollout=cfg.rollout, sandbox=cfg.sandbox,
+                        model=cfg.model)
+    return start_workers(RolloutWorker, cfg.rollout.workers, setup)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _interrupts_raise() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_interrupt)
+
+
+@contextlib.contextmanager
+def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
+               policy: dict | None = None) -> Iterator[Fleet]:
+    """Start the ``parts`` of the job's fleet (see the module docstring) and stop all of it when the block ends.
+
+    ``policy``: the engine's weights when the fleet has no trainer ranks (``checkpoint_policy``: they are served as
+    version 0); with ranks, the engine is built like rank 0's policy and the caller pushes weights (``push_weights``).
+    """
+    import ray
+
+    fleet = Fleet(cfg, run_id, parts)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _interrupts_raise()
+    try:
+        if "workers" in parts:
+            fleet.images = build_job_images(cfg)
+        start_ray(cfg)
+        _interrupts_raise()  # ray.init installs handlers of its own
+        if "trainer" in parts:
+            fleet.ranks = start_trainer_ranks(cfg)
+            policy_config = ray.get(fleet.ranks[0].model_config_dict.remote())
+        else:
+            policy_config = policy["config"]
+        fleet.engine = start_engine(cfg, run_id, policy_config)
+        if fleet.ranks:
+            from sandforge.job.weight_sync import WeightSync
+
+            # with expert parallelism (experts) or ZeRO-3 (every parameter) the model is spread over the ranks: all of
+            # them take part in gathering the whole model, and rank 0's copy goes to the engine
+            t = cfg.trainer
+            fleet.sync = WeightSync(t.weight_sync, fleet.ranks, fleet.engine, free_port(),
+                                    gather_all=t.expert_parallel > 1 or t.zero_stage == 3)
+        else:
+            ray.get(fleet.engine.load_weights.remote(policy["state_dict"], 0))
+        if "workers" in parts:
+            fleet.workers = start_rollout_workers(cfg, run_id, fleet.images)
+        yield fleet
+    finally:
+        close_fleet(fleet, clean=sys.exc_info()[0] is None)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def close_fleet(fleet: Fleet, clean: bool) -> None:
+    """Workers remove their warm sandboxes (after a clean end only: otherwise the label sweep suffices), Ray stops,
+    and every container labelled with the run goes. Never raises: the daemon itself may be gone."""
+    import ray
+
+    if clean and fleet.workers:
+        fleet.close_workers()
+    if ray.is_initialized():
+        ray.shutdown()
+    if "workers" not in fleet.parts:
+        return
+    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
+
+    try:
+        removed = remove_run_containers(fleet.run_id)
+    except Exception as e:  # noqa: BLE001 - the reaper of the next start takes over
+        console.print(f"[red]could not remove containers of {fleet.run_id}: {e}[/]")
+    else:
+        if removed:
+            console.print(f"removed {removed} leftover container(s) of {fleet.run_id}")
+
+
+def checkpoint_policy(directory: Path) -> dict:
+    """A policy checkpoint as the engine of a fleet without trainer ranks takes it (``open_fleet(policy=...)``)."""
+    from sandforge.models.build import load_policy, policy_config
+
+    model = load_policy(directory)
+    return {"config": policy_config(model), "state_dict": {k: v.detach() for k, v in model.state_dict().items()}}

@@ -1,0 +1,199 @@
+"""One RL job in the driver: the state a run keeps between steps (policy version, task sampler, RNG) over its fleet.
+
+Each step: sample tasks → rollout workers run G episodes per task in fresh sandboxes → verifiers score them → the
+algorithm's advantages (``trainer.algorithm``, see trainer/algorithms) → one DeepSpeed step over all ranks → new weights
+to the engine. Steps follow each other (``trainer.mode: sync``, ``sync_steps``) or overlap the rollouts
+(``trainer.mode: async``, job/async_loop.py). The cold start before RL is job/cold_start.py; checkpoints and resume
+are job/checkpoint.py; job/run.py drives a whole run.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Iterator
+
+from rich.progress import Progress
+
+from sandforge.config import JobConfig
+from sandforge.job import learner
+from sandforge.job.console import console
+from sandforge.job.eta import RunClock
+from sandforge.job.evaluation import eval_line, heldout_episodes, metric_row
+from sandforge.job.fleet import Fleet
+from sandforge.job.rollout_metrics import rollout_metrics
+from sandforge.job.rollout_workers import collect_episodes, worker_gone
+from sandforge.job.runlog import RunLogger
+from sandforge.job.tasks import TaskSampler
+from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
+from sandforge.trainer.rank import RolloutShape
+from sandforge.types import Task, Trajectory
+
+
+def training_rows(trajs: list[Trajectory]) -> list[dict]:
+    return [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
+             "routed_experts": t.routed_experts} for t in trajs]
+
+
+def step_line(step: int, total: int, m: dict[str, float]) -> str:
+    return (f"step {step + 1}/{total}  reward {m['reward/mean']:.3f}  success {m['success/rate']:.2f}  "
+            f"turns {m.get('turns/mean', 0):.1f}  failed {int(m['episodes/failed'])}  "
+            f"timeouts {int(m.get('episodes/timeouts', 0))}  tool errors/ep {m.get('tools/errors_per_episode', 0):.1f}  "
+            f"loss {m.get('loss', 0):.4f}  kl {m.get('kl', 0):.4f}  {m['time/step']:.1f}s")
+
+
+class RLJob:
+    """A run's driver state over its fleet (job/fleet.py): what a step, the cold start and a checkpoint need."""
+
+    def __init__(self, cfg: JobConfig, fleet: Fleet, logger: RunLogger, bar: Progress,
+                 clock: RunClock | None = None):
+        self.cfg, self.fleet, self.logger, self.bar = cfg, fleet, logger, bar
+        self.run_id = fleet.run_id
+        self.clock = clock  # the whole run's ETA (job/eta.py), fed with what each kind of work costs
+        self.rng = random.Random(cfg.run.seed)
+        self.sampler = TaskSampler(cfg.environments, cfg.run.seed)
+        self.output_dir = Path(cfg.run.output_dir).resolve()
+        self.settings = resolve(cfg.trainer, RolloutShape.of(cfg.rollout).response_budget)
+        self.version = 0
+        self.push_weights()
+
+    @property
+    def ranks(self) -> list:
+        return self.fleet.ranks
+
+    @property
+    def engine(self):
+        return self.fleet.engine
+
+    @property
+    def workers(self) -> list:
+        return self.fleet.workers
+
+    def push_weights(self) -> None:
+        self.fleet.push_weights(self.version)
+
+    def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
+        """Spread episodes over the workers and gather them all, failed ones included."""
+        t0 = time.monotonic()
+        trajs = collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
+                                 label)
+        self.tick("scripted" if scripted else "episode", len(tasks), time.monotonic() - t0)
+        return trajs
+
+    def tick(self, kind: str, units: int, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.add(kind, units, seconds)
+
+    def evaluate(self, step: int) -> dict:
+        """Held-out success of the current policy after ``step`` RL steps (job/evaluation.py): logged as an ``eval``
+        row and its episodes; returns the summary."""
+        trajs, summary = heldout_episodes(self.cfg, self.collect, f"eval{step}")
+        self.logger.log_trajectories(step, "eval", trajs)
+        summary = {"step": step, "policy_version": self.version, **summary}
+        self.logger.log("eval", {"step": step, **metric_row(summary)})
+        self.bar.console.print(eval_line(summary), soft_wrap=True)
+        return summary
+
+    def sandbox_metrics(self) -> dict[str, float]:
+        """Acquire/exec latency percentiles over every worker's samples, live sandboxes, failures by kind."""
+        import ray
+
+        from sandforge.environments.sandbox.stats import SandboxStats
+
+        stats = SandboxStats()
+        for ref in [w.sandbox_stats.remote() for w in self.workers]:
+            try:
+                stats.absorb(ray.get(ref))
+            except worker_gone():  # a worker gone for good: its samples went with it
+                pass
+        return stats.snapshot()
+
+    def update(self, rows: list[dict]) -> dict[str, float]:
+        return learner.update(self.ranks, rows, self.cfg.trainer.mini_batches, self.rng)
+
+    def sample_groups(self, step: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
+        """G episodes for each of ``rollout.tasks_per_step`` tasks: (every episode, the ones to train on, metrics).
+
+        With dynamic sampling (DAPO), groups whose verifier rewards all match (nothing to learn from) are dropped and
+        the missing tasks sampled again, up to ``trainer.dynamic_sampling_max_rounds`` rounds in all."""
+        r, s = self.cfg.rollout, self.settings
+        rounds = s.dynamic_sampling_max_rounds if s.dynamic_sampling else 1
+        trajs: list[Trajectory] = []
+        keep: list[Trajectory] = []
+        need, filtered = r.tasks_per_step, 0
+        for n in range(rounds):
+            tasks = self.sampler.sample(need)
+            tag = f"{step}" if n == 0 else f"{step}.{n}"  # a task drawn again in a later round is a new group
+            episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(r.group_size)]
+            label = f"step {step + 1}: rollouts" + (f" (round {n + 1})" if n else "")
+            got = self.collect([e[0] for e in episodes], [e[1] for e in episodes], scripted=False, label=label)
+            trajs += got
+            ok = [t for t in got if not t.failed]  # failed episodes never reach the gradient
+            if not s.dynamic_sampling:
+                return trajs, ok, {}
+            useful = informative_groups([t.reward.value for t in ok], [t.group for t in ok])
+            filtered += len({t.group for t in got} - useful)
+            keep += [t for t in ok if t.group in useful]
+            need -= len(useful)
+            if need <= 0:
+                break
+        return trajs, keep, {"dapo/filtered_groups": filtered, "dapo/rounds": n + 1}
+
+    def rl_rows(self, ok: list[Trajectory]) -> tuple[list[dict], dict[str, float]]:
+        """Training rows with per-token advantages (and PPO's value targets) from the algorithm."""
+        s = self.settings
+        rows = training_rows(ok)
+        penalties = [overlong_penalty(t.response_tokens, s.response_budget, s.overlong_buffer, s.overlong_penalty)
+                     for t in ok]
+        mini = self.cfg.trainer.mini_batches > 1
+        scores = learner.score(self.ranks, rows) if s.needs_scores or mini else None
+        adv, returns = token_advantages(
+            s.algorithm.advantages,
+            [t.reward.value + p for t, p in zip(ok, penalties)],
+            [t.group for t in ok],
+            [t.loss_mask for t in ok],
+            kl_penalty=[x["kl_penalty"] for x in scores] if scores else None,
+            values=[x["values"] for x in scores] if scores and s.algorithm.value_head else None,
+            gamma=s.gamma,
+            lam=s.gae_lambda,
+        )
+        for i, row in enumerate(rows):
+            row["advantages"] = adv[i]
+            if returns is not None:
+                row["returns"] = returns[i]
+            if mini:
+                row["old_logprobs"] = scores[i]["old_logprobs"]
+        metrics = {"dapo/overlong_penalty": sum(penalties) / len(penalties)} if s.overlong_buffer else {}
+        return rows, metrics
+
+    def rl_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        trajs, ok, sampling = self.sample_groups(step)
+        t1 = time.perf_counter()
+        metrics = rollout_metrics(trajs) | self.sandbox_metrics() | sampling
+        if ok:
+            rows, shaping = self.rl_rows(ok)
+            metrics |= shaping | self.update(rows)
+        else:
+            console.print(f"[yellow]step {step + 1}: no episode to learn from (all failed, or no group with differing "
+                          "rewards); no update this step[/]")
+        t2 = time.perf_counter()
+        self.version += 1
+        self.push_weights()
+        t3 = time.perf_counter()
+        self.tick("update", 1, t3 - t1)
+        self.logger.log_trajectories(step, "rl", trajs)
+        metrics |= {"step": step, "policy/version": self.version, "time/rollout": t1 - t0, "time/train": t2 - t1,
+                    "time/weight_sync": t3 - t2, "time/step": t3 - t0}
+        return metrics
+
+
+def rl_steps(job: RLJob, start: int = 0) -> Iterator[tuple[int, dict[str, float]]]:
+    """(step, metrics) as each RL step ends: one after the other (``trainer.mode: sync``), or from the async driver,
+    whose rollouts go on while the trainer steps (``trainer.mode: async``, job/async_loop.py)."""
+    if job.cfg.trainer.mode == "async":
+        from sandforge.job.async_loop import async_steps
+
+        return async_steps(job, start)
+    return ((step, job.rl_step(step)) for step in range(start, job.cfg.trainer.steps))

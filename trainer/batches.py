@@ -1,0 +1,52 @@
+"""A micro-batch as tensors: right-padded token rows, and the policy's scores of them in a packed or padded layout.
+
+Everything after the forward is written for the padded layout [B, T]; ``forward_scores`` packs sequences into shared
+rows for the forward when the layout says so and unpacks its outputs, so packing never leaks into the loss code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sandforge.models.generate import TokenScores, token_scores
+from sandforge.models.packing import PackedLayout
+from sandforge.trainer.routing_replay import UNKNOWN, replaying
+
+# an empty micro-batch's stand-in: no loss tokens, so it adds nothing but keeps the ranks' backward counts equal
+DUMMY_ROW = {"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "advantages": [0.0, 0.0],
+             "returns": [0.0, 0.0]}
+
+
+def pad_right(rows: list[list], value, dtype) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+def token_batch(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids and their attention mask [B, T] for a micro-batch of rows."""
+    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
+    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
+    return ids, attn
+
+
+def forward_scores(model, rows: list[dict], layout: PackedLayout, temperature: float = 1.0,
+                   forced: torch.Tensor | None = None, **kwargs) -> TokenScores:
+    """``token_scores`` of right-padded ``rows``, computed in ``layout`` (packed rows, or one row each) and returned
+    in the padded layout, so everything after the forward is the same whether sequences were packed or not.
+    ``forced``: the engine's routing [B, T, layers, k] to replay (padded layout, -1 unknown)."""
+    ids, attn = token_batch(rows)
+    if layout.is_padded:
+        return token_scores(replaying(model, forced), ids, attn, temperature, **kwargs)
+    if forced is not None:
+        forced = layout.pack_tensor(forced, fill=UNKNOWN)
+    s = token_scores(replaying(model, forced), layout.pack_tensor(ids), None, temperature,
+                     segment_ids=layout.segment_ids(), **kwargs)
+    unpack = layout.unpack
+    return TokenScores(unpack(s.logprobs), s.aux_loss, None if s.entropy is None else unpack(s.entropy),
+                       None if s.hidden is None else unpack(s.hidden))
+
+
+def split_micro_batches(rows: list[dict], n: int) -> list[list[dict]]:
+    """Deal sequences longest-first into n micro-batches so their padded sizes stay close."""
+    order = sorted(rows, key=lambda r: len(r["token_ids"]), reverse=True)
+    return [order[i::n] for i in range(n)]
