@@ -210,17 +210,18 @@ def serve(
     seed: int = typer.Option(0, help="Seed of the sampling generator"),
 ) -> None:
     """Serve a checkpoint through an OpenAI-compatible /v1/completions (token ids in and out)."""
-    import asyncio
-
     if not (checkpoint / "config.json").is_file():  # before torch is imported: a typo costs a second
         fail(f"{checkpoint} is not a policy checkpoint (no config.json there); pass <run>/checkpoints/step_N/policy "
              "or a Hugging Face model directory")
-    from sandforge.rollout.engine.server import serve as serve_checkpoint
+    from sandforge.job.console import JobError
+    from sandforge.job.serve import serve_checkpoint
 
     try:
-        asyncio.run(serve_checkpoint(str(checkpoint), host, port, max_batch_size, session_memory_mb, seed, typer.echo))
+        serve_checkpoint(checkpoint, host, port, max_batch_size, session_memory_mb, seed, typer.echo)
     except ValueError as e:  # a checkpoint that cannot be loaded, an address that cannot be listened on
         fail(str(e))
+    except JobError as e:
+        fail(str(e), 1)
     except KeyboardInterrupt:  # before the server is up; once it is, Ctrl-C stops it cleanly
         raise typer.Exit(130)
 

@@ -98,7 +98,7 @@ def start_ray(cfg: JobConfig) -> None:
     local = cfg.ray.address is None
     ray.init(address=cfg.ray.address or "local", num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              log_to_driver=False, object_store_memory=256 * 1024**2 if local else None,
-             _system_config={"worker_niceness": os.nice(0)} if local else None)
+             _system_config={"worker_niceness": 0} if local else None)  # relative to the raylet: the driver's
 
 
 def start_trainer_ranks(cfg: JobConfig) -> list:

@@ -46,8 +46,11 @@ def checkpoint(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def embedded(checkpoint):
-    """The in-process engine on the same checkpoint: what every remote answer is compared with."""
-    engine, loop = EngineCore(load_policy(checkpoint), seed=0), asyncio.new_event_loop()  # the engine keeps one loop
+    """The in-process engine on the same checkpoint, its weights loaded as version 0 as `sandforge serve` loads them:
+    what every remote answer is compared with."""
+    policy = load_policy(checkpoint)
+    engine, loop = EngineCore(policy, seed=0), asyncio.new_event_loop()  # the engine keeps one loop
+    loop.run_until_complete(engine.load_weights(policy.state_dict(), 0))
     yield lambda request: loop.run_until_complete(engine.generate(request))
     loop.run_until_complete(engine.shutdown())
     loop.close()

@@ -1,4 +1,5 @@
-"""``sandforge serve CHECKPOINT``: the embedded engine behind an OpenAI-compatible ``/v1/completions``.
+"""``sandforge serve CHECKPOINT``: the embedded engine behind an OpenAI-compatible ``/v1/completions`` (the job's
+fleet starts the engine, job/serve.py; this module is the HTTP side).
 
 Prompts go in as token ids (or text, encoded with the checkpoint's tokenizer) and, with ``return_token_ids``,
 completions come back as token ids too (``choices[i].token_ids`` and ``prompt_token_ids``, as vLLM spells them), so
@@ -13,6 +14,7 @@ samples the same tokens whatever else the server is batching (choice i draws fro
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import math
@@ -48,7 +50,7 @@ class RequestError(Exception):
 
 @dataclass
 class Served:
-    engine: Any  # EngineCore, or anything with its ``async generate(request) -> list[dict]``
+    engine: Any  # EngineCore, or anything with its ``async generate(request) -> list[dict]`` and ``stats()``
     name: str
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
@@ -263,7 +265,8 @@ def build_app(served: Served) -> web.Application:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", **served.engine.stats()})
+        stats = served.engine.stats()
+        return web.json_response({"status": "ok", **(await stats if inspect.isawaitable(stats) else stats)})
 
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
     app.router.add_post("/v1/completions", completions)
@@ -291,14 +294,10 @@ def load_checkpoint(directory: str | Path):
     return model, chat.tokenizer
 
 
-async def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_batch_size: int = 32,
-                session_memory_mb: float = 1024, seed: int = 0, announce: Callable[[str], Any] = print) -> None:
-    """Load ``checkpoint``, listen on ``host:port`` (0: any free port) and serve until SIGINT/SIGTERM."""
-    from sandforge.rollout.engine.core import EngineCore
-
-    model, tokenizer = load_checkpoint(checkpoint)
-    engine = EngineCore(model, max_batch_size=max_batch_size, session_memory_mb=session_memory_mb, seed=seed)
-    runner = web.AppRunner(build_app(served_from(engine, model, tokenizer, str(checkpoint))), access_log=None)
+async def serve(served: Served, host: str = "127.0.0.1", port: int = 8000,
+                announce: Callable[[str], Any] = print) -> None:
+    """Listen on ``host:port`` (0: any free port) and answer with ``served`` until SIGINT/SIGTERM."""
+    runner = web.AppRunner(build_app(served), access_log=None)
     await runner.setup()
     try:
         try:
@@ -307,7 +306,7 @@ async def serve(checkpoint: str, host: str = "127.0.0.1", port: int = 8000, max_
             raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         bound = runner.addresses[0][1]
         shown = f"[{host}]" if ":" in host else host
-        announce(f"serving {checkpoint} at http://{shown}:{bound}/v1 ({ROUTES}); Ctrl-C stops")
+        announce(f"serving {served.name} at http://{shown}:{bound}/v1 ({ROUTES}); Ctrl-C stops")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,49 @@
+"""``sandforge serve CHECKPOINT``: the checkpoint's policy on the fleet's engine (job/fleet.py, the engine part only:
+the same actor, placement and weight loading as a training run's), behind the OpenAI-compatible server of
+rollout/engine/server.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Callable
+
+from sandforge.config import EngineConfig, JobConfig, RunConfig
+
+
+class ActorEngine:
+    """The engine contract (``async generate(request) -> list[dict]``, ``stats()``) over the engine actor; the
+    engine's own errors (a request too long for the context) come back as themselves, not wrapped by Ray."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def generate(self, request: dict) -> list[dict]:
+        import ray
+
+        try:
+            return await self.handle.generate.remote(request)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()
+
+
+def serve_checkpoint(checkpoint: Path, host: str, port: int, max_batch_size: int, session_memory_mb: float, seed: int,
+                     announce: Callable[[str], Any]) -> None:
+    """Load ``checkpoint`` (ValueError says why it cannot be), start the engine with its weights, serve until
+    SIGINT/SIGTERM, then stop the engine."""
+    from sandforge.job.console import make_run_id
+    from sandforge.job.fleet import open_fleet
+    from sandforge.models.build import policy_config
+    from sandforge.rollout.engine.server import load_checkpoint, serve, served_from
+
+    model, tokenizer = load_checkpoint(checkpoint)
+    policy = {"config": policy_config(model), "state_dict": {k: v.detach() for k, v in model.state_dict().items()}}
+    cfg = JobConfig(run=RunConfig(name="serve", seed=seed),
+                    engine=EngineConfig(max_batch_size=max_batch_size, session_memory_mb=session_memory_mb))
+    with open_fleet(cfg, make_run_id("serve"), frozenset({"engine"}), policy=policy) as fleet:
+        del policy
+        served = served_from(ActorEngine(fleet.engine), model, tokenizer, str(checkpoint))
+        asyncio.run(serve(served, host, port, announce))
