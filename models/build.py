@@ -91,7 +91,7 @@ def load_chat(model: ModelConfig):
     if model.arch == "hf":
         from transformers import AutoTokenizer
 
-        from .hf import HFChatFormat
+        from .hf_chat import HFChatFormat
 
         tokenizer = AutoTokenizer.from_pretrained(str(source or model.path), local_files_only=True)
         return HFChatFormat(tokenizer, parser=model.parser)

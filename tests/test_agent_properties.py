@@ -34,7 +34,7 @@ def chat_format(name: str):
     pytest.importorskip("transformers")
     from test_hf import build_tokenizer
 
-    from sandforge.models.hf import HFChatFormat
+    from sandforge.models.hf_chat import HFChatFormat
 
     return HFChatFormat(build_tokenizer())
 

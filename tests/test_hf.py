@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from sandforge.models.generate import SamplingParams, generate, token_logprobs  # noqa: E402
-from sandforge.models.hf import PARSERS, HFChatFormat, HFPolicy, TemplateDeltaError, load_hf_policy  # noqa: E402
+from sandforge.models.hf import HFPolicy, load_hf_policy  # noqa: E402
+from sandforge.models.hf_chat import PARSERS, HFChatFormat, TemplateDeltaError  # noqa: E402
 from sandforge.types import Message, ToolCall  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]

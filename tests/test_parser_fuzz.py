@@ -189,7 +189,7 @@ def test_hf_parser_fuzz(parser):
     pytest.importorskip("transformers")
     from test_hf import build_tokenizer
 
-    from sandforge.models.hf import HFChatFormat
+    from sandforge.models.hf_chat import HFChatFormat
 
     chat = HFChatFormat(build_tokenizer(), parser=parser)
     seen = run_fuzz(chat, hf_outputs(chat, random.Random(1), N // 2))

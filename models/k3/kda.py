@@ -75,6 +75,8 @@ def _exp(x: Tensor) -> Tensor:
     return x.clamp(min=-_MAX_LOG_SPAN).exp()
 
 
+# One function on purpose: it is the docstring's equations in order, each shape annotated; split, the chunk tensors
+# would cross function boundaries and the algorithm could no longer be read against the derivation.
 def kda_chunked(
     q: Tensor,
     k: Tensor,
