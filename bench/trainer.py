@@ -114,7 +114,7 @@ def async_vs_sync_section(args, table: Table) -> dict:
             "async_engine_idle_frac": round(mean(async_, "time/engine_idle_frac"), 3)}
 
 
-# ---- weight sync and the DeepSpeed step (trainer/weight_sync.py, trainer/actor.py) -------------------------------
+# ---- weight sync and the DeepSpeed step (job/weight_sync.py, trainer/rank.py) --- -------------------------------
 
 class _WeightSender:
     """Trainer rank 0's side of a push, without DeepSpeed: a policy's state dict to send either way."""

@@ -122,7 +122,7 @@ class EngineConfig(Section):
 
 
 class PretrainConfig(Section):
-    """Synthetic pretraining (trainer/pretrain.py): generated one-call exchanges over the job's tools teach a policy
+    """Synthetic pretraining (job/copy_data.py): generated one-call exchanges over the job's tools teach a policy
     built from scratch to copy names, phrases and values into tool calls, as a pretrained base model would. Runs
     before the warm start; 0 steps for a policy loaded from ``model.init_from``."""
 

@@ -1,4 +1,4 @@
-"""The run ETA (trainer/eta.py): the plan counts the work a config asks for; the clock prices it by what it measured."""
+"""The run ETA (job/eta.py): the plan counts the work a config asks for; the clock prices it by what it measured."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Held-out evaluation (rollout/evaluate.py), `sandforge sft` and `sandforge eval`, and a run's eval.json."""
+"""Held-out evaluation (job/evaluation.py), `sandforge sft` and `sandforge eval`, and a run's eval.json."""
 
 import json
 import subprocess

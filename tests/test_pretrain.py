@@ -1,4 +1,4 @@
-"""Synthetic pretraining data (trainer/pretrain.py): well-formed calls of the job's tools, loss on the answer only,
+"""Synthetic pretraining data (job/copy_data.py): well-formed calls of the job's tools, loss on the answer only,
 values made of train-split syllable words only (environments/words.py)."""
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_a_lost_node_costs_its_episodes_not_the_run(tmp_path, cluster, terminal_
     nodes = [raylet_pid(cluster.head_node), raylet_pid(second)]
     raylets = [pid for pid in rollout_worker_raylets() if pid in nodes]  # this cluster's (another run may be going)
     assert sorted(raylets) == sorted(nodes), (
-        "workers are placed one per node in turn (trainer/workers.py)")
+        "workers are placed one per node in turn (job/rollout_workers.py)")
     run_id = (out / "run_id").read_text().strip()
     wait_for(lambda: run_containers(docker_client, run_id), "sandbox of step 2", proc=proc, out=out)
     cluster.remove_node(second, allow_graceful=False)

@@ -157,7 +157,7 @@ def main() -> None:
 
 
 def eval_record() -> dict:
-    """eval.json as trainer/run.py writes it (rollout/evaluate.py EvalRecord): every evaluation, before and after."""
+    """eval.json as job/run.py writes it (job/evaluation.py EvalRecord): every evaluation, before and after."""
     def summary(step: int, terminal: float, repo: float) -> dict:
         envs = {"repo": {"success": repo, "pass@k": min(1.0, repo + 0.25), "tasks": 2, "episodes": 8, "failed": 0},
                 "terminal": {"success": terminal, "pass@k": min(1.0, terminal + 0.2), "tasks": 4, "episodes": 16,
