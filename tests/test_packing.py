@@ -196,9 +196,13 @@ def test_packed_training_loss_stats_and_gradients_equal_padded(rank):
         torch.testing.assert_close(stats_pack[key].double(), stats_pad[key].double(), atol=1e-5, rtol=1e-4,
                                    msg=key)
     assert sum(g is not None for g in grads_pad) > 20
+    # fp32 sums taken in another order differ by ~1e-7 whatever a tensor's own scale (seen: 3.6e-7 on a bias whose
+    # gradient is 8e-3), so the bound scales with the model's largest gradient; attention leaking across packed
+    # sequences would change a tensor by a share of its own size, far more
+    scale = max(float(b.abs().max()) for b in grads_pad if b is not None)
     for a, b in zip(grads_pack, grads_pad):
         if b is not None:
-            assert float((a - b).abs().max()) <= 2e-5 * max(float(b.abs().max()), 1e-6)
+            assert float((a - b).abs().max()) <= 2e-5 * scale
 
 
 def test_packed_scores_equal_padded(rank):
