@@ -21,6 +21,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from sandforge.config import JobConfig
+
 COMPLETE = "complete"
 STEP_DIR = re.compile(r"step_(\d+)$")
 
@@ -58,12 +60,11 @@ def resume_point(output_dir: Path) -> tuple[int, Path]:
     return found[-1]
 
 
-def config_hash(job: dict) -> str:
+def config_hash(cfg: JobConfig) -> str:
     """What must match for a resumed run to continue the same experiment: everything but where it writes and how long
     it runs (trainer.steps may grow) or how it logs."""
-    same = {k: v for k, v in job.items() if k not in ("logging",)}
-    same["run"] = {k: v for k, v in job.get("run", {}).items() if k != "output_dir"}
-    same["trainer"] = {k: v for k, v in job.get("trainer", {}).items() if k not in ("steps", "checkpoint_every")}
+    same = cfg.model_dump(mode="json", exclude={"logging": True, "run": {"output_dir"},
+                                                "trainer": {"steps", "checkpoint_every"}})
     return hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -121,7 +122,7 @@ def save_checkpoint(job, step: int) -> str:
         "driver_rng": job.rng.getstate(),
         "torch_rng": torch.get_rng_state(),
         "engine_rng": ray.get(job.engine.rng_state.remote()),
-        "config_hash": config_hash(job.cfg.model_dump(mode="json")),
+        "config_hash": config_hash(job.cfg),
     })
     mark_complete(where)
     (job.output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
@@ -138,7 +139,7 @@ def restore_checkpoint(job, step: int) -> None:
 
     where = checkpoint_dir(job.output_dir, step)
     driver = load_driver_state(where)
-    if driver["config_hash"] != config_hash(job.cfg.model_dump(mode="json")):
+    if driver["config_hash"] != config_hash(job.cfg):
         console.print(f"[yellow]resume: the config differs from the one {where} was written with (beyond "
                       "run.output_dir, trainer.steps, trainer.checkpoint_every, logging); continuing anyway[/]")
     reference = checkpoint_dir(job.output_dir, 0) / "policy"  # the policy RL started from: the KL reference
