@@ -15,7 +15,6 @@ import tarfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import docker
 import docker.errors
@@ -39,6 +38,7 @@ from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxError, 
     container_options,
     parse_size,
 )
+from sandforge.types import ExecResult
 
 LABEL_RUN = "sandforge.run"
 LABEL_EPISODE = "sandforge.episode"
@@ -68,17 +68,10 @@ def docker_client(timeout: int = 120, max_pool_size: int = 32) -> docker.DockerC
     return client
 
 
-@dataclass
-class ExecResult:
-    exit_code: int
-    output: str  # stdout and stderr merged, head + tail kept within SandboxSpec.max_output_bytes, plus markers
-    timed_out: bool
-    seconds: float
-    oom_killed: bool = False  # the memory limit killed a process during the command
-
-
 class Sandbox:
     """A running container that belongs to one episode. Create with ``Sandbox.create``; always ``close()``.
+
+    It is the Docker implementation of ``sandforge.types.Sandbox``, the protocol verifiers act through.
 
     ``reuse_shell=False`` makes every command a fresh ``docker exec`` (the plain reference path; same results).
     """
@@ -128,6 +121,11 @@ class Sandbox:
             _force_remove(client, name)  # created but failed to start (bad runtime, limits the host refuses)
             raise SandboxError(f"could not start a sandbox from {spec.image}: {e}") from e
         return cls(container, spec, run_id, client)
+
+    @property
+    def workdir(self) -> str:
+        """The spec's working directory: where relative paths and one-off commands start."""
+        return self.spec.workdir
 
     # --- commands -------------------------------------------------------------------------------------------------
 
