@@ -18,7 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from sandforge.config import JobConfig
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, docker_client
+from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.models.policy import load_chat

@@ -16,8 +16,9 @@ import pytest
 
 from sandforge.environments.harbor.env import HarborEnv
 from sandforge.environments.harbor.tasks import HarborTaskError, load_task, load_tasks
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import ImageError, build_images
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode

@@ -13,8 +13,9 @@ import docker.errors
 import pytest
 import requests
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError, list_run_containers
-from sandforge.environments.sandbox.lifecycle import LABEL_PID, is_transient, retry_daemon
+from sandforge.environments.sandbox.docker_sandbox import SandboxError
+from sandforge.environments.sandbox.labels import LABEL_PID
+from sandforge.environments.sandbox.lifecycle import is_transient, list_run_containers, retry_daemon
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.environments.terminal.env import TerminalEnv

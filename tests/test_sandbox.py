@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sandforge.environments.sandbox import images
-from sandforge.environments.sandbox.docker_sandbox import (
-    LABEL_RUN,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    list_run_containers,
-    remove_run_containers,
-)
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.labels import LABEL_RUN
+from sandforge.environments.sandbox.lifecycle import list_run_containers, remove_run_containers
 
 AWKWARD = "quotes ' \" `backticks` $HOME $(id) \\n \\\\ \n\ttabs\nünïcödé ✓ \x01\x7f\r\nno trailing newline"
 

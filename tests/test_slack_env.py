@@ -14,8 +14,9 @@ import pytest
 from agent_fakes import CHAT, limits
 
 from sandforge.environments.apps.env import APP_DIR
-from sandforge.environments.sandbox.docker_sandbox import SandboxError, SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import SandboxError, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.slack import tasks as slack_tasks
 from sandforge.environments.slack.env import SlackEnv
 from sandforge.environments.slack.tasks import FAMILIES, make_task

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import SandboxError
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import FAMILIES, make_task
 from sandforge.types import Task, ToolCall

@@ -11,8 +11,9 @@ import tarfile
 import pytest
 
 from sandforge.environments.repo.tasks import FAMILIES, make_task
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.types import Task
 from sandforge.verifiers.base import VerifierError, score_task
 from sandforge.verifiers.tests import (
@@ -119,7 +120,7 @@ def repo_box(docker_client, tmp_path_factory):
     """A sandbox of the repo image: run_tests_fresh copies its spec and labels for the grading containers."""
     import uuid
 
-    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
+    from sandforge.environments.sandbox.lifecycle import remove_run_containers
 
     image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
     run_id = f"test-{uuid.uuid4().hex[:12]}"

@@ -14,7 +14,7 @@ import time
 import pytest
 from agent_fakes import CHAT, limits
 
-from sandforge.environments.sandbox.docker_sandbox import list_run_containers
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.rollout.agent import run_episode

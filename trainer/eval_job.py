@@ -23,9 +23,10 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
     (success and pass@k, overall and per environment) to ``out_file`` and return it."""
     import ray
 
-    from sandforge.environments.sandbox.docker_sandbox import docker_client, remove_run_containers
+    from sandforge.environments.sandbox.daemon import docker_client
     from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.lifecycle import driver_labels, reap_dead_runs
+    from sandforge.environments.sandbox.labels import driver_labels
+    from sandforge.environments.sandbox.lifecycle import reap_dead_runs, remove_run_containers
     from sandforge.models.policy import load_policy, policy_config
     from sandforge.rollout.engine import InferenceEngine
     from sandforge.rollout.evaluate import heldout_tasks, summarize

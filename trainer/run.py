@@ -94,9 +94,10 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
     (``eval`` rows, eval.json)."""
     import ray
 
-    from sandforge.environments.sandbox.docker_sandbox import docker_client, remove_run_containers
+    from sandforge.environments.sandbox.daemon import docker_client
     from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.lifecycle import driver_labels, reap_dead_runs
+    from sandforge.environments.sandbox.labels import driver_labels
+    from sandforge.environments.sandbox.lifecycle import reap_dead_runs, remove_run_containers
 
     from sandforge.trainer.checkpoint import checkpoint_dir, resume_point, truncate_jsonl
 

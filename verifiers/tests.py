@@ -21,8 +21,9 @@ import uuid
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 
-from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN, Sandbox, docker_client
-from sandforge.environments.sandbox.lifecycle import DRIVER_LABELS
+from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.environments.sandbox.labels import DRIVER_LABELS, LABEL_RUN
 from sandforge.verifiers.base import VerifierError, register, time_left
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"

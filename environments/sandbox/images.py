@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 import docker
 import docker.errors
 
-from sandforge.environments.sandbox.docker_sandbox import docker_client
+from sandforge.environments.sandbox.daemon import docker_client
 
 BASE_TAG = "sandforge/base:bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"

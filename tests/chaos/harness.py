@@ -95,7 +95,7 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = 300,
 
 
 def run_containers(client, run_id: str) -> list:
-    from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN
+    from sandforge.environments.sandbox.labels import LABEL_RUN
 
     return client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL_RUN}={run_id}"})
 
@@ -159,9 +159,9 @@ def live_job(tmp_path_factory, terminal_image, docker_client):
     import ray
 
     from sandforge.config import load_config
-    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
     from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.lifecycle import driver_labels
+    from sandforge.environments.sandbox.labels import driver_labels
+    from sandforge.environments.sandbox.lifecycle import remove_run_containers
     from sandforge.runlog import RunLogger
     from sandforge.trainer.loop import RLJob, job_images, progress
 
