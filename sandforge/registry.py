@@ -10,7 +10,7 @@ Plugins are pip packages that declare entry points (see examples/plugin_env/pypr
   ``"image": "<built-in env>"`` to reuse that env's image, or ``"dockerfile": "<package>"`` whose folder holds the
   Dockerfile of the plugin's own image (default: the package of ``tasks``).
 - group ``sandforge.verifiers``: name -> a callable ``(sandbox, args) -> (score, reason)``, the shape of
-  ``sandforge.verifiers.base.Verifier``. Task checks name it like a built-in one.
+  ``sandforge.verifiers.checks.Verifier``. Task checks name it like a built-in one.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.policy import scripted_policy
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import VerifierError, score_task
+from sandforge.verifiers.checks import VerifierError, score_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "data" / "harbor"

@@ -22,7 +22,7 @@ from sandforge.environments.tools import ToolError
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy import scripted_policy
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 from sandforge.verifiers.state import query_rows
 
 DB = NotionEnv.db_path()

@@ -21,7 +21,7 @@ from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 
 FAST_RETRY = {"attempts": 3, "backoff_s": 0.01}
 

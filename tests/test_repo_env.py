@@ -27,7 +27,7 @@ from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.policy import scripted_policy
 from sandforge.types import Task, ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 
 CHAT = ChatFormat(ByteTokenizer())
 

@@ -23,7 +23,7 @@ from sandforge.environments.slack.tasks import FAMILIES, make_task
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy import scripted_policy
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 from sandforge.verifiers.state import query_rows
 
 DB = SlackEnv.db_path()

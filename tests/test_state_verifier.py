@@ -10,7 +10,7 @@ import pytest
 from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.types import Task
-from sandforge.verifiers.base import VERIFIERS, VerifierError, score_task
+from sandforge.verifiers.checks import VERIFIERS, VerifierError, score_task
 from sandforge.verifiers.state import query_rows, sql_check
 
 pytestmark = pytest.mark.docker

@@ -15,8 +15,8 @@ from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.types import Task
-from sandforge.verifiers.base import VerifierError, score_task
-from sandforge.verifiers.tests import (
+from sandforge.verifiers.checks import VerifierError, score_task
+from sandforge.verifiers.repo_tests import (
     ERROR,
     FAILED,
     PASSED,

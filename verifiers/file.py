@@ -12,7 +12,7 @@ import re
 import shlex
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.verifiers.checks import VerifierError, register, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, text_similarity
 
 MAX_BYTES = 64 << 20  # larger files are not the answer anyone asked for: score 0 instead of reading them

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.verifiers.checks import VerifierError, register, time_left, without_timeout
 from sandforge.verifiers.file import read_answer
 
 MAX_ARTEFACT_CHARS = 12000  # head and tail of a longer artefact are sent, with a note of what was cut

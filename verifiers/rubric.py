@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, check_timeout, register, run_check
+from sandforge.verifiers.checks import VerifierError, check_timeout, register, run_check
 
 
 def _items(args: dict) -> list[tuple[str, float, dict]]:

@@ -18,7 +18,7 @@ import shlex
 from collections import Counter
 
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.verifiers.checks import VerifierError, register, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, rows_similarity
 
 _SHOW = 120  # characters of expected/got in a reason

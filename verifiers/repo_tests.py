@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from sandforge.environments.sandbox.daemon import docker_client
 from sandforge.environments.sandbox.docker_sandbox import Sandbox
 from sandforge.environments.sandbox.labels import DRIVER_LABELS, LABEL_RUN
-from sandforge.verifiers.base import VerifierError, register, time_left
+from sandforge.verifiers.checks import VerifierError, register, time_left
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 MAX_CARRIED_FILES = 200
@@ -181,7 +181,7 @@ def repo_tests(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, floa
         raise VerifierError(f"repo_tests takes {', '.join(sorted(needed))}[, timeout]; got {sorted(args)}")
     package = args["package"]
     tree = graded_tree(package, args["files"], args["hidden_tests"], policy_package_files(sandbox, package))
-    report, output = run_tests_fresh(sandbox, tree)  # bounded by the check's timeout (verifiers/base.py)
+    report, output = run_tests_fresh(sandbox, tree)  # bounded by the check's timeout (verifiers/checks.py)
     if report is None:
         tail = output.strip().splitlines()[-3:]
         return 0.0, f"pytest wrote no report: {' | '.join(tail)}", {"fail_to_pass": 0.0, "pass_to_pass": 0.0}

@@ -245,4 +245,4 @@ from sandforge.verifiers import file as _file  # noqa: E402,F401
 from sandforge.verifiers import judge as _judge  # noqa: E402,F401
 from sandforge.verifiers import rubric as _rubric  # noqa: E402,F401
 from sandforge.verifiers import state as _state  # noqa: E402,F401
-from sandforge.verifiers import tests as _tests  # noqa: E402,F401
+from sandforge.verifiers import repo_tests as _repo_tests  # noqa: E402,F401
