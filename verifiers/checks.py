@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
 from sandforge.registry import find_verifier
-from sandforge.types import Reward, Task
+from sandforge.types import Reward, Sandbox, Task
 
 DEFAULT_TIMEOUT = 60.0  # seconds per check
 # What a check may take beyond its timeout before it counts as hung: a command killed at the deadline (TERM, then KILL

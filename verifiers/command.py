@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, register, time_left, without_timeout
 
 _TRUNCATED = re.compile(r"\n\[\.\.\. truncated \d+ bytes\]\n")  # the sandbox's marker where it cut long output

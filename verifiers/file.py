@@ -11,7 +11,7 @@ import json
 import re
 import shlex
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, register, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, text_similarity
 

@@ -25,7 +25,7 @@ import socket
 import urllib.error
 import urllib.request
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, register, time_left, without_timeout
 from sandforge.verifiers.file import read_answer
 

@@ -21,9 +21,7 @@ import uuid
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 
-from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.environments.sandbox.labels import DRIVER_LABELS, LABEL_RUN
+from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, register, time_left
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
@@ -144,24 +142,16 @@ def graded_tree(package: str, base: dict[str, str], hidden: dict[str, str], poli
 
 
 def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float | None = None) -> tuple[str | None, str]:
-    """Write ``tree`` into a fresh container like ``sandbox``, run pytest there as root; (JUnit XML or None, output).
+    """Write ``tree`` into ``sandbox.fresh()``, run pytest there as root; (JUnit XML or None, output).
 
     pytest gets ``timeout`` seconds, by default what the check has left (``time_left()``: the check's ``timeout``
-    less the container's start). The container has the episode's image and spec and the same driver labels, so a
-    crash leaves nothing the run's reaper would not remove.
+    less the container's start). The fresh sandbox has the episode's image, limits and owner, and none of what the
+    policy left in ``sandbox``; it is closed here.
     """
-    client = docker_client()
+    grader = sandbox.fresh()
     try:
-        labels = client.api.inspect_container(sandbox.id)["Config"]["Labels"] or {}
-        owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
-        grader = Sandbox.create(sandbox.spec, sandbox.run_id, client=client, labels=owner)
-    except Exception:
-        client.close()
-        raise
-    try:
-        workdir = grader.spec.workdir
         for path, text in tree.items():
-            grader.write_file(posixpath.join(workdir, path), text, user="root")
+            grader.write_file(posixpath.join(grader.workdir, path), text, user="root")
         xml = f"/tmp/sandforge-grade-{uuid.uuid4().hex}.xml"
         timeout = time_left() if timeout is None else timeout
         result = grader.exec(_PYTEST.format(xml=xml), timeout=timeout, user="root", session=False)
@@ -170,7 +160,6 @@ def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float | Non
         return report, output
     finally:
         grader.close()
-        client.close()
 
 
 @register("repo_tests")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, check_timeout, register, run_check
 
 

@@ -17,7 +17,7 @@ import json
 import shlex
 from collections import Counter
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, register, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, rows_similarity
 

@@ -12,7 +12,7 @@ import base64
 import json
 import shlex
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.types import Sandbox
 
 TESTS_DIR = "/tests"
 LOGS_DIR = "/logs"

@@ -22,6 +22,7 @@ import requests
 
 from sandforge.environments.sandbox.daemon import docker_client, force_remove
 from sandforge.environments.sandbox.labels import (
+    DRIVER_LABELS,
     LABEL_CREATED,
     LABEL_EPISODE,
     LABEL_RUN,
@@ -110,6 +111,17 @@ class Sandbox:
             force_remove(client, name)  # created but failed to start (bad runtime, limits the host refuses)
             raise SandboxError(f"could not start a sandbox from {spec.image}: {e}") from e
         return cls(container, spec, run_id, client)
+
+    def fresh(self) -> Sandbox:
+        """A new sandbox from this one's image and spec, with none of its state, owned like it (its run and driver
+        labels, so a crash leaves nothing the run's reaper would not remove): graders that must not trust what the
+        policy left run there. The caller closes it."""
+        try:
+            labels = self._client.api.inspect_container(self.id)["Config"]["Labels"] or {}
+        except (docker.errors.DockerException, requests.RequestException) as e:
+            raise self._broken(e) from e
+        owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
+        return type(self).create(self.spec, self.run_id, client=self._client, labels=owner)
 
     @property
     def workdir(self) -> str:
