@@ -31,9 +31,20 @@ BUILTIN_ENVIRONMENTS = {
     "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
     "browser": ("sandforge.environments.browser.env:BrowserEnv", "sandforge.environments.browser.tasks"),
 }
-# Verifiers that live beside their environment rather than in sandforge.verifiers (which registers its own on import).
+# Built-in verifiers by the name checks give them, each a ``(sandbox, args)`` function imported on first use, so the
+# check runner (sandforge.verifiers.checks) imports none of them. Properties are attributes of the function:
+# ``partial_credit = True``, ``default_timeout(args)``.
 BUILTIN_VERIFIERS = {
-    "harbor_tests": "sandforge.environments.harbor.grading:harbor_tests_check",
+    "command": "sandforge.verifiers.command:command_verifier",
+    "file_equals": "sandforge.verifiers.file:file_equals_verifier",
+    "file_contains": "sandforge.verifiers.file:file_contains_verifier",
+    "file_hash": "sandforge.verifiers.file:file_hash_verifier",
+    "json_match": "sandforge.verifiers.file:json_match_verifier",
+    "sql": "sandforge.verifiers.state:sql_verifier",
+    "repo_tests": "sandforge.verifiers.repo_tests:repo_tests_verifier",
+    "rubric": "sandforge.verifiers.rubric:rubric_verifier",
+    "judge": "sandforge.verifiers.judge:judge_verifier",
+    "harbor_tests": "sandforge.environments.harbor.grading:harbor_tests_verifier",  # beside its environment
 }
 ENVIRONMENT_GROUP = "sandforge.environments"
 VERIFIER_GROUP = "sandforge.verifiers"
@@ -149,7 +160,7 @@ def verifier_plugins() -> dict[str, Callable]:
 
 
 def find_verifier(name: str) -> Callable | None:
-    """A verifier that ``sandforge.verifiers`` does not register itself: a built-in beside its env, or a plugin's."""
+    """The built-in verifier named ``name``, else an installed plugin's; None if neither has one."""
     if name in BUILTIN_VERIFIERS:
         return resolve(BUILTIN_VERIFIERS[name])
     return verifier_plugins().get(name)

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 
 from sandforge.types import Sandbox
-from sandforge.verifiers.checks import VerifierError, register, time_left
+from sandforge.verifiers.checks import VerifierError, time_left
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 MAX_CARRIED_FILES = 200
@@ -162,8 +162,7 @@ def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float | Non
         grader.close()
 
 
-@register("repo_tests")
-def repo_tests(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
+def repo_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
     needed = {"package", "files", "hidden_tests", "fail_to_pass", "pass_to_pass"}
     unknown, missing = set(args) - needed - {"timeout"}, needed - set(args)
     if unknown or missing:
