@@ -31,6 +31,8 @@ BUILTIN_ENVIRONMENTS = {
     "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
     "browser": ("sandforge.environments.browser.env:BrowserEnv", "sandforge.environments.browser.tasks"),
 }
+# Built-in envs whose sandboxes run the image of another package under sandforge.environments (default: their own).
+SHARED_IMAGES = {"slack": "apps", "notion": "apps"}  # the mock apps: one image, the app's code goes in at reset
 # Built-in verifiers by the name checks give them, each a ``(sandbox, args)`` function imported on first use, so the
 # check runner (sandforge.verifiers.checks) imports none of them. Properties are attributes of the function:
 # ``partial_credit = True``, ``default_timeout(args)``.
@@ -93,10 +95,11 @@ def resolve(path: str) -> Any:
 
 
 def _builtin(name: str, env_path: str, tasks_module: str) -> EnvironmentEntry:
-    package = f"sandforge.environments.{name}"
+    image = SHARED_IMAGES.get(name, name)
+    package = f"sandforge.environments.{image}"
     spec = importlib.util.find_spec(package)
     has_image = spec is not None and any((Path(p) / "Dockerfile").is_file() for p in spec.submodule_search_locations)
-    return EnvironmentEntry(name, env_path, tasks_module, image_name=name if has_image else None,
+    return EnvironmentEntry(name, env_path, tasks_module, image_name=image if has_image else None,
                             image_package=package if has_image else None)
 
 

@@ -77,7 +77,7 @@ def test_block_lines_become_a_nested_tree():
 
 @pytest.fixture(scope="module")
 def notion_spec(docker_client) -> SandboxSpec:
-    image = build_images(["notion"], client=docker_client, show_progress=False)["notion"]
+    image = build_images(["apps"], client=docker_client, show_progress=False)["apps"]
     return SandboxSpec(image=image, memory="256m", **NotionEnv.sandbox_defaults)
 
 

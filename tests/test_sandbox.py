@@ -35,6 +35,18 @@ def test_unknown_env_names_the_envs_that_have_images():
         images.env_build_context("nope")
 
 
+def test_slack_and_notion_share_the_apps_image():
+    assert images.available_envs() == ["apps", "browser", "repo", "terminal"]
+    assert [images.image_name(env) for env in ("slack", "notion", "terminal")] == ["apps", "apps", "terminal"]
+
+
+@pytest.mark.docker
+def test_the_mock_apps_build_one_image(docker_client):
+    tags = images.build_images(["slack", "notion"], client=docker_client, show_progress=False)
+    assert list(tags) == ["apps"] and tags["apps"].startswith("sandforge/apps:")
+    assert images.image_for("notion", docker_client) == tags["apps"]
+
+
 @pytest.mark.docker
 def test_second_build_is_a_no_op(docker_client, terminal_image, monkeypatch):
     image_id = docker_client.images.get(terminal_image).id

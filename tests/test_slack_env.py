@@ -71,7 +71,7 @@ def test_the_policy_gets_only_the_apps_tools():
 
 @pytest.fixture(scope="module")
 def slack_spec(docker_client) -> SandboxSpec:
-    image = build_images(["slack"], client=docker_client, show_progress=False)["slack"]
+    image = build_images(["apps"], client=docker_client, show_progress=False)["apps"]
     return SandboxSpec(image=image, memory="256m", **SlackEnv.sandbox_defaults)
 
 

@@ -28,7 +28,7 @@ EOF"""
 
 @pytest.fixture(scope="module")
 def app_sandbox(docker_client):
-    image = build_images(["slack"], client=docker_client, show_progress=False)["slack"]
+    image = build_images(["apps"], client=docker_client, show_progress=False)["apps"]
     run_id = f"test-state-{int(time.time() * 1000)}"
     with Sandbox.create(SandboxSpec(image=image), run_id, client=docker_client) as sb:
         result = sb.exec(MAKE_DB, user="root", session=False)
