@@ -12,14 +12,14 @@ names them, so this module imports none of them and they import its helpers; plu
 ``partial_credit = True`` (its checks take ``"partial": true``) and ``default_timeout(args)`` (its budget when the
 check names none).
 
-Every check runs within a timeout: its ``timeout`` argument (seconds; default ``DEFAULT_TIMEOUT``, or what the
-verifier's ``default_timeout``, e.g. a rubric's sum over its items) sets a deadline. The argument still reaches the verifier, and
-``time_left()`` says what remains: verifiers pass it to their sandbox execs and HTTP calls, so a command the policy
-made hang is killed inside the container in time and scores 0 for itself. The check runs in a worker thread; one that
-has not reported ``REPORT_GRACE`` seconds after its deadline (a verifier stuck in Python, a dead connection) is
-abandoned and the episode fails with a ``VerifierError`` naming the check. Python cannot kill a thread, so such a
-thread lives on as a daemon until whatever it waits for ends (the sandbox it reads is removed with the episode, which
-ends most waits).
+Every check runs within a timeout: its ``timeout`` argument (seconds; default: what the verifier's
+``default_timeout(args)`` says, e.g. a rubric's sum over its items, else ``DEFAULT_TIMEOUT``) sets a deadline. The
+argument still reaches the verifier, and ``time_left()`` says what remains: verifiers pass it to their sandbox execs and
+HTTP calls, so a command the policy made hang is killed inside the container in time and scores 0 for itself. The check
+runs in a worker thread; one that has not reported ``REPORT_GRACE`` seconds after its deadline (a verifier stuck in
+Python, a dead connection) is abandoned and the episode fails with a ``VerifierError`` naming the check. Python cannot
+kill a thread, so such a thread lives on as a daemon until whatever it waits for ends (the sandbox it reads is removed
+with the episode, which ends most waits).
 """
 
 from __future__ import annotations

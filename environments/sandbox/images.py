@@ -2,8 +2,9 @@
 
 Two layers: a Debian base (pulled when a registry answers, otherwise bootstrapped with ``debootstrap`` and ``docker
 import``-ed as ``sandforge/base:bookworm``), and the environments' images built from ``environments/<name>/Dockerfile``
-on top of it: one per env, except the mock apps (slack, notion), which share ``apps``. An env image is tagged with a hash of what it is built from (its Dockerfile, the files its COPY/ADD lines
-name, and the base image id), so unchanged sources never rebuild and a changed source can never reuse a stale image.
+on top of it: one per env, except the mock apps (slack, notion), which share ``apps``. An env image is tagged with a
+hash of what it is built from (its Dockerfile, the files its COPY/ADD lines name, and the base image id), so unchanged
+sources never rebuild and a changed source can never reuse a stale image.
 
 Python packages inside an image come from a wheelhouse, because pip inside ``docker build`` cannot verify TLS on these
 machines (apt over http works). An env folder that holds ``requirements.txt`` gets one: the host runs ``pip download
