@@ -197,7 +197,7 @@ def _episodes_per_s(concurrency: int, n_episodes: int, model, images: dict, run_
     (its pool: ``concurrency`` warm sandboxes, ``max_live`` = concurrency, created before the clock starts).
     Returns (episodes/s, failed episodes)."""
     from sandforge.config import JobConfig
-    from sandforge.environments.sandbox.lifecycle import driver_labels
+    from sandforge.environments.sandbox.labels import driver_labels
     from sandforge.environments.terminal.tasks import make_task
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
@@ -233,8 +233,10 @@ def sandbox_episodes_section(model, args, table: Table) -> dict:
     worker's code path in this process: the scripted reference policy (sandbox + agent loop only: each episode resets,
     runs the reference tool calls, is graded and removed) and the engine with this model (untrained, so its replies
     add model time and error observations, not tool calls)."""
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError, docker_client, remove_run_containers
+    from sandforge.environments.sandbox.daemon import docker_client
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.lifecycle import remove_run_containers
 
     if not args.sandbox_concurrency:
         return {}

@@ -28,15 +28,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from sandforge.environments.sandbox.docker_sandbox import (
-    LABEL_RUN,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    docker_client,
-    remove_run_containers,
-)
+from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.labels import LABEL_RUN
+from sandforge.environments.sandbox.lifecycle import remove_run_containers
 
 try:
     from sandforge.environments.sandbox.pool import SandboxPool

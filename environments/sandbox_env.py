@@ -17,12 +17,12 @@ from typing import Any, ClassVar
 import docker
 
 from sandforge.environments.base import ToolEnv
-from sandforge.environments.sandbox.docker_sandbox import (ExecResult, Sandbox, SandboxError, SandboxSpec,
-                                                            docker_client)
-from sandforge.environments.sandbox.lifecycle import driver_labels
+from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.labels import driver_labels
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
-from sandforge.types import Task
+from sandforge.types import ExecResult, Task
 
 
 class SandboxEnv(ToolEnv):

@@ -184,8 +184,8 @@ def sandbox_reap(
     run_id: Optional[str] = typer.Argument(None, help="Remove every container of this run (see <output_dir>/run_id)"),
 ) -> None:
     """Remove the containers of runs whose driver is dead (or, given a run id, every container of that run)."""
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError, remove_run_containers
-    from sandforge.environments.sandbox.lifecycle import reap_dead_runs
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError
+    from sandforge.environments.sandbox.lifecycle import reap_dead_runs, remove_run_containers
 
     try:
         if run_id:

@@ -75,7 +75,7 @@ def job_images(cfg: JobConfig) -> dict[str, Path]:
 
 def build_job_images(cfg: JobConfig) -> dict[str, str]:
     """Reap dead drivers' containers, then build (or find up to date) every image the job needs: name -> tag."""
-    from sandforge.environments.sandbox.docker_sandbox import docker_client
+    from sandforge.environments.sandbox.daemon import docker_client
     from sandforge.environments.sandbox.images import build_images
     from sandforge.environments.sandbox.lifecycle import reap_dead_runs
 
@@ -132,7 +132,7 @@ def engine_name(run_id: str) -> str:
 def start_rollout_workers(cfg: JobConfig, run_id: str, images: dict[str, str]) -> list:
     """``rollout.workers`` rollout workers, one per node in turn (job/rollout_workers.py). They find the engine by
     name: a handle among an actor's arguments is kept in the object store, which may break restarts (ray#53727)."""
-    from sandforge.environments.sandbox.lifecycle import driver_labels
+    from sandforge.environments.sandbox.labels import driver_labels
     from sandforge.job.rollout_workers import start_workers
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
@@ -205,7 +205,7 @@ def close_fleet(fleet: Fleet, clean: bool) -> None:
         ray.shutdown()
     if "workers" not in fleet.parts:
         return
-    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
+    from sandforge.environments.sandbox.lifecycle import remove_run_containers
 
     try:
         removed = remove_run_containers(fleet.run_id)

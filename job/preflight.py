@@ -60,7 +60,8 @@ def check_host(cfg: JobConfig, source: str = "config") -> None:
                               f"({os.cpu_count()}); lower sandbox.cpus")
     if s.base_image is None and s.runtime is None:
         return
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError, docker_client
+    from sandforge.environments.sandbox.daemon import docker_client
+    from sandforge.environments.sandbox.docker_sandbox import SandboxError
 
     try:
         client = docker_client()

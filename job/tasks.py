@@ -15,7 +15,7 @@ from sandforge.config import EnvironmentConfig
 from sandforge.environments.task_sources import TaskSourceError, open_source
 from sandforge.registry import environment
 from sandforge.types import Task
-from sandforge.verifiers.base import gives_partial_credit
+from sandforge.verifiers.checks import gives_partial_credit
 
 
 class TaskSampler:

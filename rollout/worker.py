@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sandforge.config import EnvironmentConfig, ModelConfig, RolloutConfig, SandboxConfig
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, docker_client
+from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.models.build import load_chat

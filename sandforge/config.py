@@ -54,7 +54,7 @@ class SandboxConfig(Section):
     nofile: int = Field(4096, ge=64)
     max_file_size: str = "256m"
     exec_timeout: float = Field(10.0, gt=0)
-    warm_pool: int = Field(4, ge=0)  # started sandboxes each rollout worker keeps ready, per environment
+    warm_pool: int = Field(4, ge=0)  # started sandboxes each rollout worker keeps ready, per image
     max_live: int = Field(32, ge=1)  # containers one rollout worker may hold at once (ready + in use + starting)
     creates_per_second: float = Field(8.0, gt=0)  # per rollout worker, so the daemon is never flooded
 

@@ -10,7 +10,7 @@ Plugins are pip packages that declare entry points (see examples/plugin_env/pypr
   ``"image": "<built-in env>"`` to reuse that env's image, or ``"dockerfile": "<package>"`` whose folder holds the
   Dockerfile of the plugin's own image (default: the package of ``tasks``).
 - group ``sandforge.verifiers``: name -> a callable ``(sandbox, args) -> (score, reason)``, the shape of
-  ``sandforge.verifiers.base.Verifier``. Task checks name it like a built-in one.
+  ``sandforge.verifiers.checks.Verifier``. Task checks name it like a built-in one.
 """
 
 from __future__ import annotations
@@ -31,9 +31,22 @@ BUILTIN_ENVIRONMENTS = {
     "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
     "browser": ("sandforge.environments.browser.env:BrowserEnv", "sandforge.environments.browser.tasks"),
 }
-# Verifiers that live beside their environment rather than in sandforge.verifiers (which registers its own on import).
+# Built-in envs whose sandboxes run the image of another package under sandforge.environments (default: their own).
+SHARED_IMAGES = {"slack": "apps", "notion": "apps"}  # the mock apps: one image, the app's code goes in at reset
+# Built-in verifiers by the name checks give them, each a ``(sandbox, args)`` function imported on first use, so the
+# check runner (sandforge.verifiers.checks) imports none of them. Properties are attributes of the function:
+# ``partial_credit = True``, ``default_timeout(args)``.
 BUILTIN_VERIFIERS = {
-    "harbor_tests": "sandforge.environments.harbor.grading:harbor_tests_check",
+    "command": "sandforge.verifiers.command:command_verifier",
+    "file_equals": "sandforge.verifiers.file:file_equals_verifier",
+    "file_contains": "sandforge.verifiers.file:file_contains_verifier",
+    "file_hash": "sandforge.verifiers.file:file_hash_verifier",
+    "json_match": "sandforge.verifiers.file:json_match_verifier",
+    "sql": "sandforge.verifiers.state:sql_verifier",
+    "repo_tests": "sandforge.verifiers.repo_tests:repo_tests_verifier",
+    "rubric": "sandforge.verifiers.rubric:rubric_verifier",
+    "judge": "sandforge.verifiers.judge:judge_verifier",
+    "harbor_tests": "sandforge.environments.harbor.grading:harbor_tests_verifier",  # beside its environment
 }
 ENVIRONMENT_GROUP = "sandforge.environments"
 VERIFIER_GROUP = "sandforge.verifiers"
@@ -82,10 +95,11 @@ def resolve(path: str) -> Any:
 
 
 def _builtin(name: str, env_path: str, tasks_module: str) -> EnvironmentEntry:
-    package = f"sandforge.environments.{name}"
+    image = SHARED_IMAGES.get(name, name)
+    package = f"sandforge.environments.{image}"
     spec = importlib.util.find_spec(package)
     has_image = spec is not None and any((Path(p) / "Dockerfile").is_file() for p in spec.submodule_search_locations)
-    return EnvironmentEntry(name, env_path, tasks_module, image_name=name if has_image else None,
+    return EnvironmentEntry(name, env_path, tasks_module, image_name=image if has_image else None,
                             image_package=package if has_image else None)
 
 
@@ -149,7 +163,7 @@ def verifier_plugins() -> dict[str, Callable]:
 
 
 def find_verifier(name: str) -> Callable | None:
-    """A verifier that ``sandforge.verifiers`` does not register itself: a built-in beside its env, or a plugin's."""
+    """The built-in verifier named ``name``, else an installed plugin's; None if neither has one."""
     if name in BUILTIN_VERIFIERS:
         return resolve(BUILTIN_VERIFIERS[name])
     return verifier_plugins().get(name)

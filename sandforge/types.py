@@ -1,13 +1,15 @@
-"""Plain data exchanged between the parts of sandforge.
+"""Plain data exchanged between the parts of sandforge, and the ``Sandbox`` protocol graders act through.
 
 Environments, the rollout, verifiers and the trainer talk only through these dataclasses, never through each other's
 objects. Every type round-trips through ``to_dict``/``from_dict`` so it can cross Ray and be written as JSON lines.
+``Sandbox`` is what a verifier may do with an episode's sandbox; Docker's implementation lives in
+``sandforge.environments.sandbox.docker_sandbox``, which graders never import.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -155,3 +157,62 @@ class Trajectory:
                 "reward": Reward(**d["reward"]) if d.get("reward") else None,
             }
         )
+
+
+# --- sandboxes ------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExecResult:
+    """What a command run in a sandbox did."""
+
+    exit_code: int
+    output: str  # stdout and stderr merged, head + tail kept within the sandbox's output cap, plus markers
+    timed_out: bool
+    seconds: float
+    oom_killed: bool = False  # the memory limit killed a process during the command
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """An episode's sandbox as graders and environments use it, whatever runs it.
+
+    Paths are inside the sandbox; relative ones are under ``workdir``. ``user`` defaults to the sandbox's unprivileged
+    user; graders pass ``user="root"`` and ``session=False`` so nothing the policy left in its shell plays a part.
+    """
+
+    @property
+    def workdir(self) -> str:
+        """The working directory: where relative paths and one-off commands start."""
+        ...
+
+    def exec(self, command: str, timeout: float = 10.0, user: str | None = None, workdir: str | None = None,
+             session: bool = True) -> ExecResult:
+        """Run ``command`` with bash; killed inside the sandbox after ``timeout`` seconds (``timed_out``).
+        ``session=False``: a fresh one-off shell that neither sees nor changes the policy's session."""
+        ...
+
+    def put_file(self, path: str, data: bytes, user: str | None = None, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` with ``user``'s permissions, creating parent folders; OSError if refused."""
+        ...
+
+    def get_file(self, path: str, user: str | None = None, max_bytes: int | None = None) -> bytes | None:
+        """The file's bytes, or None if it does not exist; OSError if unreadable or larger than ``max_bytes``."""
+        ...
+
+    def write_file(self, path: str, content: str, user: str | None = None) -> None:
+        """``put_file`` for UTF-8 text."""
+        ...
+
+    def read_file(self, path: str, user: str | None = None) -> str | None:
+        """The file's text (undecodable bytes replaced), or None if it does not exist; OSError if unreadable."""
+        ...
+
+    def fresh(self) -> Sandbox:
+        """A new sandbox from the same image, with the same limits and owner, and nothing of this one's state: for a
+        grader that must not trust what the policy left. The caller closes it (``close()``)."""
+        ...
+
+    def close(self) -> None:
+        """Remove the sandbox. Idempotent; never raises."""
+        ...

@@ -21,14 +21,14 @@ import shlex
 import time
 from pathlib import Path
 
-from sandforge.environments.sandbox.docker_sandbox import ExecResult, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import FAMILIES, SPLITS
 from sandforge.environments.tools import tool_schemas
 from sandforge.models.bpe import SHIPPED, BPETokenizer, train_bpe
 from sandforge.models.chat import ChatFormat, tool_line
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.types import Message, Task, ToolCall
+from sandforge.types import ExecResult, Message, Task, ToolCall
 
 CORPUS_SEEDS = {"train": range(0, 1200), "heldout": range(0, 300)}
 EVAL_SEEDS = range(1_000_000, 1_000_200)  # held-out split, seeds the corpus never used

@@ -8,9 +8,10 @@ import uuid
 
 import pytest
 
-from sandforge.environments.sandbox import docker_sandbox
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec, remove_run_containers
+from sandforge.environments.sandbox import daemon
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.lifecycle import remove_run_containers
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def docker_client():
     try:
-        return docker_sandbox.docker_client()
+        return daemon.docker_client()
     except SandboxError as e:
         if os.environ.get("SANDFORGE_REQUIRE_DOCKER") == "1":  # scripts/test.sh: a missing daemon is a failure there
             pytest.fail(f"container tests need Docker: {e}")
@@ -65,18 +66,18 @@ def pytest_sessionfinish(session, exitstatus):
 
     Containers whose driver is another live process (a training run beside the tests) are none of our business.
     """
-    from sandforge.environments.sandbox.lifecycle import LABEL_PID, driver_alive
+    from sandforge.environments.sandbox.labels import LABEL_PID, LABEL_RUN, driver_alive
 
     try:
-        client = docker_sandbox.docker_client()
+        client = daemon.docker_client()
     except SandboxError:
         return
     left = [
-        c for c in client.containers.list(all=True, filters={"label": docker_sandbox.LABEL_RUN})
+        c for c in client.containers.list(all=True, filters={"label": LABEL_RUN})
         if driver_alive(c.labels) is False or c.labels.get(LABEL_PID) == str(os.getpid())
     ]
     if left:
-        names = ", ".join(f"{c.name} ({c.labels.get(docker_sandbox.LABEL_RUN)})" for c in left)
+        names = ", ".join(f"{c.name} ({c.labels.get(LABEL_RUN)})" for c in left)
         print(f"\nsandforge containers left behind by the tests: {names}")
         for c in left:
             c.remove(force=True, v=True)

@@ -25,7 +25,7 @@ from sandforge.registry import environment
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,6 +35,7 @@ def test_built_in_environments_are_listed():
     assert by_name["terminal"] == ["terminal", "built-in", "write_file, count_words", "train seeded, heldout seeded",
                                    "sandforge/terminal"]
     assert by_name["harbor"][:3] == ["harbor", "built-in", "-"] and by_name["harbor"][-1] == "per task"
+    assert by_name["slack"][-1] == by_name["notion"][-1] == "sandforge/apps"  # the mock apps share one image
 
 
 def test_a_config_adds_its_task_files_with_their_counts(tmp_path):

@@ -16,14 +16,15 @@ import pytest
 
 from sandforge.environments.harbor.env import HarborEnv
 from sandforge.environments.harbor.tasks import HarborTaskError, load_task, load_tasks
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import ImageError, build_images
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import VerifierError, score_task
+from sandforge.verifiers.checks import VerifierError, score_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "data" / "harbor"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sandforge.environments.sandbox import images
-from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN
+from sandforge.environments.sandbox.labels import LABEL_RUN
 
 DOCKERFILE = """\
 ARG BASE=sandforge/base:bookworm

@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from sandforge.types import Task
-from sandforge.verifiers.base import VerifierError, score_task
+from sandforge.verifiers.checks import VerifierError, score_task
 from sandforge.verifiers.judge import parse_score
 
 pytestmark = pytest.mark.timeout(180)

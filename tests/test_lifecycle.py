@@ -11,16 +11,16 @@ import uuid
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN, list_run_containers, remove_run_containers
-from sandforge.environments.sandbox.lifecycle import (
+from sandforge.environments.sandbox.labels import (
     LABEL_HOST,
     LABEL_PID,
+    LABEL_RUN,
     LABEL_STARTED,
     _start_time,
     driver_alive,
     driver_labels,
-    reap_dead_runs,
 )
+from sandforge.environments.sandbox.lifecycle import list_run_containers, reap_dead_runs, remove_run_containers
 
 # --- ownership, no Docker -----------------------------------------------------------------------------------------
 

@@ -3,26 +3,16 @@ changing the wrong thing scores 0, runs repeat exactly, and tool arguments canno
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from agent_fakes import CHAT, limits
+from app_episodes import act, app_spec, episode, train_one_step
 
 from sandforge.environments.notion import tasks as notion_tasks
 from sandforge.environments.notion.env import NotionEnv, parse_blocks
 from sandforge.environments.notion.tasks import FAMILIES, make_task
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.tools import ToolError
-from sandforge.rollout.agent import run_episode
-from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 from sandforge.verifiers.state import query_rows
 
 DB = NotionEnv.db_path()
@@ -77,29 +67,19 @@ def test_block_lines_become_a_nested_tree():
 
 @pytest.fixture(scope="module")
 def notion_spec(docker_client) -> SandboxSpec:
-    image = build_images(["notion"], client=docker_client, show_progress=False)["notion"]
-    return SandboxSpec(image=image, memory="256m", **NotionEnv.sandbox_defaults)
-
-
-def episode(task, spec, run_id, client, solution=None):
-    """One episode through the real agent loop, replaying ``solution`` (default: the task's reference solution)."""
-    replayed = task if solution is None else dataclasses.replace(task, solution=solution)
-    env = NotionEnv(task, spec, run_id, client=client)
-    traj = asyncio.run(run_episode(task, env, scripted_policy(replayed, CHAT), CHAT, limits(max_turns=8), "g"))
-    assert not traj.failed, traj.failure
-    return traj
+    return app_spec(docker_client, NotionEnv)
 
 
 @pytest.mark.docker
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_reference_solves_doing_nothing_fails_and_runs_repeat(family, notion_spec, run_id, docker_client):
     task = make_task(family, 7)
-    first = episode(task, notion_spec, run_id, docker_client)
+    first = episode(NotionEnv, task, notion_spec, run_id, docker_client)
     assert (first.finish_reason, first.reward.value, first.reward.success) == ("submit", 1.0, True), first.reward
-    again = episode(make_task(family, 7), notion_spec, run_id, docker_client)
+    again = episode(NotionEnv, make_task(family, 7), notion_spec, run_id, docker_client)
     assert again.task == first.task and again.reward == first.reward
     assert [t.observations for t in again.turns] == [t.observations for t in first.turns]
-    nothing = episode(task, notion_spec, run_id, docker_client, solution=[ToolCall("submit")])
+    nothing = episode(NotionEnv, task, notion_spec, run_id, docker_client, solution=[ToolCall("submit")])
     assert (nothing.reward.value, nothing.reward.success) == (0.0, False)
 
 
@@ -107,10 +87,6 @@ def started(family: str, spec, run_id, client, seed: int = 2) -> NotionEnv:
     env = NotionEnv(make_task(family, seed), spec, run_id, client=client)
     env.reset()
     return env
-
-
-def act(env: NotionEnv, name: str, **args) -> str:
-    return env.step(ToolCall(name, args))[0]
 
 
 @pytest.mark.docker
@@ -202,20 +178,10 @@ def test_filters_and_nested_blocks_round_trip(notion_spec, run_id, docker_client
 
 # --- the shipped config trains ------------------------------------------------------------------------------------
 
-ONE_STEP = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
-            "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=16",
-            "logging.wandb.mode=disabled"]
-
-
 @pytest.mark.docker
 @pytest.mark.slow
 def test_configs_notion_yaml_trains_one_step(tmp_path, notion_spec):
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "sandforge.job.cli", "train", "configs/notion.yaml", *ONE_STEP,
-               f"run.output_dir={out}"]
-    proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = train_one_step("configs/notion.yaml", tmp_path / "run")
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [0]
     assert rows[-1]["episodes/count"] == 2 and rows[-1]["episodes/failed"] == 0  # the app started in pooled sandboxes
     assert "success/notion" in rows[-1]

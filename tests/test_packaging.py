@@ -27,3 +27,4 @@ def test_wheel_install_holds_every_part_and_the_dockerfiles(tmp_path):
     for part in PARTS:
         assert f"{target}/sandforge/{part.replace('.', '/')}/__init__.py" in out
     assert (target / "sandforge" / "environments" / "terminal" / "Dockerfile").is_file()
+    assert (target / "sandforge" / "environments" / "apps" / "Dockerfile").is_file()  # slack's and notion's image

@@ -117,7 +117,8 @@ def test_a_plugin_with_its_own_dockerfile_and_broken_plugins(tmp_path, monkeypat
     package = tmp_path / "own_image_env"
     package.mkdir()
     (package / "__init__.py").write_text('SPEC = {"env": "own_image_env.env:E", "tasks": "own_image_env.tasks"}\n'
-                                         'BAD = {"env": "own_image_env.env:E"}\nREUSE = {**SPEC, "image": "nope"}\n')
+                                         'BAD = {"env": "own_image_env.env:E"}\nREUSE = {**SPEC, "image": "nope"}\n'
+                                         'SLACK = {**SPEC, "image": "slack"}\n')
     (package / "Dockerfile").write_text("FROM scratch\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
@@ -126,6 +127,8 @@ def test_a_plugin_with_its_own_dockerfile_and_broken_plugins(tmp_path, monkeypat
 
     own = registry._plugin(entry("own_image_env:SPEC"))
     assert (own.image_name, own.image_context()) == ("own", package)
+    slack = registry._plugin(entry("own_image_env:SLACK"))  # slack's image is the mock apps' shared one
+    assert (slack.image_name, slack.image_context()) == ("apps", registry.environment("slack").image_context())
     with pytest.raises(registry.PluginError, match=r"entry point 'own' \(own_image_env:BAD\).*must be a dict with"):
         registry._plugin(entry("own_image_env:BAD"))
     with pytest.raises(registry.PluginError, match=r"'image' 'nope' is not a built-in env"):

@@ -13,14 +13,15 @@ import docker.errors
 import pytest
 import requests
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError, list_run_containers
-from sandforge.environments.sandbox.lifecycle import LABEL_PID, is_transient, retry_daemon
+from sandforge.environments.sandbox.docker_sandbox import SandboxError
+from sandforge.environments.sandbox.labels import LABEL_PID
+from sandforge.environments.sandbox.lifecycle import is_transient, list_run_containers, retry_daemon
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 
 FAST_RETRY = {"attempts": 3, "backoff_s": 0.01}
 

@@ -19,14 +19,15 @@ from pathlib import Path
 from sandforge.environments.repo.env import RepoEnv
 from sandforge.environments.repo.functions import FUNCTIONS
 from sandforge.environments.repo.tasks import FAMILIES, make_task
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import Task, ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 
 CHAT = ChatFormat(ByteTokenizer())
 

@@ -17,7 +17,7 @@ from sandforge.environments.repo.tasks import make_task
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.types import Task, ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 
 pytestmark = pytest.mark.docker
 

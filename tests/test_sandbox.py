@@ -5,14 +5,9 @@ from __future__ import annotations
 import pytest
 
 from sandforge.environments.sandbox import images
-from sandforge.environments.sandbox.docker_sandbox import (
-    LABEL_RUN,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    list_run_containers,
-    remove_run_containers,
-)
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.labels import LABEL_RUN
+from sandforge.environments.sandbox.lifecycle import list_run_containers, remove_run_containers
 
 AWKWARD = "quotes ' \" `backticks` $HOME $(id) \\n \\\\ \n\ttabs\nünïcödé ✓ \x01\x7f\r\nno trailing newline"
 
@@ -38,6 +33,18 @@ def test_context_files_are_the_dockerfile_and_its_copy_sources(tmp_path):
 def test_unknown_env_names_the_envs_that_have_images():
     with pytest.raises(images.ImageError, match="no Dockerfile for env 'nope'.*terminal"):
         images.env_build_context("nope")
+
+
+def test_slack_and_notion_share_the_apps_image():
+    assert images.available_envs() == ["apps", "browser", "repo", "terminal"]
+    assert [images.image_name(env) for env in ("slack", "notion", "terminal")] == ["apps", "apps", "terminal"]
+
+
+@pytest.mark.docker
+def test_the_mock_apps_build_one_image(docker_client):
+    tags = images.build_images(["slack", "notion"], client=docker_client, show_progress=False)
+    assert list(tags) == ["apps"] and tags["apps"].startswith("sandforge/apps:")
+    assert images.image_for("notion", docker_client) == tags["apps"]
 
 
 @pytest.mark.docker

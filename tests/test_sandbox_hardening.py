@@ -11,14 +11,9 @@ import uuid
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import (
-    LABEL_CREATED,
-    LABEL_RUN,
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    list_run_containers,
-)
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.labels import LABEL_CREATED, LABEL_RUN
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 
 pytestmark = pytest.mark.docker
 

@@ -3,26 +3,19 @@ in the wrong place scores 0, runs repeat exactly, and the policy's tool argument
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from agent_fakes import CHAT, limits
+from app_episodes import act, app_spec, episode, train_one_step
 
 from sandforge.environments.apps.env import APP_DIR
-from sandforge.environments.sandbox.docker_sandbox import SandboxError, SandboxSpec, list_run_containers
-from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.docker_sandbox import SandboxError, SandboxSpec
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.slack import tasks as slack_tasks
 from sandforge.environments.slack.env import SlackEnv
 from sandforge.environments.slack.tasks import FAMILIES, make_task
-from sandforge.rollout.agent import run_episode
-from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
-from sandforge.verifiers.base import score_task
+from sandforge.verifiers.checks import score_task
 from sandforge.verifiers.state import query_rows
 
 DB = SlackEnv.db_path()
@@ -70,30 +63,20 @@ def test_the_policy_gets_only_the_apps_tools():
 
 @pytest.fixture(scope="module")
 def slack_spec(docker_client) -> SandboxSpec:
-    image = build_images(["slack"], client=docker_client, show_progress=False)["slack"]
-    return SandboxSpec(image=image, memory="256m", **SlackEnv.sandbox_defaults)
-
-
-def episode(task, spec, run_id, client, solution=None):
-    """One episode through the real agent loop, replaying ``solution`` (default: the task's reference solution)."""
-    replayed = task if solution is None else dataclasses.replace(task, solution=solution)
-    env = SlackEnv(task, spec, run_id, client=client)
-    traj = asyncio.run(run_episode(task, env, scripted_policy(replayed, CHAT), CHAT, limits(max_turns=8), "g"))
-    assert not traj.failed, traj.failure
-    return traj
+    return app_spec(docker_client, SlackEnv)
 
 
 @pytest.mark.docker
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_reference_solves_doing_nothing_fails_and_runs_repeat(family, slack_spec, run_id, docker_client):
     task = make_task(family, 7)
-    first = episode(task, slack_spec, run_id, docker_client)
+    first = episode(SlackEnv, task, slack_spec, run_id, docker_client)
     assert (first.finish_reason, first.reward.value, first.reward.success) == ("submit", 1.0, True), first.reward
-    again = episode(make_task(family, 7), slack_spec, run_id, docker_client)
+    again = episode(SlackEnv, make_task(family, 7), slack_spec, run_id, docker_client)
     assert again.task == first.task and again.reward == first.reward
     observations = [t.observations for t in first.turns]
     assert [t.observations for t in again.turns] == observations  # same ids, same timestamps, same text
-    nothing = episode(task, slack_spec, run_id, docker_client, solution=[ToolCall("submit")])
+    nothing = episode(SlackEnv, task, slack_spec, run_id, docker_client, solution=[ToolCall("submit")])
     assert (nothing.reward.value, nothing.reward.success) == (0.0, False)
     assert list_run_containers(run_id, client=docker_client) == []
 
@@ -104,10 +87,6 @@ def env(slack_spec, run_id, docker_client):
     env.reset()
     yield env
     env.close()
-
-
-def act(env: SlackEnv, name: str, **args) -> str:
-    return env.step(ToolCall(name, args))[0]
 
 
 def question_and_build(task) -> tuple[str, str, str]:
@@ -212,20 +191,10 @@ def test_a_task_whose_seed_the_app_rejects_fails_at_reset(slack_spec, run_id, do
 
 # --- the shipped config trains ------------------------------------------------------------------------------------
 
-ONE_STEP = ["trainer.steps=1", "warmup.steps=0", "rollout.workers=1", "rollout.concurrency=2",
-            "rollout.tasks_per_step=1", "rollout.group_size=2", "rollout.max_turns=1", "rollout.max_new_tokens=16",
-            "logging.wandb.mode=disabled"]
-
-
 @pytest.mark.docker
 @pytest.mark.slow
 def test_configs_slack_yaml_trains_one_step(tmp_path, slack_spec):
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "sandforge.job.cli", "train", "configs/slack.yaml", *ONE_STEP,
-               f"run.output_dir={out}"]
-    proc = subprocess.run(command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = train_one_step("configs/slack.yaml", tmp_path / "run")
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [0]
     assert rows[-1]["episodes/count"] == 2 and rows[-1]["episodes/failed"] == 0  # the app started in pooled sandboxes
     assert "success/slack" in rows[-1]

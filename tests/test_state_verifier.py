@@ -10,7 +10,7 @@ import pytest
 from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.types import Task
-from sandforge.verifiers.base import VERIFIERS, VerifierError, score_task
+from sandforge.verifiers.checks import VerifierError, known_verifiers, score_task
 from sandforge.verifiers.state import query_rows, sql_check
 
 pytestmark = pytest.mark.docker
@@ -28,7 +28,7 @@ EOF"""
 
 @pytest.fixture(scope="module")
 def app_sandbox(docker_client):
-    image = build_images(["slack"], client=docker_client, show_progress=False)["slack"]
+    image = build_images(["apps"], client=docker_client, show_progress=False)["apps"]
     run_id = f"test-state-{int(time.time() * 1000)}"
     with Sandbox.create(SandboxSpec(image=image), run_id, client=docker_client) as sb:
         result = sb.exec(MAKE_DB, user="root", session=False)
@@ -57,7 +57,7 @@ def test_a_missing_or_extra_row_scores_zero_and_says_what_differs(app_sandbox):
 
 
 def test_score_task_runs_registered_sql_checks(app_sandbox):
-    assert "sql" in VERIFIERS
+    assert "sql" in known_verifiers()
     reward = score_task(app_sandbox, check(query="SELECT n FROM t WHERE name = 'b'", expect=[[2]]))
     assert reward.value == 1.0 and reward.success
     reward = score_task(app_sandbox, check(query="SELECT n FROM t WHERE name = 'b'", expect=[[5]]))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import SandboxError
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import FAMILIES, make_task
 from sandforge.types import Task, ToolCall
-from sandforge.verifiers.base import VerifierError, score_task
+from sandforge.verifiers.checks import VerifierError, score_task
 
 
 def run_episode(env: TerminalEnv, calls: list[ToolCall]) -> list[tuple]:

@@ -4,6 +4,7 @@ both."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import posixpath
 import tarfile
@@ -11,11 +12,14 @@ import tarfile
 import pytest
 
 from sandforge.environments.repo.tasks import FAMILIES, make_task
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec, list_run_containers
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.labels import DRIVER_LABELS, LABEL_RUN
+from sandforge.environments.sandbox.lifecycle import list_run_containers
+from sandforge.types import Sandbox as SandboxProtocol
 from sandforge.types import Task
-from sandforge.verifiers.base import VerifierError, score_task
-from sandforge.verifiers.tests import (
+from sandforge.verifiers.checks import VerifierError, score_task
+from sandforge.verifiers.repo_tests import (
     ERROR,
     FAILED,
     PASSED,
@@ -119,7 +123,7 @@ def repo_box(docker_client, tmp_path_factory):
     """A sandbox of the repo image: run_tests_fresh copies its spec and labels for the grading containers."""
     import uuid
 
-    from sandforge.environments.sandbox.docker_sandbox import remove_run_containers
+    from sandforge.environments.sandbox.lifecycle import remove_run_containers
 
     image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
     run_id = f"test-{uuid.uuid4().hex[:12]}"
@@ -156,6 +160,50 @@ def test_fail_to_pass_fails_before_the_fix_and_pass_to_pass_passes_on_both(famil
     assert all(buggy[t] == PASSED for t in check["pass_to_pass"]), buggy
     assert all(outcome == PASSED for outcome in fixed.values()), fixed
     assert list_run_containers(repo_box.run_id, docker_client) == [repo_box.id]  # graders removed
+
+
+class FreshRecorder:
+    """An episode's sandbox that notes the labels of every sandbox its ``fresh()`` hands out."""
+
+    def __init__(self, sandbox: Sandbox, client):
+        self.sandbox, self.client, self.handed_out = sandbox, client, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.sandbox, name)
+
+    def fresh(self) -> Sandbox:
+        grader = self.sandbox.fresh()
+        self.handed_out.append((grader.id, self.client.api.inspect_container(grader.id)["Config"]["Labels"]))
+        return grader
+
+
+@pytest.mark.docker
+def test_grading_runs_in_a_fresh_sandbox_without_what_the_policy_planted(repo_box, run_id, docker_client):
+    """repo_tests grades in ``sandbox.fresh()`` (the Sandbox protocol), not in the episode's sandbox: files the policy
+    left outside its package are not there, the grader has the episode's owner, and it is removed afterwards."""
+    task = make_task("off_by_one", 3)
+    check, fix = task.checks[0], task.solution[0].arguments
+    probe = ("import os\n\n\ndef test_nothing_planted():\n"
+             "    assert not os.path.exists('/workspace/planted.txt')\n"
+             "    assert not os.path.exists('/tmp/planted.txt')\n")
+    check = {**check, "hidden_tests": {**check["hidden_tests"], "tests/test_planted.py": probe},
+             "fail_to_pass": [*check["fail_to_pass"], "tests/test_planted.py::test_nothing_planted"]}
+    with Sandbox.create(repo_box.spec, run_id, client=docker_client) as episode:
+        assert isinstance(episode, SandboxProtocol)
+        for path, text in check["files"].items():  # the policy's fixed package, and two files it planted
+            if path.startswith(check["package"] + "/"):
+                episode.write_file(path, text.replace(fix["old"], fix["new"]) if path == fix["path"] else text)
+        episode.write_file("planted.txt", "the policy was here")
+        episode.write_file("/tmp/planted.txt", "the policy was here")
+        recorder = FreshRecorder(episode, docker_client)
+        reward = score_task(recorder, dataclasses.replace(task, checks=[check]))
+        assert (reward.value, reward.success) == (1.0, True), reward.reason
+        assert episode.read_file("planted.txt") == "the policy was here"  # it was there to be found
+        [(grader, labels)] = recorder.handed_out
+        mine = docker_client.api.inspect_container(episode.id)["Config"]["Labels"]
+        assert grader != episode.id and labels[LABEL_RUN] == run_id
+        assert {k: labels[k] for k in DRIVER_LABELS} == {k: mine[k] for k in DRIVER_LABELS}
+        assert list_run_containers(run_id, docker_client) == [episode.id]  # the grader is gone
 
 
 def _tar(files: dict[str, str]) -> bytes:

@@ -14,14 +14,14 @@ import time
 import pytest
 from agent_fakes import CHAT, limits
 
-from sandforge.environments.sandbox.docker_sandbox import list_run_containers
+from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import Task
-from sandforge.verifiers import base
-from sandforge.verifiers.base import VERIFIERS, VerifierError, register, score_task, time_left
+from sandforge.verifiers import checks
+from sandforge.verifiers.checks import VERIFIERS, VerifierError, known_verifiers, register, score_task, time_left
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -291,7 +291,7 @@ def test_rubric_items_share_the_rubric_budget(sandbox):
 
 @pytest.mark.docker
 def test_a_hanging_or_crashing_verifier_raises_naming_the_check(sandbox, monkeypatch):
-    monkeypatch.setattr(base, "REPORT_GRACE", 0.5)  # no exec to wait for: do not wait the usual grace
+    monkeypatch.setattr(checks, "REPORT_GRACE", 0.5)  # no exec to wait for: do not wait the usual grace
     start = time.monotonic()
     with pytest.raises(VerifierError, match=r"task t/1, check 1 \(test_hang\) did not finish within its 1 s timeout"):
         score_task(sandbox, _task({"verifier": "command", "command": "true"}, {"verifier": "test_hang", "timeout": 1}))
@@ -324,7 +324,7 @@ def test_parts_go_into_the_breakdown_and_the_timeout_reaches_the_verifier():
 def test_a_broken_verifier_fails_only_its_episode(check, failure, terminal_spec, run_id, docker_client, monkeypatch):
     """Through the real agent loop: the reference solution runs, then grading breaks; the episode comes back failed,
     with the reason, its sandbox removed, and the next episode is graded as usual."""
-    monkeypatch.setattr(base, "REPORT_GRACE", 0.5)  # no exec to wait for: do not wait the usual grace
+    monkeypatch.setattr(checks, "REPORT_GRACE", 0.5)  # no exec to wait for: do not wait the usual grace
     solved = make_task("write_file", 7)
     broken = Task(**{**solved.__dict__, "id": "terminal/write_file/broken", "checks": [*solved.checks, check]})
     results = []
@@ -345,4 +345,5 @@ def test_unknown_verifiers_and_bad_timeouts_are_explained():
     for bad in (0, -1, "10", float("inf"), True):
         with pytest.raises(VerifierError, match="timeout must be a positive number of seconds"):
             score_task(None, _task({"verifier": "test_budget", "timeout": bad}))
-    assert {"command", "file_equals", "file_contains", "file_hash", "json_match", "rubric", "judge"} <= set(VERIFIERS)
+    builtins = {"command", "file_equals", "file_contains", "file_hash", "json_match", "rubric", "judge"}
+    assert builtins <= set(known_verifiers())

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.types import Sandbox
+from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
 
 _TRUNCATED = re.compile(r"\n\[\.\.\. truncated \d+ bytes\]\n")  # the sandbox's marker where it cut long output
 
@@ -50,8 +50,7 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
     return 0.0, f"{shown}: output {verdict} {pattern!r}{note}; output {_tail(result.output)}"
 
 
-@register("command")
-def _command_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def command_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     allowed = {"command", "exit_code", "pattern", "absent", "user", "workdir"}
     if "command" not in args or set(args) - allowed:

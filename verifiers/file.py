@@ -11,8 +11,8 @@ import json
 import re
 import shlex
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.types import Sandbox
+from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, text_similarity
 
 MAX_BYTES = 64 << 20  # larger files are not the answer anyone asked for: score 0 instead of reading them
@@ -68,13 +68,15 @@ def file_equals(sandbox: Sandbox, path: str, content: str, strip: bool = True,
     return score, f"{path}: expected {_show(content)}, got {_show(actual)}"
 
 
-@register("file_equals", partial=True)
-def _file_equals_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def file_equals_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     unknown = set(args) - {"path", "content", "strip", "partial"}
     if unknown or "path" not in args or "content" not in args:
         raise VerifierError(f"file_equals takes path, content[, partial, strip, timeout]; got {sorted(args)}")
     return file_equals(sandbox, **args)
+
+
+file_equals_verifier.partial_credit = True  # its checks take "partial": true
 
 
 # --- file_contains ------------------------------------------------------------------------------------------------
@@ -98,8 +100,7 @@ def file_contains(sandbox: Sandbox, path: str, text: str | None = None, pattern:
     return 0.0, f"{path}: {'has' if absent else 'has no'} {what}" + ("" if absent else f" (got {_show(content)})")
 
 
-@register("file_contains")
-def _file_contains_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def file_contains_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     _takes("file_contains", args, {"path"}, {"text", "pattern", "absent"})
     if ("text" in args) == ("pattern" in args):
@@ -128,8 +129,7 @@ def file_hash(sandbox: Sandbox, path: str, sha256: str) -> tuple[float, str]:
     return 0.0, f"{path}: sha256 {digest[:12]}..., expected {sha256[:12].lower()}... ({len(data)} bytes)"
 
 
-@register("file_hash")
-def _file_hash_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def file_hash_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     _takes("file_hash", args, {"path", "sha256"}, set())
     if not isinstance(args["sha256"], str) or not re.fullmatch(r"[0-9a-fA-F]{64}", args["sha256"]):
@@ -224,10 +224,12 @@ def _leaves(value) -> int:
     return 1
 
 
-@register("json_match", partial=True)
-def _json_match_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def json_match_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     _takes("json_match", args, {"path", "expected"}, {"at", "exact", "partial"})
     if not isinstance(args.get("at", ""), (str, list)):
         raise VerifierError(f"json_match: at must be a dotted path or a list of keys, got {args['at']!r}")
     return json_match(sandbox, **args)
+
+
+json_match_verifier.partial_credit = True

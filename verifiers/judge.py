@@ -25,8 +25,8 @@ import socket
 import urllib.error
 import urllib.request
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.types import Sandbox
+from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
 from sandforge.verifiers.file import read_answer
 
 MAX_ARTEFACT_CHARS = 12000  # head and tail of a longer artefact are sent, with a note of what was cut
@@ -185,8 +185,7 @@ def _first_model(base: str, headers: dict) -> str | None:
         return None  # a server that lists nothing takes requests without a model, or says what it wants
 
 
-@register("judge")
-def _judge_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def judge_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
     if "rubric" not in args or set(args) - ARGS:
         optional = ", ".join(sorted(ARGS - {"rubric", "path", "command"}))

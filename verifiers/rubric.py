@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, check_timeout, register, run_check
+from sandforge.types import Sandbox
+from sandforge.verifiers.checks import VerifierError, check_timeout, run_check
 
 
 def _items(args: dict) -> list[tuple[str, float, dict]]:
@@ -51,8 +51,7 @@ def _default_timeout(args: dict) -> float:
         return 1.0  # the rubric fails on its arguments straight away and says why
 
 
-@register("rubric", default_timeout=_default_timeout)
-def rubric(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
+def rubric_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
     """The weighted mean of the items' scores; breakdown has each item's score under its label (and a nested
     rubric's items under "label/item")."""
     items = _items(args)
@@ -67,3 +66,6 @@ def rubric(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
     total = sum(weight for _, weight, _ in items)
     score = sum(weight * scores[label] for label, weight, _ in items) / total
     return min(1.0, score), f"rubric {score:.2f} [" + "; ".join(reasons) + "]", {**scores, **parts}
+
+
+rubric_verifier.default_timeout = _default_timeout  # the sum of its items' timeouts

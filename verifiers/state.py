@@ -17,8 +17,8 @@ import json
 import shlex
 from collections import Counter
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.verifiers.base import VerifierError, register, time_left, without_timeout
+from sandforge.types import Sandbox
+from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, rows_similarity
 
 _SHOW = 120  # characters of expected/got in a reason
@@ -89,8 +89,7 @@ def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool
     return score, f"{db}: expected {_short(want)}, got {_short(got)}"
 
 
-@register("sql", partial=True)
-def _sql_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def sql_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)  # run_check enforces it; time_left() passes it on to the exec
     unknown = set(args) - {"db", "query", "expect", "ordered", "partial"}
     if unknown or not {"db", "query", "expect"} <= set(args):
@@ -98,3 +97,6 @@ def _sql_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     if not isinstance(args["expect"], list) or not all(isinstance(r, list) for r in args["expect"]):
         raise VerifierError(f"sql: 'expect' must be a list of rows (lists), got {_short(args['expect'])}")
     return sql_check(sandbox, **args)
+
+
+sql_verifier.partial_credit = True

@@ -12,7 +12,7 @@ import base64
 import json
 import shlex
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.types import Sandbox
 
 TESTS_DIR = "/tests"
 LOGS_DIR = "/logs"
@@ -64,7 +64,7 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float) -> tuple[float, 
     return 0.0, f"test.sh wrote no reward to {REWARD_DIR} (exit {run.exit_code}): {tail}"
 
 
-def harbor_tests_check(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     """The ``harbor_tests`` check: ``{"verifier": "harbor_tests", "files": {path: text}, "timeout": seconds}``."""
     unknown = set(args) - {"files", "timeout"}
     if unknown or not isinstance(args.get("files"), dict) or "test.sh" not in args["files"]:

@@ -15,12 +15,19 @@ import tarfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import docker
 import docker.errors
 import requests
 
+from sandforge.environments.sandbox.daemon import docker_client, force_remove
+from sandforge.environments.sandbox.labels import (
+    DRIVER_LABELS,
+    LABEL_CREATED,
+    LABEL_EPISODE,
+    LABEL_RUN,
+    driver_labels,
+)
 from sandforge.environments.sandbox.shell import (
     KILL_AFTER,
     Request,
@@ -39,10 +46,8 @@ from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxError, 
     container_options,
     parse_size,
 )
+from sandforge.types import ExecResult
 
-LABEL_RUN = "sandforge.run"
-LABEL_EPISODE = "sandforge.episode"
-LABEL_CREATED = "sandforge.created"  # unix time of creation
 CLIENT_GRACE = 10.0  # extra seconds the client waits beyond the in-container timeout before giving up
 FILE_TIMEOUT = 60.0  # put_file / get_file / read_file / write_file
 MAX_READ_BYTES = 64 << 20  # read_file
@@ -55,30 +60,10 @@ _PUT_SCRIPT = r"""tar -x -f - -C / -p -m -U --no-same-owner; printf '\0SFRC %d\n
 _RC = re.compile(rb"\0SFRC (\d+)\n")
 
 
-def docker_client(timeout: int = 120, max_pool_size: int = 32) -> docker.DockerClient:
-    """A client for the local daemon (DOCKER_HOST etc. respected); SandboxError if the daemon does not answer."""
-    try:
-        client = docker.from_env(timeout=timeout, max_pool_size=max_pool_size)
-        client.ping()
-    except (docker.errors.DockerException, requests.RequestException) as e:
-        raise SandboxError(
-            f"the Docker daemon is not answering ({e}): start it with `scripts/ensure_docker.sh` "
-            "(or set DOCKER_HOST to a running daemon)"
-        ) from e
-    return client
-
-
-@dataclass
-class ExecResult:
-    exit_code: int
-    output: str  # stdout and stderr merged, head + tail kept within SandboxSpec.max_output_bytes, plus markers
-    timed_out: bool
-    seconds: float
-    oom_killed: bool = False  # the memory limit killed a process during the command
-
-
 class Sandbox:
     """A running container that belongs to one episode. Create with ``Sandbox.create``; always ``close()``.
+
+    It is the Docker implementation of ``sandforge.types.Sandbox``, the protocol verifiers act through.
 
     ``reuse_shell=False`` makes every command a fresh ``docker exec`` (the plain reference path; same results).
     """
@@ -109,8 +94,6 @@ class Sandbox:
         process lives (a driver passes its own ``driver_labels`` to workers in other processes).
         """
         if labels is None:
-            from sandforge.environments.sandbox.lifecycle import driver_labels  # lifecycle imports this module
-
             labels = driver_labels(run_id)
         client = client or docker_client()
         episode = uuid.uuid4().hex
@@ -125,9 +108,25 @@ class Sandbox:
         except docker.errors.ImageNotFound as e:
             raise SandboxError(f"sandbox image {spec.image} is not present: run `sandforge images build`") from e
         except (docker.errors.DockerException, requests.RequestException) as e:
-            _force_remove(client, name)  # created but failed to start (bad runtime, limits the host refuses)
+            force_remove(client, name)  # created but failed to start (bad runtime, limits the host refuses)
             raise SandboxError(f"could not start a sandbox from {spec.image}: {e}") from e
         return cls(container, spec, run_id, client)
+
+    def fresh(self) -> Sandbox:
+        """A new sandbox from this one's image and spec, with none of its state, owned like it (its run and driver
+        labels, so a crash leaves nothing the run's reaper would not remove): graders that must not trust what the
+        policy left run there. The caller closes it."""
+        try:
+            labels = self._client.api.inspect_container(self.id)["Config"]["Labels"] or {}
+        except (docker.errors.DockerException, requests.RequestException) as e:
+            raise self._broken(e) from e
+        owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
+        return type(self).create(self.spec, self.run_id, client=self._client, labels=owner)
+
+    @property
+    def workdir(self) -> str:
+        """The spec's working directory: where relative paths and one-off commands start."""
+        return self.spec.workdir
 
     # --- commands -------------------------------------------------------------------------------------------------
 
@@ -350,7 +349,7 @@ class Sandbox:
                 shells, self._shells = list(self._shells.values()), {}
             for shell in shells:
                 shell.stream.close()
-            _force_remove(self._client, self.id)
+            force_remove(self._client, self.id)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -375,37 +374,7 @@ class _Shell:
         return text
 
 
-def list_run_containers(run_id: str, client: docker.DockerClient | None = None) -> list[str]:
-    """Ids of every container (running or not) labelled with this run."""
-    client = client or docker_client()
-    return [c.id for c in client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL_RUN}={run_id}"})]
-
-
-def remove_run_containers(run_id: str, client: docker.DockerClient | None = None) -> int:
-    """Force-remove every container of this run (e.g. a crashed driver's) and their volumes; returns how many
-    containers were removed."""
-    client = client or docker_client()
-    removed = sum(_force_remove(client, cid) for cid in list_run_containers(run_id, client))
-    try:  # volumes whose container was removed without v=True
-        for volume in client.api.volumes(filters={"label": f"{LABEL_RUN}={run_id}"}).get("Volumes") or []:
-            try:
-                client.api.remove_volume(volume["Name"], force=True)
-            except docker.errors.APIError:
-                pass  # still in use by a container being removed
-    except (docker.errors.DockerException, requests.RequestException):
-        pass
-    return removed
-
-
 # --- helpers ------------------------------------------------------------------------------------------------------
-
-
-def _force_remove(client: docker.DockerClient, ref: str) -> bool:
-    try:
-        client.api.remove_container(ref, force=True, v=True)
-        return True
-    except Exception:  # already gone, or the daemon is down: nothing left for us to do
-        return False
 
 
 def _result(response: Response, note: str, seconds: float) -> ExecResult:

@@ -1,9 +1,10 @@
 """Sandbox images built locally, without a registry.
 
 Two layers: a Debian base (pulled when a registry answers, otherwise bootstrapped with ``debootstrap`` and ``docker
-import``-ed as ``sandforge/base:bookworm``), and one image per environment built from ``environments/<env>/Dockerfile``
-on top of it. An env image is tagged with a hash of what it is built from (its Dockerfile, the files its COPY/ADD lines
-name, and the base image id), so unchanged sources never rebuild and a changed source can never reuse a stale image.
+import``-ed as ``sandforge/base:bookworm``), and the environments' images built from ``environments/<name>/Dockerfile``
+on top of it: one per env, except the mock apps (slack, notion), which share ``apps``. An env image is tagged with a
+hash of what it is built from (its Dockerfile, the files its COPY/ADD lines name, and the base image id), so unchanged
+sources never rebuild and a changed source can never reuse a stale image.
 
 Python packages inside an image come from a wheelhouse, because pip inside ``docker build`` cannot verify TLS on these
 machines (apt over http works). An env folder that holds ``requirements.txt`` gets one: the host runs ``pip download
@@ -43,7 +44,8 @@ from typing import Callable, Iterator
 import docker
 import docker.errors
 
-from sandforge.environments.sandbox.docker_sandbox import docker_client
+from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.registry import SHARED_IMAGES
 
 BASE_TAG = "sandforge/base:bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
@@ -172,8 +174,13 @@ def env_build_context(env_name: str, envs_dir: Path | None = None) -> Path:
 
 
 def available_envs(envs_dir: Path | None = None) -> list[str]:
-    """Every env folder under ``envs_dir`` (default: environments/) that holds a Dockerfile."""
+    """Every folder under ``envs_dir`` (default: environments/) that holds a Dockerfile: the images there are."""
     return sorted(p.parent.name for p in Path(envs_dir or ENVIRONMENTS_DIR).glob("*/Dockerfile"))
+
+
+def image_name(env_name: str, envs_dir: Path | None = None) -> str:
+    """The image ``env_name`` runs in: its own folder's, or for slack and notion the shared ``apps``."""
+    return env_name if envs_dir is not None else SHARED_IMAGES.get(env_name, env_name)
 
 
 def _copy_sources(dockerfile: str) -> Iterator[str]:
@@ -379,7 +386,8 @@ def build_images(
     mirror: str = DEFAULT_MIRROR,
     contexts: dict[str, Path] | None = None,
 ) -> dict[str, str]:
-    """Ensure the base image and build every requested env image (default: all); returns env name -> image tag.
+    """Ensure the base image and build the images of the requested envs (default: all); returns image name -> tag
+    (slack's and notion's come back as ``apps``).
 
     ``envs_dir`` is the folder holding the env folders (default: the installed ``environments/``). ``contexts`` adds
     images built from other folders (image name -> folder with a Dockerfile: a plugin's, a Harbor task's
@@ -388,7 +396,7 @@ def build_images(
     from rich.console import Console
 
     client = client or docker_client()
-    envs = available_envs(envs_dir) if envs is None else list(envs)
+    envs = available_envs(envs_dir) if envs is None else list(dict.fromkeys(image_name(e, envs_dir) for e in envs))
     for env in envs:
         env_build_context(env, envs_dir)  # fail on a typo before bootstrapping anything
     console = Console(stderr=True, quiet=not show_progress)
@@ -424,7 +432,8 @@ def image_for(
     base_image: str | None = None,
     envs_dir: Path | None = None,
 ) -> str:
-    """The tag the current sources of ``env_name`` produce; raises ImageError if that image was not built."""
+    """The tag the current sources of ``env_name``'s image produce; raises ImageError if that image was not built."""
+    env_name = image_name(env_name, envs_dir)
     client = client or docker_client()
     base = base_image if base_image and _image_id(client, base_image) else BASE_TAG
     missing = ImageError(f"image for env '{env_name}' not built: run `sandforge images build`")

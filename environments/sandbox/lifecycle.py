@@ -1,20 +1,12 @@
-"""Who owns a container, reaping the containers of dead drivers, and retrying a flaky daemon.
+"""Reaping: removing the containers of a run, or of drivers that died, and retrying a flaky daemon meanwhile.
 
-Every sandbox carries ``driver_labels(run_id)``: the host, pid, and pid start time of the driver process that owns its
-run (plus the boot id, so a pid from before a reboot is never taken for a live one). A container whose driver is on
-this host and no longer running is garbage: ``reap_dead_runs`` removes it. A pid alone is not enough, since Linux
-reuses pids; the start time in ``/proc/<pid>/stat`` tells the original process from a later one with the same number.
-
-Compute the labels once, in the driver, and pass the dict to the rollout workers: a worker that computed its own would
-label containers with the worker's pid, and they would be reaped while the run is alive if that worker restarted.
+Who owns a container, and how to tell whether that driver still runs, is in labels.py.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
-import socket
 import time
 from typing import Callable, Iterable, TypeVar
 
@@ -23,71 +15,37 @@ import docker.errors
 import requests
 import urllib3.exceptions
 
-from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN, SandboxError, docker_client
-
-LABEL_HOST = "sandforge.driver.host"
-LABEL_PID = "sandforge.driver.pid"
-LABEL_STARTED = "sandforge.driver.started"  # the pid's start time, clock ticks after boot (field 22 of /proc/pid/stat)
-LABEL_BOOT = "sandforge.driver.boot"
-DRIVER_LABELS = (LABEL_HOST, LABEL_PID, LABEL_STARTED, LABEL_BOOT)
+from sandforge.environments.sandbox.daemon import docker_client, force_remove
+from sandforge.environments.sandbox.labels import LABEL_RUN, driver_alive
+from sandforge.environments.sandbox.spec import SandboxError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-# --- ownership ----------------------------------------------------------------------------------------------------
+# --- reaping -------------------------------------------------------------------------------------------------------
 
 
-def driver_labels(run_id: str) -> dict[str, str]:
-    """Labels that name this process as the owner of ``run_id``'s containers. Call it in the driver process."""
-    pid = os.getpid()
-    started = _start_time(pid)
-    if started is None:  # only without /proc (not Linux): such containers are never taken for a live driver's
-        raise SandboxError(f"cannot read /proc/{pid}/stat: sandforge drivers need Linux's /proc")
-    return {
-        LABEL_RUN: run_id,
-        LABEL_HOST: socket.gethostname(),
-        LABEL_PID: str(pid),
-        LABEL_STARTED: str(started),
-        LABEL_BOOT: _boot_id(),
-    }
+def list_run_containers(run_id: str, client: docker.DockerClient | None = None) -> list[str]:
+    """Ids of every container (running or not) labelled with this run."""
+    client = client or docker_client()
+    return [c.id for c in client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL_RUN}={run_id}"})]
 
 
-def driver_alive(labels: dict[str, str]) -> bool | None:
-    """True/False for a driver on this host; None if the labels name another host (we cannot tell from here).
-
-    Malformed or missing driver labels count as dead: nothing live would own such a container.
-    """
-    try:
-        host, pid, started, boot = (labels[k] for k in DRIVER_LABELS)
-        pid_n, started_n = int(pid), int(started)
-    except (KeyError, ValueError):
-        return False
-    if host != socket.gethostname():
-        return None
-    return boot == _boot_id() and _start_time(pid_n) == started_n
-
-
-def _start_time(pid: int) -> int | None:
-    """The start time of a running (not zombie) ``pid`` in clock ticks after boot; None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # comm, field 2, is in parentheses and may itself hold spaces and ')': split after the last one.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    if len(fields) < 20 or fields[0] in ("Z", "X"):  # a zombie has exited; only its exit status is left
-        return None
-    return int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
+def remove_run_containers(run_id: str, client: docker.DockerClient | None = None) -> int:
+    """Force-remove every container of this run (e.g. a crashed driver's) and their volumes; returns how many
+    containers were removed."""
+    client = client or docker_client()
+    removed = sum(force_remove(client, cid) for cid in list_run_containers(run_id, client))
+    try:  # volumes whose container was removed without v=True
+        for volume in client.api.volumes(filters={"label": f"{LABEL_RUN}={run_id}"}).get("Volumes") or []:
+            try:
+                client.api.remove_volume(volume["Name"], force=True)
+            except docker.errors.APIError:
+                pass  # still in use by a container being removed
+    except (docker.errors.DockerException, requests.RequestException):
+        pass
+    return removed
 
 
 def reap_dead_runs(client: docker.DockerClient | None = None, runs: Iterable[str] | None = None) -> dict[str, int]:

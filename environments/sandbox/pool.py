@@ -21,8 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import docker
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec, docker_client
-from sandforge.environments.sandbox.lifecycle import driver_labels, remove_container, retry_daemon
+from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.labels import driver_labels
+from sandforge.environments.sandbox.lifecycle import remove_container, retry_daemon
 from sandforge.environments.sandbox.stats import SandboxStats
 
 LABEL_ATTEMPT = "sandforge.attempt"  # one creation attempt: finds what a failed attempt left behind

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from sandforge.verifiers.base import VERIFIERS, register
+from sandforge.verifiers.checks import VERIFIERS, register
 
 
 def register_all() -> None:

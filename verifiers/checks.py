@@ -1,4 +1,4 @@
-"""Verifier registry and ``score_task``: run a task's checks against the sandbox after the episode.
+"""Finding a check's verifier, and ``score_task``: run a task's checks against the sandbox after the episode.
 
 A check is plain data in ``Task.checks``: ``{"verifier": name, **arguments}``. Each verifier takes the sandbox and
 those arguments and returns (score in [0, 1], short reason), or (score, reason, parts) where the score has parts worth
@@ -6,14 +6,20 @@ showing (a rubric's items, FAIL_TO_PASS and PASS_TO_PASS fractions): they go int
 ``<check>/<part>``, but only the score counts. Verifiers act through fresh execs (as root), never through the policy's
 shell, so the policy can influence the result only through the state it left behind.
 
-Every check runs within a timeout: its ``timeout`` argument (seconds; default ``DEFAULT_TIMEOUT``, or what the
-verifier registered, e.g. a rubric's sum over its items) sets a deadline. The argument still reaches the verifier, and
-``time_left()`` says what remains: verifiers pass it to their sandbox execs and HTTP calls, so a command the policy
-made hang is killed inside the container in time and scores 0 for itself. The check runs in a worker thread; one that
-has not reported ``REPORT_GRACE`` seconds after its deadline (a verifier stuck in Python, a dead connection) is
-abandoned and the episode fails with a ``VerifierError`` naming the check. Python cannot kill a thread, so such a
-thread lives on as a daemon until whatever it waits for ends (the sandbox it reads is removed with the episode, which
-ends most waits).
+The built-in verifiers are named in sandforge/registry.py (``BUILTIN_VERIFIERS``) and imported when a check first
+names them, so this module imports none of them and they import its helpers; plugins' come from entry points, and
+``register`` adds others at run time (tests, scripts). A verifier states its properties as attributes of its function:
+``partial_credit = True`` (its checks take ``"partial": true``) and ``default_timeout(args)`` (its budget when the
+check names none).
+
+Every check runs within a timeout: its ``timeout`` argument (seconds; default: what the verifier's
+``default_timeout(args)`` says, e.g. a rubric's sum over its items, else ``DEFAULT_TIMEOUT``) sets a deadline. The
+argument still reaches the verifier, and ``time_left()`` says what remains: verifiers pass it to their sandbox execs and
+HTTP calls, so a command the policy made hang is killed inside the container in time and scores 0 for itself. The check
+runs in a worker thread; one that has not reported ``REPORT_GRACE`` seconds after its deadline (a verifier stuck in
+Python, a dead connection) is abandoned and the episode fails with a ``VerifierError`` naming the check. Python cannot
+kill a thread, so such a thread lives on as a daemon until whatever it waits for ends (the sandbox it reads is removed
+with the episode, which ends most waits).
 """
 
 from __future__ import annotations
@@ -24,9 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
-from sandforge.registry import find_verifier
-from sandforge.types import Reward, Task
+from sandforge.registry import BUILTIN_VERIFIERS, find_verifier
+from sandforge.types import Reward, Sandbox, Task
 
 DEFAULT_TIMEOUT = 60.0  # seconds per check
 # What a check may take beyond its timeout before it counts as hung: a command killed at the deadline (TERM, then KILL
@@ -45,8 +50,7 @@ class CheckResult:
 
 
 Verifier = Callable[[Sandbox, dict], Union[tuple[float, str], tuple[float, str, dict]]]
-VERIFIERS: dict[str, Verifier] = {}
-DEFAULT_TIMEOUTS: dict[str, Callable[[dict], float]] = {}  # verifiers whose default budget depends on their arguments
+VERIFIERS: dict[str, Verifier] = {}  # added by ``register``; built-ins and plugins are found in sandforge/registry.py
 
 
 class VerifierError(RuntimeError):
@@ -63,14 +67,15 @@ def _located(message: str) -> VerifierError:
 
 def register(name: str, default_timeout: Callable[[dict], float] | None = None,
              partial: bool = False) -> Callable[[Verifier], Verifier]:
-    """Make ``fn`` the verifier of checks ``{"verifier": name, ...}``. ``default_timeout(args)`` gives the budget of a
-    check that names no ``timeout`` (default ``DEFAULT_TIMEOUT``). ``partial``: its checks take ``"partial": true``
-    (see ``gives_partial_credit``)."""
+    """Make ``fn`` the verifier of checks ``{"verifier": name, ...}`` in this process, ahead of a built-in or plugin of
+    that name. ``default_timeout(args)`` gives the budget of a check that names no ``timeout`` (default
+    ``DEFAULT_TIMEOUT``). ``partial``: its checks take ``"partial": true`` (see ``gives_partial_credit``). Both are set
+    as attributes of ``fn``, as a built-in or plugin verifier sets them itself."""
 
     def add(fn: Verifier) -> Verifier:
         VERIFIERS[name] = fn
         if default_timeout is not None:
-            DEFAULT_TIMEOUTS[name] = default_timeout
+            fn.default_timeout = default_timeout
         if partial:
             fn.partial_credit = True
         return fn
@@ -79,16 +84,20 @@ def register(name: str, default_timeout: Callable[[dict], float] | None = None,
 
 
 def lookup(name: str) -> Verifier | None:
-    """The verifier of checks named ``name``: a registered one, else a plugin's or a built-in env's
-    (sandforge/registry.py); None when there is none."""
+    """The verifier of checks named ``name``: a registered one, else a built-in or a plugin's (sandforge/registry.py,
+    imported on first use); None when there is none."""
     return VERIFIERS.get(name) or find_verifier(name)
 
 
+def known_verifiers() -> list[str]:
+    """The names a check can use without a plugin: the built-ins and the registered ones."""
+    return sorted({*BUILTIN_VERIFIERS, *VERIFIERS})
+
+
 def gives_partial_credit(name: object) -> bool:
-    """Do checks of verifier ``name`` take ``"partial": true`` (credit below 1 for an answer that is close)? Said by
-    ``register(..., partial=True)``, or, for a verifier found beside an environment or in a plugin, by a
-    ``partial_credit = True`` attribute on the function. A verifier that cannot be found or loaded says no here; scoring
-    the check reports why."""
+    """Do checks of verifier ``name`` take ``"partial": true`` (credit below 1 for an answer that is close)? Said by a
+    ``partial_credit = True`` attribute on the verifier's function (``register(..., partial=True)`` sets it). A
+    verifier that cannot be found or loaded says no here; scoring the check reports why."""
     if not isinstance(name, str):
         return False
     try:
@@ -126,7 +135,10 @@ def check_timeout(check: dict) -> float:
             raise VerifierError(f"timeout must be a positive number of seconds, got {value!r}")
         return float(value)
     name = check.get("verifier")
-    default = DEFAULT_TIMEOUTS.get(name) if isinstance(name, str) else None
+    try:
+        default = getattr(lookup(name), "default_timeout", None) if isinstance(name, str) else None
+    except Exception:  # a plugin that fails to load: running the check reports why
+        default = None
     return float(default({k: v for k, v in check.items() if k != "verifier"})) if default else DEFAULT_TIMEOUT
 
 
@@ -153,7 +165,7 @@ def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
     name = check.get("verifier")
     verifier = lookup(name) if isinstance(name, str) else None
     if verifier is None:
-        known = ", ".join(sorted(VERIFIERS)) or "none"
+        known = ", ".join(known_verifiers())
         raise _located(f"{where}: unknown verifier {name!r} (known: {known})")
     where = f"{where} ({name})"
     try:
@@ -238,11 +250,3 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
         reason="; ".join(reasons),
     )
 
-
-# The built-in verifiers register themselves on import.
-from sandforge.verifiers import command as _command  # noqa: E402,F401
-from sandforge.verifiers import file as _file  # noqa: E402,F401
-from sandforge.verifiers import judge as _judge  # noqa: E402,F401
-from sandforge.verifiers import rubric as _rubric  # noqa: E402,F401
-from sandforge.verifiers import state as _state  # noqa: E402,F401
-from sandforge.verifiers import tests as _tests  # noqa: E402,F401

@@ -21,9 +21,8 @@ import uuid
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 
-from sandforge.environments.sandbox.docker_sandbox import LABEL_RUN, Sandbox, docker_client
-from sandforge.environments.sandbox.lifecycle import DRIVER_LABELS
-from sandforge.verifiers.base import VerifierError, register, time_left
+from sandforge.types import Sandbox
+from sandforge.verifiers.checks import VerifierError, time_left
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 MAX_CARRIED_FILES = 200
@@ -143,24 +142,16 @@ def graded_tree(package: str, base: dict[str, str], hidden: dict[str, str], poli
 
 
 def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float | None = None) -> tuple[str | None, str]:
-    """Write ``tree`` into a fresh container like ``sandbox``, run pytest there as root; (JUnit XML or None, output).
+    """Write ``tree`` into ``sandbox.fresh()``, run pytest there as root; (JUnit XML or None, output).
 
     pytest gets ``timeout`` seconds, by default what the check has left (``time_left()``: the check's ``timeout``
-    less the container's start). The container has the episode's image and spec and the same driver labels, so a
-    crash leaves nothing the run's reaper would not remove.
+    less the container's start). The fresh sandbox has the episode's image, limits and owner, and none of what the
+    policy left in ``sandbox``; it is closed here.
     """
-    client = docker_client()
+    grader = sandbox.fresh()
     try:
-        labels = client.api.inspect_container(sandbox.id)["Config"]["Labels"] or {}
-        owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
-        grader = Sandbox.create(sandbox.spec, sandbox.run_id, client=client, labels=owner)
-    except Exception:
-        client.close()
-        raise
-    try:
-        workdir = grader.spec.workdir
         for path, text in tree.items():
-            grader.write_file(posixpath.join(workdir, path), text, user="root")
+            grader.write_file(posixpath.join(grader.workdir, path), text, user="root")
         xml = f"/tmp/sandforge-grade-{uuid.uuid4().hex}.xml"
         timeout = time_left() if timeout is None else timeout
         result = grader.exec(_PYTEST.format(xml=xml), timeout=timeout, user="root", session=False)
@@ -169,18 +160,16 @@ def run_tests_fresh(sandbox: Sandbox, tree: dict[str, str], timeout: float | Non
         return report, output
     finally:
         grader.close()
-        client.close()
 
 
-@register("repo_tests")
-def repo_tests(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
+def repo_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str, dict[str, float]]:
     needed = {"package", "files", "hidden_tests", "fail_to_pass", "pass_to_pass"}
     unknown, missing = set(args) - needed - {"timeout"}, needed - set(args)
     if unknown or missing:
         raise VerifierError(f"repo_tests takes {', '.join(sorted(needed))}[, timeout]; got {sorted(args)}")
     package = args["package"]
     tree = graded_tree(package, args["files"], args["hidden_tests"], policy_package_files(sandbox, package))
-    report, output = run_tests_fresh(sandbox, tree)  # bounded by the check's timeout (verifiers/base.py)
+    report, output = run_tests_fresh(sandbox, tree)  # bounded by the check's timeout (verifiers/checks.py)
     if report is None:
         tail = output.strip().splitlines()[-3:]
         return 0.0, f"pytest wrote no report: {' | '.join(tail)}", {"fail_to_pass": 0.0, "pass_to_pass": 0.0}
