@@ -18,6 +18,6 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 echo "[sandforge] installing sandforge and its dependencies"
 .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v -e "is ignored" -e "^ *$" || true
-.venv/bin/python -c "import sandforge.trainer, sandforge.rollout, sandforge.environments, sandforge.verifiers, sandforge.models, torch, ray, deepspeed, docker, gymnasium, wandb" \
+.venv/bin/python -c "import sandforge.job, sandforge.trainer, sandforge.rollout, sandforge.environments, sandforge.verifiers, sandforge.models, torch, ray, deepspeed, docker, gymnasium, wandb" \
   || { echo "[sandforge] install failed: see the pip output above" >&2; exit 1; }
 bash scripts/ensure_docker.sh
