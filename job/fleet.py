@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -147,8 +148,9 @@ def _raise_interrupt(signum, frame):
 
 
 def _interrupts_raise() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_interrupt)
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _raise_interrupt)
 
 
 @contextlib.contextmanager
@@ -190,8 +192,9 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
         yield fleet
     finally:
         close_fleet(fleet, clean=sys.exc_info()[0] is None)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def close_fleet(fleet: Fleet, clean: bool) -> None:
