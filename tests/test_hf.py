@@ -175,7 +175,8 @@ def test_multi_turn_sequence_equals_a_full_render(policy):
                         "tool_calls": [{"id": call.id, "type": "function",
                                         "function": {"name": "run", "arguments": call.arguments}}]})  # fmt: skip
         history.append({"role": "tool", "content": f"out {turn}\n", "name": "run"})
-    assert seq == chat.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+    assert seq == chat.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
     assert all(f"think {t}" in chat.tokenizer.decode(seq) for t in range(3))
 
 
@@ -196,7 +197,8 @@ def test_observation_delta_extends_the_sequence_exactly(policy):
         {"id": "call_0", "type": "function", "function": {"name": "run", "arguments": {"cmd": "pytest -q"}}}]})
     history += [{"role": "tool", "content": r.content, "name": "run"} for r in results]
     tools_schema = [{"type": "function", "function": tools[0]}]
-    assert seq == tok.apply_chat_template(history, tools=tools_schema, add_generation_prompt=True, tokenize=True)
+    assert seq == tok.apply_chat_template(history, tools=tools_schema, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
     assert "<think>\nI will run them.\n</think>" in tok.decode(seq)  # reasoning stays in the history
     assert chat.render_observations(results, closed=False) == [chat.end_of_turn, *delta]
     msg, errors = chat.parse_assistant(generated)
