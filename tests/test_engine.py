@@ -2,6 +2,7 @@
 that reproduces its log-probabilities, fails bad requests alone, serves Hugging Face models, and runs as a Ray actor."""
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -197,7 +198,11 @@ def test_the_ray_actor_serves_requests_and_takes_weights():
         assert ray.get(engine.load_weights.remote(weights, 7)) == 7
         outs = ray.get([engine.generate.remote(request(p, session_id=f"s{i}")) for i, p in enumerate(PROMPTS[:3])])
         ray.get(engine.close_session.remote("s0"))
-        stats = ray.get(engine.stats.remote())
+        for _ in range(100):  # the engine thread applies a close between two steps, not at once
+            stats = ray.get(engine.stats.remote())
+            if stats["sessions"] == 2:
+                break
+            time.sleep(0.05)
     finally:
         ray.shutdown()
     model = peaky_k3()

@@ -288,7 +288,7 @@ def load_checkpoint(directory: str | Path):
     try:
         hf = "model_type" in json.loads(config_file.read_text())
         model = load_policy(path).eval()
-        chat = load_chat(ModelConfig(arch="hf", path=path) if hf else ModelConfig(init_from=path))
+        chat = load_chat(ModelConfig(arch="hf", path=str(path)) if hf else ModelConfig(init_from=path))
     except Exception as e:  # whatever the loaders say (bad JSON, missing weights or tokenizer): one line, not a trace
         raise ValueError(f"cannot load the checkpoint in {directory}: {e}") from None
     return model, chat.tokenizer
