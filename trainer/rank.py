@@ -100,8 +100,9 @@ class TrainerRank:
             from sandforge.trainer.expert_parallel import optimizer_groups, shard_model
 
             shard_model(policy, self.expert_parallel)
-        # frozen, for the KL metric/penalty. LoRA: the policy itself under a copy of its adapters, not a second model
-        self.reference = AdapterSnapshot(policy) if self.lora else copy.deepcopy(policy).eval().requires_grad_(False)
+        # frozen, for the KL metric/penalty. LoRA: the policy itself under a copy of its adapters, not a second model,
+        # taken below once DeepSpeed has placed and cast the adapters
+        self.reference = None if self.lora else copy.deepcopy(policy).eval().requires_grad_(False)
         if self.expert_parallel > 1:
             params = optimizer_groups(policy)
         else:
@@ -122,6 +123,8 @@ class TrainerRank:
                     set_z3_leaf_modules(policy, [LatentMoE])
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                                                      config=ds_config)
+        if self.lora:
+            self.reference = AdapterSnapshot(self.engine.module)
         self.settings = resolve(trainer, shape.response_budget)
         self.value_head = self.value_optimizer = None
         if self.settings.algorithm.value_head:  # PPO's critic: a linear head on the policy's last hidden state
