@@ -34,8 +34,14 @@ def add_lora(policy: nn.Module, lora: LoraConfig) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
+    layers = None
+    if lora.top_layers is not None:
+        depth = policy.hf_config.get_text_config().num_hidden_layers
+        if lora.top_layers > depth:
+            raise ValueError(f"'model.lora.top_layers' = {lora.top_layers}, but this model has {depth} layers")
+        layers = list(range(depth - lora.top_layers, depth))
     config = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
-                            lora_dropout=lora.dropout)
+                            lora_dropout=lora.dropout, layers_to_transform=layers)
     try:
         inject_adapter_in_model(config, policy.model)
     except ValueError as e:  # peft: no module matched

@@ -101,6 +101,9 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)  # linear layers, by name
     # on the adapters' input, in training forwards only: above 0 the on-policy ratio is no longer exactly 1
     dropout: float = Field(0.0, ge=0, lt=1)
+    # adapters in the model's last N layers only (null: all): the backward pass then stops below them, which on a CPU is
+    # most of a step's cost
+    top_layers: int | None = Field(None, ge=1)
 
 
 class ModelConfig(Section):

@@ -206,6 +206,26 @@ def test_a_checkpoint_saves_the_merged_policy_and_reloads_the_same_next_step(bas
     assert all(torch.equal(v, a.get_weights()[k]) for k, v in b.get_weights().items())
 
 
+def test_top_layers_adapts_only_the_last_layers_and_the_backward_stops_below_them(base_dir):
+    from sandforge.models.build import load_policy
+    from sandforge.models.generate import token_logprobs
+    from sandforge.models.lora import add_lora, adapter_weights
+
+    policy = add_lora(load_policy(base_dir), LoraConfig(top_layers=1))
+    assert {k.split(".")[3] for k in adapter_weights(policy)} == {"1"}  # model.model.layers.<i>...
+    assert len(policy.lora_spec["targets"]) == len(TARGETS)
+    with torch.no_grad():
+        for v in adapter_weights(policy).values():
+            v.normal_(0, 0.1)  # B = 0 would give A no gradient
+    graph = []  # per layer: is its output part of the autograd graph?
+    for layer in policy.model.model.layers:
+        layer.register_forward_hook(lambda m, args, out: graph.append((out[0] if isinstance(out, tuple) else out)
+                                                                      .requires_grad))
+    token_logprobs(policy, IDS, torch.ones_like(IDS))[0].sum().backward()
+    assert graph == [False, True]  # no backward through layer 0, whose weights are all frozen
+    assert all(v.grad is not None and v.grad.abs().sum() > 0 for v in adapter_weights(policy).values())
+
+
 def test_lora_is_refused_where_it_cannot_work(base_dir, tmp_path):
     from sandforge.models.build import load_policy
     from sandforge.models.lora import add_lora
@@ -214,6 +234,8 @@ def test_lora_is_refused_where_it_cannot_work(base_dir, tmp_path):
         add_lora(load_policy(base_dir), LoraConfig(target_modules=["qproj"]))
     with pytest.raises(ValueError, match="lm_head shares its weight with model.model.embed_tokens.weight"):
         add_lora(load_policy(base_dir), LoraConfig(target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="top_layers' = 3, but this model has 2 layers"):
+        add_lora(load_policy(base_dir), LoraConfig(top_layers=3))
     job = tmp_path / "job.yaml"
     for text, needle in [
         (f"model:\n  path: {base_dir}\n  lora: {{r: 4}}\ntrainer:\n  zero_stage: 3\n", "use zero_stage 2"),
