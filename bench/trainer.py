@@ -23,7 +23,7 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
   target >= 0.9. Both pad (packing is measured on its own).
 - packing: train tokens/s of ``TrainerRank.train_step`` with ``trainer.pack_sequences`` on over off, on a batch of
   agentic episode lengths (lognormal: mostly short, a few long); JSON ``packed_vs_padded`` and the forward's slot use.
-- lora_vs_full: train tokens/s (wall clock, ``--lora-threads`` torch threads) of the same RL step
+- lora_vs_full: train tokens/s (wall clock of the median step, ``--lora-threads`` torch threads) of the same RL step
   (``TrainerRank.train_step``: policy forward and backward, the KL reference's forward, the optimizer step) on
   SmolLM2-135M-Instruct (``--smollm2``: a pulled catalogue name or a directory), with ``model.lora`` at its defaults
   over full fine-tuning, same batch (``--lora-rows`` x ``--lora-len`` tokens); JSON ``lora_vs_full``, and
@@ -329,6 +329,7 @@ def lora_vs_full_section(args, table: Table) -> dict:
     """Train tokens/s of one RL step on SmolLM2-135M with LoRA adapters over full fine-tuning: two TrainerRanks in this
     process (same weights, batch and step), their steps alternated so machine noise hits both alike."""
     import os
+    import statistics
     import time
 
     import torch
@@ -364,12 +365,12 @@ def lora_vs_full_section(args, table: Table) -> dict:
             rank.train_step(rows, total, mode="rl")
             if i:
                 timings[name].append(time.perf_counter() - t0)
-    tps = {name: tokens * len(v) / sum(v) for name, v in timings.items()}
+    tps = {name: tokens / statistics.median(v) for name, v in timings.items()}  # the median: a busy neighbour's burst
     ratio, top_ratio = tps["lora"] / tps["full"], tps["lora_top"] / tps["full"]
     lora = LoraConfig()
     table.add_row(f"RL step, full fine-tuning (SmolLM2-135M, {len(rows)} rows, {tokens} tokens, gas 2)",
-                  f"{tps['full']:.0f} tok/s", f"wall clock, {args.lora_threads} threads; {trainable['full'] / 1e6:.1f}M "
-                  "trainable")
+                  f"{tps['full']:.0f} tok/s", f"wall clock, median step, {args.lora_threads} threads; "
+                  f"{trainable['full'] / 1e6:.1f}M trainable")
     table.add_row(f"RL step, LoRA r {lora.r} on {len(lora.target_modules)} projections", f"{tps['lora']:.0f} tok/s",
                   f"lora_vs_full = {ratio:.2f}x; {trainable['lora'] / 1e6:.2f}M trainable")
     table.add_row(f"RL step, the same adapters on the last {args.lora_top_layers} layers only",
