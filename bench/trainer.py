@@ -405,7 +405,8 @@ def main() -> None:
     ap.add_argument("--lora-rows", type=int, default=4, help="lora_vs_full: sequences per step")
     ap.add_argument("--lora-len", type=int, default=512, help="lora_vs_full: tokens of the longest sequence")
     ap.add_argument("--lora-threads", type=int, default=2, help="lora_vs_full: torch threads")
-    ap.add_argument("--lora-top-layers", type=int, default=10, help="lora_vs_full: model.lora.top_layers of its third run")
+    ap.add_argument("--lora-top-layers", type=int, default=10,
+                    help="lora_vs_full: model.lora.top_layers of its third run")
     ap.add_argument("--sections", nargs="+", choices=[s.__name__.removesuffix("_section") for s in SECTIONS],
                     help="run only these sections (default: all)")
     args = ap.parse_args()

@@ -64,7 +64,7 @@ def lora_layers(policy: nn.Module) -> dict[str, nn.Module]:
 
 
 def _refuse_tied(policy: nn.Module, layers: dict[str, nn.Module]) -> None:
-    """A weight shared with another module (tied embeddings) cannot take a merged adapter: the merge would change both."""
+    """A weight shared with another module (tied embeddings) cannot take a merged adapter: merging changes both."""
     names: dict[int, list[str]] = {}
     for name, p in policy.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)

@@ -92,13 +92,14 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoraConfig(Section):
-    """LoRA adapters (peft) on a pretrained (``arch: hf``) policy: only the adapters train and sit in the optimizer, only
-    they travel to the engine (which merges them into its copy of the base), and checkpoints still save the merged
+    """LoRA adapters (peft) on a pretrained (``arch: hf``) policy: only the adapters train and sit in the optimizer,
+    only they travel to the engine (which merges them into its copy of the base), and checkpoints still save the merged
     model. Not for ``arch: k3``, which trains from scratch: a low-rank update of a random base does not teach it."""
 
     r: int = Field(16, ge=1)  # the adapters' rank
     alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / r
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)  # linear layers, by name
+    # the linear layers to adapt, by name (a suffix of the module's path)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
     # on the adapters' input, in training forwards only: above 0 the on-policy ratio is no longer exactly 1
     dropout: float = Field(0.0, ge=0, lt=1)
     # adapters in the model's last N layers only (null: all): the backward pass then stops below them, which on a CPU is

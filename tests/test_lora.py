@@ -15,7 +15,8 @@ pytest.importorskip("peft")
 
 from test_hf import build_tokenizer  # noqa: E402
 
-from sandforge.config import ConfigError, EngineConfig, LoraConfig, ModelConfig, TrainerConfig, load_config  # noqa: E402
+from sandforge.config import (ConfigError, EngineConfig, LoraConfig, ModelConfig, TrainerConfig,  # noqa: E402
+                              load_config)
 from sandforge.job.fleet import free_port  # noqa: E402
 from sandforge.trainer.rank import ADAPTERS_FILE, RolloutShape  # noqa: E402
 
@@ -240,7 +241,8 @@ def test_lora_is_refused_where_it_cannot_work(base_dir, tmp_path):
     for text, needle in [
         (f"model:\n  path: {base_dir}\n  lora: {{r: 4}}\ntrainer:\n  zero_stage: 3\n", "use zero_stage 2"),
         ("model:\n  arch: k3\n  lora: {r: 4}\n", "'model.lora' needs a pretrained policy"),
-        (f"model:\n  path: {base_dir}\n  lora: {{alpah: 4}}\n", "unknown key 'model.lora.alpah' (did you mean 'alpha'?)"),
+        (f"model:\n  path: {base_dir}\n  lora: {{alpah: 4}}\n",
+         "unknown key 'model.lora.alpah' (did you mean 'alpha'?)"),
     ]:
         job.write_text(text)
         with pytest.raises(ConfigError) as err:
