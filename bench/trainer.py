@@ -23,6 +23,11 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
   target >= 0.9. Both pad (packing is measured on its own).
 - packing: train tokens/s of ``TrainerRank.train_step`` with ``trainer.pack_sequences`` on over off, on a batch of
   agentic episode lengths (lognormal: mostly short, a few long); JSON ``packed_vs_padded`` and the forward's slot use.
+- lora_vs_full: train tokens/s (wall clock of the median step, ``--lora-threads`` torch threads) of the same RL step
+  (``TrainerRank.train_step``: policy forward and backward, the KL reference's forward, the optimizer step) on
+  SmolLM2-135M-Instruct (``--smollm2``: a pulled catalogue name or a directory), with ``model.lora`` at its defaults
+  over full fine-tuning, same batch (``--lora-rows`` x ``--lora-len`` tokens); JSON ``lora_vs_full``, and
+  ``lora_top_vs_full`` for adapters on the last ``--lora-top-layers`` layers only (``model.lora.top_layers``).
 
 ``--sections weight_sync deepspeed_vs_torch`` runs only those.
 
@@ -320,8 +325,65 @@ def packing_section(args, table: Table) -> dict:
             "packing_slot_use": {"packed": round(tokens / slots[True], 3), "padded": round(tokens / slots[False], 3)}}
 
 
+def lora_vs_full_section(args, table: Table) -> dict:
+    """Train tokens/s of one RL step on SmolLM2-135M with LoRA adapters over full fine-tuning: two TrainerRanks in this
+    process (same weights, batch and step), their steps alternated so machine noise hits both alike."""
+    import os
+    import statistics
+    import time
+
+    import torch
+
+    from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
+    from sandforge.job.fleet import free_port
+    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sources import local_model_dir
+    from sandforge.trainer.batches import token_batch
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    path = str(local_model_dir(args.smollm2))
+    trainer_cfg = TrainerConfig(grad_accum_steps=2, kl_coef=0.01)
+    shape = RolloutShape(1.0, args.lora_len)
+    loras = {"full": None, "lora": LoraConfig(), "lora_top": LoraConfig(top_layers=args.lora_top_layers)}
+    ranks = {name: TrainerRank(0, 1, "127.0.0.1", free_port(), ModelConfig(path=path, lora=lora), trainer_cfg, shape,
+                               seed=0, num_threads=args.lora_threads)
+             for name, lora in loras.items()}
+    rows = _train_rows(len(ranks["full"].tokenizer), args.lora_rows, args.lora_len)
+    with torch.no_grad():  # on-policy, as the engine would have sampled them (both ranks start from the same weights)
+        logprobs, _ = token_logprobs(ranks["full"].engine.module.eval(), *token_batch(rows))
+    for i, r in enumerate(rows):
+        r["logprobs"] = logprobs[i, : len(r["token_ids"])].tolist()
+        r["advantages"] = [1.0 if i % 2 else -1.0] * len(r["token_ids"])
+    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(len(r["token_ids"]) for r in rows)
+    trainable = {name: sum(p.numel() for p in rank.engine.module.parameters() if p.requires_grad)
+                 for name, rank in ranks.items()}
+    timings: dict[str, list[float]] = {name: [] for name in ranks}
+    for i in range(args.train_steps + 1):  # alternate, so machine noise hits both alike; step 0 warms up
+        for name, rank in ranks.items():
+            t0 = time.perf_counter()
+            rank.train_step(rows, total, mode="rl")
+            if i:
+                timings[name].append(time.perf_counter() - t0)
+    tps = {name: tokens / statistics.median(v) for name, v in timings.items()}  # the median: a busy neighbour's burst
+    ratio, top_ratio = tps["lora"] / tps["full"], tps["lora_top"] / tps["full"]
+    lora = LoraConfig()
+    table.add_row(f"RL step, full fine-tuning (SmolLM2-135M, {len(rows)} rows, {tokens} tokens, gas 2)",
+                  f"{tps['full']:.0f} tok/s", f"wall clock, median step, {args.lora_threads} threads; "
+                  f"{trainable['full'] / 1e6:.1f}M trainable")
+    table.add_row(f"RL step, LoRA r {lora.r} on {len(lora.target_modules)} projections", f"{tps['lora']:.0f} tok/s",
+                  f"lora_vs_full = {ratio:.2f}x; {trainable['lora'] / 1e6:.2f}M trainable")
+    table.add_row(f"RL step, the same adapters on the last {args.lora_top_layers} layers only",
+                  f"{tps['lora_top']:.0f} tok/s",
+                  f"lora_top_vs_full = {top_ratio:.2f}x; {trainable['lora_top'] / 1e6:.2f}M trainable")
+    return {"lora_vs_full": round(ratio, 3), "lora_top_vs_full": round(top_ratio, 3),
+            "lora_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+            "lora_trainable_params": trainable}
+
+
 # Sections run in order; each adds rows to the table and returns its JSON keys.
-SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section]
+SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section,
+            lora_vs_full_section]
 
 
 def main() -> None:
@@ -339,6 +401,12 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--pack-rows", type=int, default=32, help="episodes in the packing section's batch")
     ap.add_argument("--pack-longest", type=int, default=1024, help="longest episode in the packing section")
+    ap.add_argument("--smollm2", default="smollm2-135m", help="lora_vs_full: catalogue name or HF directory")
+    ap.add_argument("--lora-rows", type=int, default=4, help="lora_vs_full: sequences per step")
+    ap.add_argument("--lora-len", type=int, default=512, help="lora_vs_full: tokens of the longest sequence")
+    ap.add_argument("--lora-threads", type=int, default=2, help="lora_vs_full: torch threads")
+    ap.add_argument("--lora-top-layers", type=int, default=10,
+                    help="lora_vs_full: model.lora.top_layers of its third run")
     ap.add_argument("--sections", nargs="+", choices=[s.__name__.removesuffix("_section") for s in SECTIONS],
                     help="run only these sections (default: all)")
     args = ap.parse_args()

@@ -37,10 +37,23 @@ def build_policy(model: ModelConfig, vocab_size: int) -> nn.Module:
     return k3.K3Model(preset_config(model.preset, model.k3, vocab_size))
 
 
+def trainable_policy(model: ModelConfig, vocab_size: int) -> nn.Module:
+    """The policy a trainer rank trains: built from the ``model`` section, or loaded from ``model.init_from``, with LoRA
+    adapters (models/lora.py) when ``model.lora`` is set."""
+    policy = load_policy(model.init_from) if model.init_from else build_policy(model, vocab_size)
+    if model.lora is not None:
+        from .lora import add_lora
+
+        add_lora(policy, model.lora)
+    return policy
+
+
 def policy_config(model: nn.Module) -> dict:
-    """The model's config as plain data, with its ``arch``: enough for ``policy_from_config`` to rebuild it."""
+    """The model's config as plain data, with its ``arch``: enough for ``policy_from_config`` to rebuild it. An adapted
+    policy adds its ``lora`` spec: the engine builds the plain model and merges the adapters each sync sends."""
     if hasattr(model, "source_path"):
-        return {"arch": "hf", "path": model.source_path}
+        lora = getattr(model, "lora_spec", None)
+        return {"arch": "hf", "path": model.source_path} | ({"lora": lora} if lora else {})
     return model.config.to_dict()  # K3Config.to_dict carries arch "k3"
 
 
@@ -64,9 +77,15 @@ def load_policy(directory: str | Path) -> nn.Module:
 
 
 def save_policy(model: nn.Module, directory: str | Path, tokenizer=None, state_dict: dict | None = None) -> Path:
-    """``state_dict`` replaces the model's own (K3 only): the whole model when the model holds one rank's experts."""
+    """``state_dict`` replaces the model's own (K3 only): the whole model when the model holds one rank's experts. An
+    adapted (LoRA) policy is saved merged, as the plain Hugging Face model it amounts to."""
     if hasattr(model, "source_path"):
-        model.save_pretrained(str(directory))
+        if getattr(model, "lora_spec", None):
+            from .lora import save_merged
+
+            save_merged(model, directory)
+        else:
+            model.save_pretrained(str(directory))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(directory))
         return Path(directory)

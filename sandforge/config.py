@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -86,6 +86,27 @@ class EnvironmentConfig(Section):
         return tasks
 
 
+# the projections of llama, qwen and mistral models: attention and MLP (LoRA on every linear layer learns the most per
+# adapter parameter; the output head and embeddings stay frozen)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """LoRA adapters (peft) on a pretrained (``arch: hf``) policy: only the adapters train and sit in the optimizer,
+    only they travel to the engine (which merges them into its copy of the base), and checkpoints still save the merged
+    model. Not for ``arch: k3``, which trains from scratch: a low-rank update of a random base does not teach it."""
+
+    r: int = Field(16, ge=1)  # the adapters' rank
+    alpha: float = Field(32.0, gt=0)  # the update is scaled by alpha / r
+    # the linear layers to adapt, by name (a suffix of the module's path)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    # on the adapters' input, in training forwards only: above 0 the on-policy ratio is no longer exactly 1
+    dropout: float = Field(0.0, ge=0, lt=1)
+    # adapters in the model's last N layers only (null: all): the backward pass then stops below them, which on a CPU is
+    # most of a step's cost
+    top_layers: int | None = Field(None, ge=1)
+
+
 class ModelConfig(Section):
     init_from: Path | None = None  # a directory written by save_pretrained (config.json + model.safetensors)
     tokenizer: str = "bpe"  # "bpe" (shipped, trained on task text), "bytes", or a tokenizer.json path; ignored with init_from
@@ -101,6 +122,7 @@ class ModelConfig(Section):
     # shows no tools it is given (SmolLM2's, plain ChatML)
     tool_format: Literal["auto", "template", "hermes"] = "auto"
     chat_template: Path | None = None  # with arch hf: a .jinja file that replaces the model's own chat template
+    lora: LoraConfig | None = None  # with arch hf: train LoRA adapters instead of every weight; null: full fine-tuning
 
     @model_validator(mode="before")
     @classmethod
@@ -111,6 +133,14 @@ class ModelConfig(Section):
                                  f"{data['arch']!r}: drop model.arch (model.path alone chooses hf) or model.path")
             data = {**data, "arch": "hf"}
         return data
+
+    @model_validator(mode="after")
+    def _lora_needs_hf(self) -> ModelConfig:
+        if self.lora is not None and self.arch != "hf":
+            raise ValueError(f"'model.lora' needs a pretrained policy (model.arch hf, or model.path), not "
+                             f"{self.arch!r}: a K3 model trains from scratch, where adapters on a random base do not "
+                             "help; drop model.lora")
+        return self
 
     def tokenizer_source(self) -> str:
         """A checkpoint carries its own tokenizer; a fresh model uses ``tokenizer``."""
@@ -199,7 +229,7 @@ class TrainerConfig(Section):
     overlong_buffer: int | None = Field(None, ge=0)  # soft overlong penalty over the budget's last N tokens (0: off)
     overlong_penalty: float = Field(1.0, ge=0)  # the penalty at the budget: -overlong_penalty
     world_size: int = Field(1, ge=1)
-    zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel)
+    zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel nor model.lora)
     bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available
     grad_accum_steps: int = Field(2, ge=1)
     # K3 policies: a micro-batch's sequences share forward rows instead of padding to the longest (models/packing.py);
@@ -292,7 +322,9 @@ def _section_keys(loc: tuple) -> list[str]:
         if field is None:
             return []
         ann = field.annotation
-        model = getattr(ann, "__args__", [ann])[0] if getattr(ann, "__origin__", None) is list else ann
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):  # list[Section], Section | None: the section
+            ann = next((a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)), ann)
+        model = ann
     return list(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else []
 
 
@@ -332,7 +364,16 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConfigError(first + more) from None
     check_paths(cfg, source)
+    check_combinations(cfg, source)
     return cfg
+
+
+def check_combinations(cfg: JobConfig, source: str) -> None:
+    """Keys of different sections that cannot go together."""
+    if cfg.model.lora is not None and cfg.trainer.zero_stage == 3:
+        raise ConfigError(f"{source}: 'model.lora' with 'trainer.zero_stage' 3 is not supported (the KL reference runs "
+                          "the policy under other adapters, which ZeRO-3's partitioned parameters do not allow): use "
+                          "zero_stage 2, which with LoRA already keeps only the adapters' optimizer state")
 
 
 def check_paths(cfg: JobConfig, source: str) -> None:

@@ -18,10 +18,14 @@ from pathlib import Path
 import torch
 
 from sandforge.config import ModelConfig, RolloutConfig, TrainerConfig
+from sandforge.models.lora import AdapterSnapshot
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_objective, sft_objective
 from sandforge.trainer.batches import DUMMY_ROW, forward_scores, pad_right, split_micro_batches, token_batch
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, routed_ids
+
+
+ADAPTERS_FILE = "adapters.safetensors"  # a LoRA checkpoint's adapters, beside its merged policy/
 
 
 @dataclass(frozen=True)
@@ -72,14 +76,18 @@ class TrainerRank:
         torch.set_num_threads(num_threads)
         import deepspeed
 
-        from sandforge.models.build import build_policy, load_chat, load_policy
+        from sandforge.models.build import load_chat, trainable_policy
 
         deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = trainer, shape.temperature
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.tokenizer = load_chat(model).tokenizer
-        policy = load_policy(model.init_from) if model.init_from else build_policy(model, len(self.tokenizer))
+        self.lora = model.lora is not None  # only the adapters train, and only they travel to the engine
+        if self.lora and trainer.zero_stage == 3:
+            raise ValueError("model.lora needs trainer.zero_stage 0, 1 or 2 (got 3): the KL reference runs the policy "
+                             "under other adapters, which ZeRO-3's partitioned parameters do not allow")
+        policy = trainable_policy(model, len(self.tokenizer))
         if policy.config.vocab_size < len(self.tokenizer):
             raise ValueError(f"tokenizer {model.tokenizer_source()!r} has {len(self.tokenizer)} ids but the model only "
                              f"{policy.config.vocab_size}")
@@ -92,8 +100,13 @@ class TrainerRank:
             from sandforge.trainer.expert_parallel import optimizer_groups, shard_model
 
             shard_model(policy, self.expert_parallel)
-        self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen, for the KL metric/penalty
-        params = optimizer_groups(policy) if self.expert_parallel > 1 else policy.parameters()
+        # frozen, for the KL metric/penalty. LoRA: the policy itself under a copy of its adapters, not a second model,
+        # taken below once DeepSpeed has placed and cast the adapters
+        self.reference = None if self.lora else copy.deepcopy(policy).eval().requires_grad_(False)
+        if self.expert_parallel > 1:
+            params = optimizer_groups(policy)
+        else:
+            params = [p for p in policy.parameters() if p.requires_grad] if self.lora else policy.parameters()
         optimizer = torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay)
         ds_config = deepspeed_config(trainer, torch.cuda.is_available())
         if self.expert_parallel > 1:
@@ -110,6 +123,8 @@ class TrainerRank:
                     set_z3_leaf_modules(policy, [LatentMoE])
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                                                      config=ds_config)
+        if self.lora:
+            self.reference = AdapterSnapshot(self.engine.module)
         self.settings = resolve(trainer, shape.response_budget)
         self.value_head = self.value_optimizer = None
         if self.settings.algorithm.value_head:  # PPO's critic: a linear head on the policy's last hidden state
@@ -125,6 +140,9 @@ class TrainerRank:
     def reset_reference(self) -> None:
         """Make the current policy the KL reference (after a warm start, RL is measured from there). With ZeRO-3 or
         expert parallelism every rank must call it."""
+        if self.lora:
+            self.reference.take()
+            return
         if self.expert_parallel > 1:  # the reference holds this rank's experts, as the policy does
             self.reference.load_state_dict(self.engine.module.state_dict())
             return
@@ -297,9 +315,14 @@ class TrainerRank:
         return out
 
     def get_weights(self) -> dict[str, torch.Tensor]:
-        """The whole policy's weights on CPU, in fp32 as the engine and a saved policy hold them (bf16 training keeps
-        bf16 copies). With expert parallelism every rank must call it: experts are gathered."""
-        if self.expert_parallel > 1:
+        """What the engine needs of the policy, on CPU, in fp32 as the engine holds it (bf16 training keeps bf16
+        copies): the whole policy's weights, or with LoRA only the adapters (models/lora.py ``adapter_weights``; the
+        engine merges them into its base). With expert parallelism every rank must call it: experts are gathered."""
+        if self.lora:
+            from sandforge.models.lora import adapter_weights
+
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in adapter_weights(self.engine.module).items()}
+        elif self.expert_parallel > 1:
             from sandforge.models.k3.expert_parallel import full_state_dict
 
             weights = full_state_dict(self.engine.module)
@@ -326,11 +349,18 @@ class TrainerRank:
         return policy_config(self.engine.module)
 
     def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
-        """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors)."""
+        """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors). With LoRA
+        the DeepSpeed checkpoint leaves out the frozen base (the config rebuilds it), the policy is saved merged, and
+        the adapters go beside it (``adapters.safetensors``: a later resume's KL reference when this is step 0)."""
         from sandforge.models.build import save_policy
 
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {})
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {},
+                                    exclude_frozen_parameters=self.lora)
         policy_dir = Path(directory) / tag / "policy"
+        if self.lora and self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(self.get_weights(), str(Path(directory) / tag / ADAPTERS_FILE))
         # with expert parallelism or ZeRO-3 a collective: every rank takes part
         whole = self.get_weights() if self.gathers or self.rank == 0 else None
         with self.full_parameters():  # a Hugging Face policy saves its own (gathered) parameters
@@ -352,7 +382,8 @@ class TrainerRank:
         if not (Path(directory) / tag).is_dir():
             raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
         path, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                                         load_lr_scheduler_states=True)
+                                                         load_lr_scheduler_states=True,
+                                                         load_module_strict=not self.lora)  # LoRA: no base saved
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
         extra = torch.load(Path(directory) / tag / f"trainer_rank_{self.rank}.pt", weights_only=False)
@@ -365,13 +396,26 @@ class TrainerRank:
             self.value_head.load_state_dict(extra["value_head"])
             self.value_optimizer.load_state_dict(extra["value_optimizer"])
         if reference:
-            from sandforge.models.build import load_policy
-
-            ref = load_policy(reference)
-            if self.expert_parallel > 1:  # keep this rank's experts, as the live reference does
-                from sandforge.trainer.expert_parallel import shard_model
-
-                shard_model(ref, self.expert_parallel)
-            device = next(self.reference.parameters()).device
-            self.reference.load_state_dict({k: v.to(device) for k, v in ref.state_dict().items()})
+            self._load_reference(reference)
         return client_state or {}
+
+    def _load_reference(self, reference: str) -> None:
+        """The KL reference from the policy directory ``reference`` (LoRA: from the adapters saved beside it)."""
+        from sandforge.models.build import load_policy
+
+        if self.lora:
+            adapters = Path(reference).parent / ADAPTERS_FILE
+            if not adapters.is_file():
+                raise FileNotFoundError(f"no {adapters}: the KL reference of a model.lora run is the adapters saved "
+                                        "beside its step-0 policy; that checkpoint was not written with model.lora")
+            from safetensors.torch import load_file
+
+            self.reference.load_state_dict(load_file(str(adapters)))
+            return
+        ref = load_policy(reference)
+        if self.expert_parallel > 1:  # keep this rank's experts, as the live reference does
+            from sandforge.trainer.expert_parallel import shard_model
+
+            shard_model(ref, self.expert_parallel)
+        device = next(self.reference.parameters()).device
+        self.reference.load_state_dict({k: v.to(device) for k, v in ref.state_dict().items()})

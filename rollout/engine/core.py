@@ -70,7 +70,8 @@ class EngineCore:
         self.interrupt_loads = False  # True: loads swap weights under running sequences (see the module docstring)
         self.busy_seconds = 0.0  # time the engine thread spent working (the rest of the wall time it was idle)
         self.pending: deque[Request] = deque()
-        self.commands: deque[tuple] = deque()  # ("close", id) | ("load", state_dict, version, future, loop, interrupt)
+        # ("close", id) | ("load", state_dict, version, future, loop, interrupt, partial)
+        self.commands: deque[tuple] = deque()
         self.counts: Counter = Counter()
         self._admitting: list = []  # the plan of the admission in progress
         self._closed: set[str] = set()  # sessions closed while a sample of theirs was running
@@ -97,14 +98,21 @@ class EngineCore:
         if self._wake is not None:
             self._wake.set()
 
-    async def load_weights(self, state_dict: dict, version: int, interrupt: bool | None = None) -> int:
+    async def load_weights(self, state_dict: dict, version: int, interrupt: bool | None = None,
+                           partial: bool = False) -> int:
         """New weights and their version. Waits for running sequences to finish, or with ``interrupt`` (default:
         ``interrupt_loads``) re-prefills them under the new weights and lets them go on; drops all cached sessions
-        (their next requests rebuild them by re-prefill)."""
+        (their next requests rebuild them by re-prefill). ``partial``: ``state_dict`` holds only the weights that
+        change (LoRA's merged layers); the rest stay as they are."""
+        if partial:
+            unknown = state_dict.keys() - self.model.state_dict().keys()
+            if unknown:
+                raise ValueError(f"weights for {len(unknown)} name(s) this model does not have (first: "
+                                 f"{sorted(unknown)[0]})")
         loop = self._start()
         future = loop.create_future()
         interrupt = self.interrupt_loads if interrupt is None else interrupt
-        self.commands.append(("load", state_dict, int(version), future, loop, bool(interrupt)))
+        self.commands.append(("load", state_dict, int(version), future, loop, bool(interrupt), partial))
         self._wake.set()
         return await future
 
@@ -206,9 +214,9 @@ class EngineCore:
             elif len(self.batch) and not cmd[5]:
                 waiting.append(cmd)
             else:
-                _, state_dict, version, future, loop, _ = cmd
+                _, state_dict, version, future, loop, _, partial = cmd
                 try:
-                    self.model.load_state_dict(state_dict)
+                    self.model.load_state_dict(state_dict, strict=not partial)
                     self.version = version
                     self.store.clear()
                     if len(self.batch):

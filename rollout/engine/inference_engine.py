@@ -15,7 +15,9 @@ from .core import EngineCore
 
 class InferenceEngine:
     """``policy_config``: the policy's own config (``models.build.policy_config``: its ``arch`` and sizes), from which
-    the engine builds it; weights arrive by ``load_weights`` or ``receive_weights``."""
+    the engine builds it; weights arrive by ``load_weights`` or ``receive_weights``. A config with ``lora`` (the
+    trainer trains LoRA adapters): each load brings the adapters only, merged here into the base weights the engine
+    was built with (models/lora.py ``LoraMerger``, which keeps that base unmerged, so syncs never accumulate)."""
 
     def __init__(self, policy_config: dict, engine: EngineConfig, seed: int = 0, num_threads: int = 1):
         from sandforge.models.build import policy_from_config
@@ -24,6 +26,11 @@ class InferenceEngine:
         model = policy_from_config(policy_config)
         if torch.cuda.is_available():
             model = model.cuda()
+        self.lora = None
+        if policy_config.get("lora"):
+            from sandforge.models.lora import LoraMerger
+
+            self.lora = LoraMerger(model, policy_config["lora"])
         self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed)
 
     async def generate(self, request: dict) -> list[dict]:
@@ -33,6 +40,9 @@ class InferenceEngine:
         self.core.close_session(session_id)
 
     async def load_weights(self, state_dict: dict, version: int, interrupt: bool | None = None) -> int:
+        """The trainer's ``get_weights`` (with LoRA: its adapters) as ``version``; returns the version now served."""
+        if self.lora is not None:
+            return await self.core.load_weights(self.lora.merged(state_dict), version, interrupt, partial=True)
         return await self.core.load_weights(state_dict, version, interrupt)
 
     def set_interrupt_loads(self, interrupt: bool) -> None:
@@ -53,9 +63,9 @@ class InferenceEngine:
         thread, so requests keep being accepted meanwhile."""
         import asyncio
 
-        template = self.core.model.state_dict()
+        template = self.lora.template() if self.lora is not None else self.core.model.state_dict()
         state_dict, version = await asyncio.to_thread(self.channel.receive, template)
-        return await self.core.load_weights(state_dict, version)
+        return await self.load_weights(state_dict, version)
 
     def version(self) -> int:
         """The version of the weights being served (-1 before the first load)."""
