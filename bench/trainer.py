@@ -29,6 +29,10 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
   over full fine-tuning, same batch (``--lora-rows`` x ``--lora-len`` tokens); JSON ``lora_vs_full``, and
   ``lora_top_vs_full`` for adapters on the last ``--lora-top-layers`` layers only (``model.lora.top_layers``).
 
+- precision: train tokens/s of the quickstart's RL step (SmolLM2, LoRA on the top layers) without the KL reference's
+  forward (``trainer.log_kl: false``) over with it, and with DeepSpeed bf16 (``trainer.bf16``) over fp32; JSON
+  ``no_kl_vs_kl``, ``bf16_vs_fp32``.
+
 ``--sections weight_sync deepspeed_vs_torch`` runs only those.
 
 Prints a table, then as the last line a JSON object with the keys of every section.
@@ -381,9 +385,58 @@ def lora_vs_full_section(args, table: Table) -> dict:
             "lora_trainable_params": trainable}
 
 
+def precision_section(args, table: Table) -> dict:
+    """Train tokens/s of the quickstart's RL step (SmolLM2-135M, LoRA on the top ``--lora-top-layers`` layers): as
+    fp32 with the KL reference's forward (the baseline), without it (``trainer.log_kl: false``, kl_coef 0), and with
+    DeepSpeed bf16 (``trainer.bf16``: fp32 master weights) on top; three TrainerRanks in this process, their steps
+    alternated so machine noise hits all alike."""
+    import os
+    import statistics
+    import time
+
+    import torch
+
+    from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
+    from sandforge.job.fleet import free_port
+    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sources import local_model_dir
+    from sandforge.trainer.batches import token_batch
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    model = ModelConfig(path=str(local_model_dir(args.smollm2)), lora=LoraConfig(top_layers=args.lora_top_layers))
+    shape = RolloutShape(1.0, args.lora_len)
+    variants = {"fp32": dict(log_kl=True), "fp32_no_kl": dict(log_kl=False), "bf16_no_kl": dict(log_kl=False, bf16=True)}
+    ranks = {name: TrainerRank(0, 1, "127.0.0.1", free_port(), model,
+                               TrainerConfig(grad_accum_steps=2, kl_coef=0.0, **fields), shape, seed=0,
+                               num_threads=args.lora_threads)
+             for name, fields in variants.items()}
+    rows = _train_rows(len(ranks["fp32"].tokenizer), args.lora_rows, args.lora_len)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(ranks["fp32"].engine.module.eval(), *token_batch(rows))
+    for i, r in enumerate(rows):
+        r["logprobs"] = logprobs[i, : len(r["token_ids"])].tolist()
+        r["advantages"] = [1.0 if i % 2 else -1.0] * len(r["token_ids"])
+    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(len(r["token_ids"]) for r in rows)
+    timings: dict[str, list[float]] = {name: [] for name in ranks}
+    for i in range(args.train_steps + 1):  # step 0 warms up
+        for name, rank in ranks.items():
+            t0 = time.perf_counter()
+            rank.train_step(rows, total, mode="rl")
+            if i:
+                timings[name].append(time.perf_counter() - t0)
+    tps = {name: tokens / statistics.median(v) for name, v in timings.items()}
+    for name in ranks:
+        table.add_row(f"RL step, SmolLM2 LoRA top {args.lora_top_layers}, {name}", f"{tps[name]:.0f} tok/s",
+                      f"{tps[name] / tps['fp32']:.2f}x fp32 with the KL reference's forward")
+    return {"no_kl_vs_kl": round(tps["fp32_no_kl"] / tps["fp32"], 3),
+            "bf16_vs_fp32": round(tps["bf16_no_kl"] / tps["fp32_no_kl"], 3),
+            "precision_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
+
+
 # Sections run in order; each adds rows to the table and returns its JSON keys.
 SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section,
-            lora_vs_full_section]
+            lora_vs_full_section, precision_section]
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ class RunPlan:
         if e.tasks_per_family:
             evals = 1 + (len([s for s in range(start + 1, t.steps) if e.every and s % e.every == 0]))
             evals += 1 if t.steps > start else 0
+            evals += 1 if warm and e.base else 0
             units["episode"] += evals * eval_episodes(cfg)
         return cls(units)
 
@@ -60,7 +61,7 @@ def eval_episodes(cfg: JobConfig) -> int:
                 n += len(families) * cfg.eval.tasks_per_family
         except Exception:  # noqa: BLE001 - an estimate: an env that cannot be opened here counts as nothing
             continue
-    return n * cfg.eval.samples
+    return n * (cfg.eval.samples + cfg.eval.greedy)  # greedy: one more episode per task
 
 
 @dataclass

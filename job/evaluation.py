@@ -46,6 +46,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def stderr(wins: list[float]) -> float:
+    """The standard error of a success rate over these episodes, treated as independent draws (samples of one task are
+    not quite, so this is a lower bound): the spread a second evaluation of the same policy would show from sampling
+    alone. 0 for fewer than two episodes."""
+    n = len(wins)
+    if n < 2:
+        return 0.0
+    p = fmean(wins)
+    return (p * (1 - p) / (n - 1)) ** 0.5
+
+
 def summarize(trajs: list[Trajectory], k: int) -> dict:
     """{"success", "pass@k", "episodes", "failed", "per_env": {env: {...same...}}} over the episodes of held-out tasks
     (grouped by task id; each task should have the same number of samples n >= k)."""
@@ -59,7 +70,8 @@ def summarize(trajs: list[Trajectory], k: int) -> dict:
         passes = [pass_at_k(len(ts), sum(not t.failed and t.reward.success for t in ts), min(k, len(ts)))
                   for ts in tasks.values()]
         return {"success": fmean(wins) if wins else 0.0, "pass@k": fmean(passes) if passes else 0.0,
-                "tasks": len(tasks), "episodes": len(episodes), "failed": sum(t.failed for t in episodes)}
+                "stderr": stderr(wins), "tasks": len(tasks), "episodes": len(episodes),
+                "failed": sum(t.failed for t in episodes)}
 
     envs: dict[str, dict[str, list[Trajectory]]] = defaultdict(dict)
     for task_id, ts in by_task.items():
@@ -68,25 +80,44 @@ def summarize(trajs: list[Trajectory], k: int) -> dict:
 
 
 def metric_row(summary: dict) -> dict[str, float]:
-    """The summary as flat metrics (``eval/success``, ``eval/success/<env>``, ``eval/pass@k/<env>``, ...)."""
+    """The summary as flat metrics (``eval/success``, ``eval/success/<env>``, ``eval/pass@k/<env>``, ...; with a
+    greedy evaluation ``eval/greedy/success`` and ``eval/greedy/success/<env>``)."""
     row = {"eval/success": summary["success"], "eval/pass@k": summary["pass@k"], "eval/k": summary["k"],
-           "eval/failed": summary["failed"]}
+           "eval/failed": summary["failed"], "eval/stderr": summary["stderr"]}
     for env, s in summary["per_env"].items():
         row[f"eval/success/{env}"] = s["success"]
         row[f"eval/pass@k/{env}"] = s["pass@k"]
+    if "greedy" in summary:
+        row["eval/greedy/success"] = summary["greedy"]["success"]
+        for env, s in summary["greedy"]["per_env"].items():
+            row[f"eval/greedy/success/{env}"] = s["success"]
     return row
 
 
-def heldout_episodes(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
-                     tag: str) -> tuple[list[Trajectory], dict]:
-    """Run ``eval.samples`` episodes of each held-out task through ``collect(tasks, groups, scripted, label)`` (groups
-    named ``<tag>/<task id>``, which seeds their sampling); (the episodes, their summary)."""
+def heldout_episodes(cfg: JobConfig, collect: Callable[..., list[Trajectory]], tag: str,
+                     greedy: bool = False) -> tuple[list[Trajectory], dict]:
+    """Run ``eval.samples`` episodes of each held-out task through ``collect(tasks, groups, scripted, label, greedy)``
+    (groups named ``<tag>/<task id>``, which seeds their sampling); (the episodes, their summary). ``greedy``: one
+    episode per task at temperature 0 (more would repeat it)."""
     e = cfg.eval
     tasks = heldout_tasks(cfg.environments, e.tasks_per_family)
-    episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(e.samples)]
+    samples = 1 if greedy else e.samples
+    episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(samples)]
     trajs = collect([x[0] for x in episodes], [x[1] for x in episodes], scripted=False,
-                    label=f"held-out eval: {len(tasks)} tasks x {e.samples}")
-    return trajs, summarize(trajs, e.samples)
+                    label=f"held-out eval{' (greedy)' if greedy else ''}: {len(tasks)} tasks x {samples}",
+                    greedy=greedy)
+    return trajs, summarize(trajs, samples)
+
+
+def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
+               tag: str) -> tuple[list[Trajectory], dict]:
+    """One held-out evaluation as configured: at the rollout temperature, plus greedy with ``eval.greedy`` (its
+    summary under ``"greedy"``, its episodes appended)."""
+    trajs, summary = heldout_episodes(cfg, collect, tag)
+    if cfg.eval.greedy:
+        more, summary["greedy"] = heldout_episodes(cfg, collect, f"{tag}g", greedy=True)
+        trajs += more
+    return trajs, summary
 
 
 def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dict:
@@ -101,10 +132,10 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
     with open_fleet(cfg, make_run_id(f"{cfg.run.name}-eval"), frozenset({"engine", "workers"}),
                     policy=checkpoint_policy(checkpoint)) as fleet, progress() as bar:
 
-        def collect(tasks, groups, scripted, label):
-            return collect_episodes(fleet.workers, tasks, groups, cfg.run.seed, 0, scripted, bar, label)
+        def collect(tasks, groups, scripted, label, greedy=False):
+            return collect_episodes(fleet.workers, tasks, groups, cfg.run.seed, 0, scripted, bar, label, greedy)
 
-        _, summary = heldout_episodes(cfg, collect, "eval")
+        _, summary = evaluation(cfg, collect, "eval")
     summary = {"checkpoint": str(checkpoint), **summary}
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(summary, indent=1) + "\n")
@@ -119,17 +150,23 @@ def summary_table(summary: dict) -> Table:
                         f" episodes")
     for column in ("environment", "tasks", "success (pass@1)", f"pass@{k}", "failed episodes"):
         table.add_column(column)
+    greedy = summary.get("greedy")
+    if greedy:
+        table.add_column("greedy")
     rows = [*summary["per_env"].items(), ("all", summary)]
     for env, s in rows:
-        table.add_row(env, str(s["tasks"]), f"{100 * s['success']:.1f}%", f"{100 * s['pass@k']:.1f}%",
-                      str(s["failed"]))
+        g = greedy if env == "all" else (greedy or {}).get("per_env", {}).get(env)
+        table.add_row(env, str(s["tasks"]), f"{100 * s['success']:.1f}% ± {100 * s['stderr']:.1f}",
+                      f"{100 * s['pass@k']:.1f}%", str(s["failed"]), *([f"{100 * g['success']:.1f}%"] if g else []))
     return table
 
 
 def eval_line(summary: dict) -> str:
     """One evaluation during a run, in one line."""
     envs = "  ".join(f"{env} {s['success']:.2f}" for env, s in summary["per_env"].items())
-    return (f"held-out eval after step {summary['step']}: success {summary['success']:.2f}  "
+    when = "of the pretrained base" if summary.get("base") else f"after step {summary['step']}"
+    greedy = f"  greedy {summary['greedy']['success']:.2f}" if "greedy" in summary else ""
+    return (f"held-out eval {when}: success {summary['success']:.2f} ± {summary['stderr']:.2f}{greedy}  "
             f"pass@{summary['k']} {summary['pass@k']:.2f}  ({envs})")
 
 
@@ -137,14 +174,34 @@ def eval_summary(result: dict) -> str:
     """Before -> after held-out success per environment (an ``EvalRecord``), for the end of a run."""
     if "before" not in result:
         return "held-out eval: nothing measured"
-    b, a = result["before"], result["after"]
-    lines = [f"held-out success (eval.json): {100 * b['success']:.1f}% after step {b['step']} -> "
-             f"{100 * a['success']:.1f}% after step {a['step']} ({result['delta_points']['success']:+.1f} points)"]
+    b, a, base = result["before"], result["after"], result.get("base")
+
+    def pct(s: dict | None, env: str | None = None) -> str:
+        if s is not None and env is not None:
+            s = s["per_env"].get(env)
+        return "—" if s is None else f"{100 * s['success']:.1f}%"
+
+    first = f"{pct(base)} pretrained base -> " if base else ""
+    lines = [f"held-out success (eval.json): {first}{pct(b)} after step {b['step']} -> {pct(a)} after step "
+             f"{a['step']} ({result['delta_points']['success']:+.1f} points over RL)"]
+    if "greedy" in a and "greedy" in b:
+        lines.append(f"  greedy: {pct(b['greedy'])} -> {pct(a['greedy'])} "
+                     f"({result['delta_points']['greedy']:+.1f} points over RL)")
     for env, delta in result["delta_points"]["per_env"].items():
-        before = b["per_env"].get(env, {}).get("success", 0.0)
-        after = a["per_env"].get(env, {}).get("success", 0.0)
-        lines.append(f"  {env}: {100 * before:.1f}% -> {100 * after:.1f}% ({delta:+.1f})")
+        start = f"{pct(base, env)} -> " if base else ""
+        lines.append(f"  {env}: {start}{pct(b, env)} -> {pct(a, env)} ({delta:+.1f})")
     return "\n".join(lines)
+
+
+def points(after: dict, before: dict) -> dict:
+    """after - before in percentage points: overall, per environment, and greedy where both have it."""
+    envs = sorted(set(before["per_env"]) | set(after["per_env"]))
+    out = {"success": round(100 * (after["success"] - before["success"]), 2),
+           "per_env": {env: round(100 * (after["per_env"].get(env, {}).get("success", 0.0)
+                                         - before["per_env"].get(env, {}).get("success", 0.0)), 2) for env in envs}}
+    if "greedy" in after and "greedy" in before:
+        out["greedy"] = points(after["greedy"], before["greedy"])["success"]
+    return out
 
 
 class EvalRecord:
@@ -155,7 +212,9 @@ class EvalRecord:
     def __init__(self, path, k: int, per_family: int):
         self.path = Path(path)
         self.k, self.per_family = k, per_family
-        self.history: list[dict] = json.loads(self.path.read_text())["history"] if self.path.is_file() else []
+        saved = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.history: list[dict] = saved.get("history", [])
+        self.base: dict | None = saved.get("base")  # the pretrained policy before any training (``eval.base``)
 
     def resume_from(self, step: int) -> None:
         """A run resumed after ``step`` RL steps redoes everything after it: evaluations of later steps go."""
@@ -169,18 +228,23 @@ class EvalRecord:
         self.history.append(summary)
         self._write()
 
+    def set_base(self, summary: dict) -> None:
+        self.base = summary
+        self._write()
+
     def as_dict(self) -> dict:
+        """eval.json: ``history``; ``before`` (RL's start: after the warm start) and ``after`` (the last); ``base``
+        (the pretrained policy, with ``eval.base``); ``delta_points``: after - before, in points (RL's own share), and
+        ``over_base``: after - base (all training)."""
         out: dict = {"k": self.k, "tasks_per_family": self.per_family, "history": self.history}
+        if self.base is not None:
+            out["base"] = self.base
         if self.history:
             before, after = self.history[0], self.history[-1]
             out["before"], out["after"] = before, after
-            envs = sorted(set(before["per_env"]) | set(after["per_env"]))
-            out["delta_points"] = {
-                "success": round(100 * (after["success"] - before["success"]), 2),
-                "per_env": {env: round(100 * (after["per_env"].get(env, {}).get("success", 0.0)
-                                              - before["per_env"].get(env, {}).get("success", 0.0)), 2)
-                            for env in envs},
-            }
+            out["delta_points"] = points(after, before)
+            if self.base is not None:
+                out["over_base"] = points(after, self.base)
         return out
 
     def _write(self) -> None:

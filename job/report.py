@@ -24,7 +24,7 @@ class Series:
     x: list[float]
     y: list[float]
     env: str = ""  # colours match across panels by environment
-    style: str = "line"  # "line" | "before" | "after" (eval.json markers)
+    style: str = "line"  # "line" | "dotted" | "base" | "before" | "after" (eval.json markers)
 
 
 @dataclass
@@ -53,13 +53,19 @@ def suffixes(rows: list[dict], prefix: str, skip: tuple[str, ...] = ()) -> list[
                    and "/" not in k[len(prefix):]})
 
 
+BASE_X = -1  # where the pretrained base's markers sit: left of RL step 0 (the warm start's evaluation)
+
+
 def eval_markers(summary: dict) -> list[Series]:
-    """eval.json's before/after held-out success, per environment and overall, as markers on the held-out panel."""
+    """eval.json's held-out success, per environment and overall, as markers on the held-out panel: the pretrained
+    base (left of step 0), the warm start RL begins from (before) and the end of RL (after)."""
     out = []
-    for style in ("before", "after"):
+    for style in ("base", "before", "after"):
         point = summary.get(style)
         if not isinstance(point, dict) or not isinstance(point.get("step"), (int, float)):
             continue
+        if style == "base":
+            point = {**point, "step": BASE_X}
         per_env = point.get("per_env") or {}
         values = {"all": point.get("success")} | {env: v.get("success") for env, v in per_env.items()
                                                   if isinstance(v, dict)}
@@ -76,10 +82,13 @@ def panels(metrics: dict[str, list[dict]], summary: dict) -> list[Panel]:
         success.series += curve(rl, f"success/{env}", env, env)
     if len(success.series) > 1:  # with one environment the overall rate is the same line
         success.series += curve(rl, "success/rate", "all envs", "all")
-    held = Panel("held-out success", "no eval rows in metrics.jsonl and no eval.json")
+    held = Panel("held-out success: base, warm start, RL", "no eval rows in metrics.jsonl and no eval.json")
     for env in suffixes(ev, "eval/success/"):
         held.series += curve(ev, f"eval/success/{env}", env, env)
     held.series += curve(ev, "eval/success", "all envs", "all") + eval_markers(summary)
+    for s in curve(ev, "eval/greedy/success", "all envs, greedy", "all"):
+        s.style = "dotted"
+        held.series.append(s)
 
     def single(title: str, key: str, rows: list[dict], phase: str, x_key: str = "step") -> Panel:
         return Panel(title, f"no {phase} rows with {key} in metrics.jsonl", curve(rows, key, key, x_key=x_key))
@@ -105,7 +114,8 @@ def cold_start(pre: list[dict], warm: list[dict]) -> Panel:
     return panel
 
 
-MARKERS = {"before": "o", "after": "*"}
+MARKERS = {"base": "s", "before": "o", "after": "*"}
+MARKER_LABELS = {"base": "pretrained base", "before": "warm start (RL step 0)", "after": "after RL"}
 SMOOTH_FROM = 20  # points in a curve from which it is drawn smoothed
 
 
@@ -132,19 +142,21 @@ def plot_curves(panel_list: list[Panel]):
             continue
         for s in panel.series:
             color = colors.get(s.env, "C0")
-            if s.style == "line":
+            if s.style == "dotted":
+                ax.plot(s.x, s.y, color=color, label=s.label, linestyle=":", marker=".")
+            elif s.style == "line":
                 y = s.y
                 if len(s.x) >= SMOOTH_FROM:  # the raw values faint, their rolling mean on top
                     ax.plot(s.x, s.y, color=color, alpha=0.25, linewidth=0.8)
                     y = rolling_mean(s.y, max(5, len(s.y) // 10))
                 ax.plot(s.x, y, color=color, label=s.label, marker="." if len(s.x) < SMOOTH_FROM else None,
                         linestyle="--" if s.env == "all" and len(panel.series) > 1 else "-")
-            else:  # eval.json: hollow circle before RL, star after; the legend names the shape once, not per env
+            else:  # eval.json: hollow square for the base, hollow circle before RL, star after; the legend names the shape once, not per env
                 ax.scatter(s.x, s.y, color=color, s=90 if s.style == "after" else 45, zorder=3,
                            marker=MARKERS[s.style], facecolors=color if s.style == "after" else "none")
         styles = [st for st in MARKERS if any(s.style == st for s in panel.series)]
         handles = [Line2D([], [], color="0.4", marker=MARKERS[st], linestyle="", markerfacecolor="none"
-                          if st == "before" else "0.4", label=f"{st} RL (eval.json)") for st in styles]
+                          if st != "after" else "0.4", label=f"{MARKER_LABELS[st]} (eval.json)") for st in styles]
         ax.set_xlabel("warm-start step" if panel.title.startswith("warm-start") else "RL step", fontsize=9)
         ax.grid(alpha=0.3)
         if len(panel.series) > 1:
@@ -173,6 +185,12 @@ def summary_rows(run_dir: Path, metrics: dict[str, list[dict]], summary: dict, e
     rows.append(("episodes recorded", f"{len(episodes)} ({failed} failed)"))
     before, after = summary.get("before") or {}, summary.get("after") or {}
     k = summary.get("k", "k")
+    base = summary.get("base") or {}
+    if base:
+        rows.append(("held-out success, pretrained base", fmt(base.get("success"))))
+    if isinstance(before.get("greedy"), dict) and isinstance(after.get("greedy"), dict):
+        rows.append(("held-out success, greedy", f"{fmt(before['greedy'].get('success'))} → "
+                                                 f"{fmt(after['greedy'].get('success'))}"))
     for env in ["all"] + sorted(set(before.get("per_env") or {}) | set(after.get("per_env") or {})):
         b = before if env == "all" else (before.get("per_env") or {}).get(env, {})
         a = after if env == "all" else (after.get("per_env") or {}).get(env, {})

@@ -20,7 +20,7 @@ from sandforge.config import JobConfig
 from sandforge.job import learner
 from sandforge.job.console import console
 from sandforge.job.eta import RunClock
-from sandforge.job.evaluation import eval_line, heldout_episodes, metric_row
+from sandforge.job.evaluation import eval_line, evaluation, metric_row
 from sandforge.job.fleet import Fleet
 from sandforge.job.rollout_metrics import rollout_metrics
 from sandforge.job.rollout_workers import collect_episodes, worker_gone
@@ -73,11 +73,12 @@ class RLJob:
     def push_weights(self) -> None:
         self.fleet.push_weights(self.version)
 
-    def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str) -> list[Trajectory]:
-        """Spread episodes over the workers and gather them all, failed ones included."""
+    def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str,
+                greedy: bool = False) -> list[Trajectory]:
+        """Spread episodes over the workers and gather them all, failed ones included (``greedy``: at temperature 0)."""
         t0 = time.monotonic()
         trajs = collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
-                                 label)
+                                 label, greedy)
         self.tick("scripted" if scripted else "episode", len(tasks), time.monotonic() - t0)
         return trajs
 
@@ -85,13 +86,16 @@ class RLJob:
         if self.clock is not None:
             self.clock.add(kind, units, seconds)
 
-    def evaluate(self, step: int) -> dict:
+    def evaluate(self, step: int, base: bool = False) -> dict:
         """Held-out success of the current policy after ``step`` RL steps (job/evaluation.py): logged as an ``eval``
-        row and its episodes; returns the summary."""
-        trajs, summary = heldout_episodes(self.cfg, self.collect, f"eval{step}")
-        self.logger.log_trajectories(step, "eval", trajs)
-        summary = {"step": step, "policy_version": self.version, **summary}
-        self.logger.log("eval", {"step": step, **metric_row(summary)})
+        row and its episodes; returns the summary. ``base``: the pretrained policy before any training, logged as an
+        ``eval_base`` row (its own phase: it is no point of the RL curve)."""
+        trajs, summary = evaluation(self.cfg, self.collect, "base" if base else f"eval{step}")
+        phase = "eval_base" if base else "eval"
+        self.logger.log_trajectories(step, phase, trajs)
+        summary = {"step": step, "policy_version": self.version, **({"base": True} if base else {}), **summary}
+        row = metric_row(summary)  # the base's keys are its own, so no RL curve in wandb gets its point
+        self.logger.log(phase, {"step": step, **({f"eval_base/{k[5:]}": v for k, v in row.items()} if base else row)})
         self.bar.console.print(eval_line(summary), soft_wrap=True)
         return summary
 

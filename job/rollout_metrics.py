@@ -9,7 +9,7 @@ from statistics import fmean
 
 from sandforge.types import Trajectory
 
-EPISODE_ENDS = ("submit", "max_turns", "context", "timeout", "error")
+EPISODE_ENDS = ("submit", "text", "max_turns", "context", "timeout", "error")
 TURN_ENDS = ("stop", "length", "context", "timeout")
 FAILURE_KINDS = ("sandbox", "verifier", "engine", "tool", "env", "worker", "error")
 

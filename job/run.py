@@ -13,7 +13,7 @@ from sandforge.job import cold_start
 from sandforge.job.checkpoint import checkpoint_dir, restore_checkpoint, resume_point, save_checkpoint, truncate_jsonl
 from sandforge.job.console import JobError, console, make_run_id, progress
 from sandforge.job.eta import RunClock, RunPlan
-from sandforge.job.evaluation import eval_summary, run_record
+from sandforge.job.evaluation import EvalRecord, eval_summary, run_record
 from sandforge.job.fleet import open_fleet
 from sandforge.job.rl_job import RLJob, rl_steps, step_line
 from sandforge.job.runlog import RunLogger
@@ -90,16 +90,19 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
             logger = RunLogger(out, cfg, run_id, resume=resume)
             job = RLJob(cfg, fleet, logger, bar, RunClock(RunPlan.of(cfg, start, warm=not resume, sft_only=sft_only)))
             bar.console.print(job.clock.line(), soft_wrap=True)
+            record = None if sft_only else run_record(cfg, out, resume, start)
             if resume:
                 restore_checkpoint(job, start)
             else:
+                if record is not None and cfg.eval.base:
+                    record.set_base(job.evaluate(0, base=True))
                 cold_start.before_rl(job)
             if sft_only:
                 policy = checkpoint_dir(out, 0) / "policy"
                 console.print(f"[green]done[/]: SFT checkpoint in {policy}; start RL from it with "
                               f"model.init_from={policy}", soft_wrap=True)
                 return out
-            policy, record = rl_phase(job, bar, out, resume, start)
+            policy = rl_phase(job, bar, record, start)
         if record is not None:
             console.print(eval_summary(record.as_dict()), soft_wrap=True)
         console.print(f"[green]done[/]: metrics in {out / 'metrics.jsonl'}, policy in {policy}", soft_wrap=True)
@@ -115,11 +118,10 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
     return out
 
 
-def rl_phase(job: RLJob, bar, out: Path, resume: bool, start: int):
-    """RL steps ``start`` .. ``trainer.steps`` with their checkpoints and held-out evaluations; (the final policy's
-    directory, the run's eval record or None)."""
+def rl_phase(job: RLJob, bar, record: EvalRecord | None, start: int) -> Path:
+    """RL steps ``start`` .. ``trainer.steps`` with their checkpoints and held-out evaluations (into ``record``, the
+    run's eval.json); returns the final policy's directory."""
     cfg = job.cfg
-    record = run_record(cfg, out, resume, start)
     total, e = cfg.trainer.steps, cfg.eval
     if record is not None and not record.has(start) and (start == 0 or (e.every and start % e.every == 0)):
         record.add(job.evaluate(start))  # before RL: the SFT checkpoint
@@ -137,4 +139,4 @@ def rl_phase(job: RLJob, bar, out: Path, resume: bool, start: int):
     policy = save_checkpoint(job, total)
     if record is not None and total and not record.has(total):
         record.add(job.evaluate(total))
-    return policy, record
+    return policy

@@ -45,13 +45,14 @@ class EpisodeLimits:
     max_tool_calls: int = 8
     max_tool_output: int = 4096  # characters per observation
     tool_grace: float = 60.0  # how long a tool call may outlive the deadline before the episode fails
+    end_on_text: bool = False  # a reply without a tool call ends the episode (``rollout.end_on_text``)
 
     @classmethod
     def from_config(cls, r: RolloutConfig, stop_ids: list[int], tool_grace: float = 60.0) -> EpisodeLimits:
         return cls(max_turns=r.max_turns, max_context=r.max_context, max_new_tokens=r.max_new_tokens,
                    stop_ids=list(stop_ids), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                    episode_timeout=r.episode_timeout, max_tool_calls=r.max_tool_calls,
-                   max_tool_output=r.max_tool_output, tool_grace=tool_grace)
+                   max_tool_output=r.max_tool_output, tool_grace=tool_grace, end_on_text=r.end_on_text)
 
 
 async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimits, group: str, version: int = 0,
@@ -194,6 +195,9 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         message, errors, outcome = await answer_reply(env, chat, ids, limits, deadline)
         traj.messages.append(message)
         turn.tool_calls, turn.parse_errors = message.tool_calls, errors
+        if limits.end_on_text and not message.tool_calls:  # its final answer: graded as the sandbox stands
+            turn.seconds_tools = time.monotonic() - t1
+            return "text"
         turn.seconds_tools = time.monotonic() - t1
         turn.observations = [r.content for r in outcome.results]
         turn.tool_errors, turn.executed, turn.truncated_outputs = outcome.errors, outcome.executed, outcome.truncated

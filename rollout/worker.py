@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sandforge.config import EnvironmentConfig, ModelConfig, RolloutConfig, SandboxConfig
 from sandforge.environments.sandbox.daemon import docker_client
@@ -111,15 +111,18 @@ class RolloutWorker:
             self.executor = ThreadPoolExecutor(r.concurrency * r.max_tool_calls + 4, thread_name_prefix="episode")
             asyncio.get_running_loop().set_default_executor(self.executor)
 
-    async def run_episodes(self, tasks: list[dict], groups: list[str], version: int,
-                           scripted: bool = False, seeds: list[int] | None = None) -> list[dict]:
+    async def run_episodes(self, tasks: list[dict], groups: list[str], version: int, scripted: bool = False,
+                           seeds: list[int] | None = None, greedy: bool = False) -> list[dict]:
         """Run one episode per (task, group) pair, ``rollout.concurrency`` at a time; failures come back as data.
-        ``seeds`` (one per episode) make their sampling reproducible (see ``run_episode``)."""
+        ``seeds`` (one per episode) make their sampling reproducible (see ``run_episode``); ``greedy``: decode at
+        temperature 0 (held-out evaluation of the policy's mode) instead of ``rollout.temperature``."""
         self._threads()
-        return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted, s)
+        limits = replace(self.limits, temperature=0.0) if greedy else self.limits
+        return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted, s, limits)
                                       for t, g, s in zip(tasks, groups, seeds or [None] * len(tasks))))
 
-    async def _episode(self, task: Task, group: str, version: int, scripted: bool, seed: int | None = None) -> dict:
+    async def _episode(self, task: Task, group: str, version: int, scripted: bool, seed: int | None = None,
+                       limits: EpisodeLimits | None = None) -> dict:
         self.episodes += 1
         session = f"{self.run_id}/{self.worker_id}/{group}/{self.episodes}"
         policy = scripted_policy(task, self.chat, version) if scripted else self.policy
@@ -134,8 +137,8 @@ class RolloutWorker:
             else:
                 async with slot:  # backpressure: wait here for a sandbox while sandbox.max_live are in use
                     waited = time.monotonic() - waited
-                    traj = await run_episode(task, env, policy, self.chat, self.limits, group, version, session,
-                                             seed=seed)
+                    traj = await run_episode(task, env, policy, self.chat, limits or self.limits, group, version,
+                                             session, seed=seed)
                 traj.metadata["seconds_sandbox_wait"] = waited
         traj.metadata["worker"] = self.worker_id
         return traj.to_dict()

@@ -161,11 +161,20 @@ class RolloutConfig(Section):
     episode_timeout: float | None = Field(600.0, gt=0)  # wall-clock seconds per episode (null: none); still graded
     max_tool_calls: int = Field(8, ge=1)  # tool calls run per turn; the rest get an error observation
     max_tool_output: int = Field(4096, ge=64)  # characters of each observation kept (head + tail, with a marker)
+    # a reply without a tool call (prose, or cut off before a call was complete) ends the episode, graded as it
+    # stands (finish reason "text"), as a chat agent's final message does; false: the policy is told to call a tool
+    # and the episode goes on
+    end_on_text: bool = False
 
 
 class EngineConfig(Section):
     max_batch_size: int = Field(16, ge=1)  # sequences decoded together
     session_memory_mb: float = Field(1024, gt=0)  # idle episode caches kept between turns; least recently used go first
+    # the dtype the engine serves in; the trainer keeps fp32 weights and sends them, cast on load (LoRA merges in fp32
+    # first). bfloat16: 1.4x the rollout tokens/s of float32 with SmolLM2 on a 2-core CPU with AMX (bench/rollout.py
+    # engine_dtype); the trainer recomputes every log-prob it trains on, so the sampler's rounding only moves the
+    # importance ratio it reports (tis/*)
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class PretrainConfig(Section):
@@ -199,6 +208,8 @@ class EvalConfig(Section):
     tasks_per_family: int = Field(0, ge=0)  # 0: no evaluation
     samples: int = Field(4, ge=1)
     every: int = Field(0, ge=0)  # RL steps between evaluations; 0: only before and after
+    greedy: bool = False  # each evaluation also decodes greedily (one episode per task): what the policy's mode solves
+    base: bool = False  # also evaluate the policy as loaded, before pretraining or the warm start ("base" in eval.json)
 
 
 class TrainerConfig(Section):
@@ -219,6 +230,8 @@ class TrainerConfig(Section):
     kl_coef: float = Field(0.0, ge=0)  # KL(policy || frozen reference), the reference being the policy RL starts from
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in: Literal["loss", "reward"] = "loss"
+    # with kl_coef 0, still run the reference forward to log ``kl``; false skips it (a third of a CPU RL step)
+    log_kl: bool = True
     tis_cap: float | None = Field(2.0, gt=0)  # truncated importance sampling, engine vs trainer log-probs; null: off
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus
     value_coef: float = Field(0.5, ge=0)  # ppo: weight of the value head's loss

@@ -117,7 +117,8 @@ class Trajectory:
     expert ids computed when token p was fed to the model (None where the engine did not report it: prefix-cached
     positions, the last token). A position computed again in a later turn keeps the latest routing.
 
-    ``finish_reason`` says how the episode ended: "submit" (a tool ended it), "max_turns", "context" (no room left in
+    ``finish_reason`` says how the episode ended: "submit" (a tool ended it), "text" (a reply without a tool call,
+    with ``rollout.end_on_text``), "max_turns", "context" (no room left in
     ``rollout.max_context``), "timeout" (``rollout.episode_timeout``; still graded: the verifier judges the sandbox as
     it is) or "error". A failed episode (broken sandbox, engine or verifier) keeps ``failed=True`` and its reason, and
     is excluded from the gradient.

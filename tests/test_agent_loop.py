@@ -162,6 +162,19 @@ def test_parse_errors_and_missing_calls_become_error_observations():
     assert traj.token_ids[end] == CHAT.end and traj.loss_mask[end] == 0
 
 
+@pytest.mark.parametrize("first", ["prose", "cut off"])
+def test_with_end_on_text_a_reply_without_a_call_ends_the_episode_and_is_graded(first):
+    prose = CHAT.tokenizer.encode("I am done here.") + [CHAT.end]
+    cut = reply(ToolCall("echo", {"text": "abcdef"}))[:-8]
+    env = FakeEnv()
+    traj = episode(env, ReplayPolicy([reply(ToolCall("echo", {"text": "hi"})), prose if first == "prose" else cut,
+                                      reply(ToolCall("submit"))]), end_on_text=True)
+    assert traj.finish_reason == "text" and len(traj.turns) == 2 and traj.reward is not None and not traj.failed
+    assert [m.role for m in traj.messages] == ["user", "assistant", "tool", "assistant"]  # no note it never read
+    assert traj.token_ids[-1] == (CHAT.end if first == "prose" else cut[-1]) and traj.loss_mask[-1] == 1
+    assert rollout_metrics([traj])["episodes/finish_text"] == 1.0
+
+
 def test_context_and_turn_limits():
     long = reply(ToolCall("echo", {"text": "x" * 40}))
     traj = episode(FakeEnv(), ReplayPolicy([long] * 10), max_turns=3)

@@ -24,6 +24,8 @@ def test_the_plan_counts_every_kind_of_work():
     assert RunPlan.of(cfg, sft_only=True).units == {"pretrain": 0, "scripted": 16, "sft": 50, "episode": 0, "update": 0}
     resumed = RunPlan.of(cfg, start=10, warm=False)  # after step 10: steps 11, 12 and the last evaluation (+ before)
     assert resumed.units == {"pretrain": 0, "scripted": 0, "sft": 0, "episode": 2 * 12 + 2 * 12, "update": 2}
+    more = RunPlan.of(job(eval={"tasks_per_family": 2, "samples": 3, "every": 5, "greedy": True, "base": True}))
+    assert more.units["episode"] == 12 * 12 + 5 * 2 * 2 * 4  # the base evaluation too; each one greedy as well
     no_eval = RunPlan.of(job(eval={"tasks_per_family": 0}), warm=False)
     assert no_eval.units["episode"] == 12 * 12
 

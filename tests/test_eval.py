@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sandforge.config import EnvironmentConfig
-from sandforge.job.evaluation import EvalRecord, heldout_tasks, metric_row, pass_at_k, summarize
+from sandforge.job.evaluation import EvalRecord, eval_summary, heldout_tasks, metric_row, pass_at_k, summarize
 from sandforge.types import Reward, Task, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,8 @@ def test_summary_per_environment_counts_failed_episodes_as_failures():
              + [_traj("repo", "c", True), _traj("repo", "c", True, failed=True), _traj("repo", "c", False),
                 _traj("repo", "c", True)])
     s = summarize(trajs, k=4)
-    assert s["per_env"]["terminal"] == {"success": 0.125, "pass@k": 0.5, "tasks": 2, "episodes": 8, "failed": 0}
+    assert s["per_env"]["terminal"] == {"success": 0.125, "pass@k": 0.5, "tasks": 2, "episodes": 8, "failed": 0,
+                                        "stderr": pytest.approx((0.125 * 0.875 / 7) ** 0.5)}
     assert s["per_env"]["repo"]["success"] == 0.5 and s["per_env"]["repo"]["failed"] == 1
     assert s["success"] == pytest.approx(3 / 12) and s["tasks"] == 3
     row = metric_row(s)
@@ -61,6 +62,32 @@ def test_eval_record_before_after_and_resume(tmp_path):
     resumed.resume_from(5)  # a run resumed after step 5 redoes step 10's evaluation
     assert [h["step"] for h in json.loads(path.read_text())["history"]] == [0, 5]
     assert resumed.has(5) and not resumed.has(10)
+
+
+def _summary(step: int, success: float, greedy: float | None = None, **envs: float) -> dict:
+    out = {"step": step, "success": success, "pass@k": success, "k": 2,
+           "per_env": {env: {"success": v, "pass@k": v} for env, v in envs.items()}}
+    return out | ({"greedy": _summary(step, greedy, **envs)} if greedy is not None else {})
+
+
+def test_eval_json_keeps_the_base_and_reports_rl_s_share_and_all_training_greedy_included(tmp_path):
+    path = tmp_path / "eval.json"
+    record = EvalRecord(path, k=2, per_family=1)
+    record.set_base(_summary(0, 0.0, 0.0, terminal=0.0, repo=0.0) | {"base": True})
+    record.add(_summary(0, 0.4, 0.5, terminal=0.5, repo=0.3))  # after the warm start: RL begins here
+    record.add(_summary(10, 0.6, 0.75, terminal=0.75, repo=0.45))
+    saved = json.loads(path.read_text())
+    assert saved["base"]["success"] == 0.0 and saved["before"]["step"] == 0 and saved["after"]["step"] == 10
+    assert saved["delta_points"] == {"success": 20.0, "per_env": {"repo": 15.0, "terminal": 25.0}, "greedy": 25.0}
+    assert saved["over_base"] == {"success": 60.0, "per_env": {"repo": 45.0, "terminal": 75.0}, "greedy": 75.0}
+    again = EvalRecord(path, k=2, per_family=1)  # a resumed run keeps the base it measured
+    again.resume_from(0)
+    assert json.loads(path.read_text())["base"]["success"] == 0.0 and "over_base" in json.loads(path.read_text())
+    text = eval_summary(again.as_dict() | {"after": saved["after"], "delta_points": saved["delta_points"]})
+    assert "0.0% pretrained base -> 40.0% after step 0 -> 60.0% after step 10" in text
+    assert "greedy: 50.0% -> 75.0% (+25.0 points over RL)" in text
+    row = metric_row({**_summary(10, 0.6, 0.75, terminal=0.75), "failed": 0, "stderr": 0.1})
+    assert row["eval/greedy/success"] == 0.75 and row["eval/greedy/success/terminal"] == 0.75
 
 
 def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -250,3 +250,21 @@ def test_lora_is_refused_where_it_cannot_work(base_dir, tmp_path):
         assert needle in str(err.value) and "\n" not in str(err.value)
     job.write_text(f"model:\n  path: {base_dir}\n  lora: {{r: 4}}\n")
     assert load_config(job).model.lora.target_modules == TARGETS and load_config(job).model.lora.alpha == 32
+
+
+def test_a_bfloat16_engine_merges_in_fp32_and_serves_the_merged_weights_cast(trained, base_dir):
+    """engine.dtype bfloat16: the adapters are merged into the fp32 base it kept, then cast; nothing accumulates."""
+    from sandforge.models.lora import merged_state_dict
+    from sandforge.rollout.engine import InferenceEngine
+
+    engine = InferenceEngine(trained.model_config_dict(), EngineConfig(max_batch_size=4, session_memory_mb=16,
+                                                                       dtype="bfloat16"), 0, 1)
+    assert {p.dtype for p in engine.core.model.parameters()} == {torch.bfloat16}
+    assert sync(trained, engine, "object_store", 1) == 1
+    merged = merged_state_dict(trained.engine.module)
+    served = engine.core.model.state_dict()
+    for key, value in merged.items():
+        assert torch.equal(served[key], value.to(torch.bfloat16)), key
+    assert sync(trained, engine, "object_store", 2) == 2
+    assert all(torch.equal(engine.core.model.state_dict()[k], v) for k, v in served.items())
+    torch.testing.assert_close(logits(engine.core.model, IDS), logits(trained.engine.module, IDS), atol=0.15, rtol=0)

@@ -85,11 +85,18 @@ def test_curves_follow_the_metrics_rows():
     success = {s.label: s.y for s in panel(p, "success per environment").series}
     assert set(success) == {"terminal", "repo", "all envs"}  # one line per environment, plus the overall rate
     assert success["repo"] == [r["success/repo"] for r in rl]
-    held = panel(p, "held-out success").series
+    held = panel(p, "held-out success: base, warm start, RL").series
     lines = {s.label: (s.x, s.y) for s in held if s.style == "line"}
     assert lines["terminal"] == ([0, 5, 10], [0.3, 0.55, 0.8])  # eval rows
     markers = {s.label: (s.x, s.y) for s in held if s.style != "line"}
     assert markers["terminal before"] == ([0], [0.3]) and markers["all after"] == ([10], [0.7])
+    with_base = {**summary, "base": {**summary["before"], "success": 0.05, "per_env": {"terminal": {"success": 0.1}}}}
+    rows = [{**r, "eval/greedy/success": r["eval/success"] + 0.1} for r in metrics["eval"]]
+    held = panel(panels({**metrics, "eval": rows}, with_base), "held-out success: base, warm start, RL").series
+    marks = {s.label: (s.style, s.x, s.y) for s in held}
+    assert marks["all base"] == ("base", [-1], [0.05]) and marks["terminal base"] == ("base", [-1], [0.1])
+    assert marks["all envs, greedy"][0] == "dotted" and marks["all envs, greedy"][1] == [0, 5, 10]
+    plot_curves(panels({**metrics, "eval": rows}, with_base))  # draws every style
     sft = panel(p, "cold start: pretraining, then SFT loss").series[0]  # the sample run has no pretraining rows
     assert sft.x == [0, 1, 2, 3, 4] and sft.y[0] > sft.y[-1]
     both = panel(panels({"pretrain": [{"pretrain/step": i, "pretrain/loss": 5.0 - i} for i in range(3)],
@@ -119,7 +126,7 @@ def test_panels_without_data_say_so(tmp_path):
     texts = {ax.get_title(): " ".join(t.get_text() for t in ax.texts) for ax in fig.axes}
     assert len(texts) == 8
     assert "no data" in texts["KL to reference"] and "kl" in texts["KL to reference"]
-    assert "no eval rows" in texts["held-out success"]
+    assert "no eval rows" in texts["held-out success: base, warm start, RL"]
     assert "no data" not in texts["cold start: pretraining, then SFT loss"]
     png, page = write_report(tmp_path)
     assert png.read_bytes()[:8] == PNG_MAGIC

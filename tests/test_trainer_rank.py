@@ -198,3 +198,18 @@ def test_a_bf16_step_on_cpu_keeps_log_probs_values_and_moe_biases_in_fp32():
     m1 = r.train_step(rows, total, mode="rl", total_sequences=2)
     m2 = r.train_step(rows, total, mode="rl", total_sequences=2)
     assert m1["grad_norm"] > 0 and m2["value/loss"] < m1["value/loss"] == pytest.approx(0.5)
+
+
+def test_without_kl_weight_or_logging_the_reference_forward_is_skipped():
+    from sandforge.trainer.rank import TrainerRank
+
+    r = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, trainer(kl_coef=0.0, log_kl=False), SHAPE, seed=0,
+                    num_threads=2)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference ran")
+
+    r.reference.forward = refuse
+    rows = make_rows(r, [1.0, -1.0])
+    m = r.train_step(rows, sum(sum(row["loss_mask"]) for row in rows), mode="rl", total_sequences=2)
+    assert m["grad_norm"] > 0 and "kl" not in m

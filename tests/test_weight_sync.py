@@ -89,3 +89,40 @@ def test_a_run_with_collective_sync_and_routing_replay(tmp_path, terminal_image)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["policy/version"]) for r in rows] == [(0, 1), (1, 2)]
     assert all(0.0 <= r["router/mismatch_rate"] <= 1.0 for r in rows)
+
+
+def test_a_bfloat16_engine_takes_the_trainers_fp32_weights_over_the_channel():
+    """engine.dtype bfloat16: the trainer still sends fp32, the engine receives that layout and serves it cast."""
+    import asyncio
+
+    from sandforge.config import EngineConfig
+    from dataclasses import replace
+
+    from sandforge.models.k3.model import PRESETS, K3Model
+    from sandforge.rollout.engine import InferenceEngine
+
+    cfg = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
+    trainer = K3Model(cfg)
+    engine = InferenceEngine({"arch": "k3", **cfg.to_dict()}, EngineConfig(max_batch_size=2, session_memory_mb=8,
+                                                                          dtype="bfloat16"), 0, 1)
+    assert {p.dtype for p in engine.core.model.parameters()} == {torch.bfloat16}
+    port, served = free_port(), []
+
+    async def receive():
+        try:
+            return await engine.receive_weights()
+        finally:
+            await engine.core.shutdown()
+
+    def engine_side():
+        engine.open_weight_channel("127.0.0.1", port)
+        served.append(asyncio.run(receive()))
+
+    t = threading.Thread(target=engine_side)
+    t.start()
+    WeightChannel("127.0.0.1", port, rank=0, timeout_s=60).send(trainer.state_dict(), 3)
+    t.join(60)
+    assert served == [3]
+    got = engine.core.model.state_dict()
+    for k, v in trainer.state_dict().items():
+        assert torch.equal(got[k], v.to(got[k].dtype)), k

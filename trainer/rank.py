@@ -221,8 +221,10 @@ class TrainerRank:
         with RouterRecorder(self.engine.module) as router:
             scores = forward_scores(self.engine, micro, layout, temperature, forced, entropy=True,
                                     hidden=self.value_head is not None)
-        with torch.no_grad():
-            ref = forward_scores(self.reference, micro, layout, temperature).logprobs
+        ref = None  # no reference forward when KL neither weighs in the loss nor is logged (trainer.log_kl)
+        if (self.settings.kl_coef and self.settings.kl_in == "loss") or self.cfg.log_kl:
+            with torch.no_grad():
+                ref = forward_scores(self.reference, micro, layout, temperature).logprobs
         batch = MicroBatch(
             logprobs=scores.logprobs,
             engine_logprobs=pad_right([r["logprobs"] for r in micro], 0.0, torch.float32),

@@ -13,6 +13,11 @@ from sandforge.config import EngineConfig
 from .core import EngineCore
 
 
+def sent_layout(state_dict: dict) -> dict:
+    """What the trainer sends for these weights: fp32 wherever the engine serves floating point in another dtype."""
+    return {k: torch.empty(v.shape, dtype=torch.float32) if v.is_floating_point() else v for k, v in state_dict.items()}
+
+
 class InferenceEngine:
     """``policy_config``: the policy's own config (``models.build.policy_config``: its ``arch`` and sizes), from which
     the engine builds it; weights arrive by ``load_weights`` or ``receive_weights``. A config with ``lora`` (the
@@ -30,7 +35,8 @@ class InferenceEngine:
         if policy_config.get("lora"):
             from sandforge.models.lora import LoraMerger
 
-            self.lora = LoraMerger(model, policy_config["lora"])
+            self.lora = LoraMerger(model, policy_config["lora"])  # keeps the base in fp32: merges lose nothing
+        model = model.to(getattr(torch, engine.dtype))  # loads cast the trainer's fp32 weights (load_state_dict)
         self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed)
 
     async def generate(self, request: dict) -> list[dict]:
@@ -63,7 +69,7 @@ class InferenceEngine:
         thread, so requests keep being accepted meanwhile."""
         import asyncio
 
-        template = self.lora.template() if self.lora is not None else self.core.model.state_dict()
+        template = self.lora.template() if self.lora is not None else sent_layout(self.core.model.state_dict())
         state_dict, version = await asyncio.to_thread(self.channel.receive, template)
         return await self.load_weights(state_dict, version)
 
