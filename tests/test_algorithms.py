@@ -363,3 +363,13 @@ def test_micro_batches_cover_every_row_once():
     assert len(parts) == 2
     assert sorted(len(r["token_ids"]) for p in parts for r in p) == [1, 3, 5, 7, 9]
     assert split_micro_batches(rows[:1], 3)[1:] == [[], []]
+
+
+def test_padded_micro_batches_take_runs_of_similar_length():
+    rows = [{"token_ids": [0] * n} for n in (100, 2400, 300, 2300, 500, 900, 120, 2200)]
+    parts = split_micro_batches(rows, 3, padded=True)
+    assert [[len(r["token_ids"]) for r in p] for p in parts] == [[2400, 2300, 2200], [900, 500, 300], [120, 100]]
+    padded = sum(len(p) * max(len(r["token_ids"]) for r in p) for p in parts)
+    dealt = sum(len(p) * max(len(r["token_ids"]) for r in p) for p in split_micro_batches(rows, 3))
+    assert padded < 0.6 * dealt  # the forward's slots: 10.1k instead of 18.5k
+    assert split_micro_batches(rows[:1], 3, padded=True)[1:] == [[], []]

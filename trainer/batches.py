@@ -46,7 +46,13 @@ def forward_scores(model, rows: list[dict], layout: PackedLayout, temperature: f
                        None if s.hidden is None else unpack(s.hidden))
 
 
-def split_micro_batches(rows: list[dict], n: int) -> list[list[dict]]:
-    """Deal sequences longest-first into n micro-batches so their padded sizes stay close."""
+def split_micro_batches(rows: list[dict], n: int, padded: bool = False) -> list[list[dict]]:
+    """n micro-batches. Packed rows: sequences dealt longest-first, so the micro-batches' sizes stay close. Padded
+    rows (``padded``: every row padded to the micro-batch's longest): runs of similar length, longest first, so short
+    sequences are not padded to a long one's length (agentic episodes range from hundreds to thousands of tokens)."""
     order = sorted(rows, key=lambda r: len(r["token_ids"]), reverse=True)
+    if padded:
+        size, extra = divmod(len(order), n)
+        bounds = [i * size + min(i, extra) for i in range(n + 1)]
+        return [order[bounds[i] : bounds[i + 1]] for i in range(n)]
     return [order[i::n] for i in range(n)]

@@ -182,7 +182,7 @@ class TrainerRank:
         if mode == "rl":  # the warm start keeps the lr set_lr gave it; RL follows the schedule
             self.set_lr(self.rl_lr(self.rl_updates))
         self.engine.train()
-        for micro in split_micro_batches(rows, gas):
+        for micro in split_micro_batches(rows, gas, padded=not self.packs()):
             weight = scale
             if not micro:  # keep every rank's backward count equal
                 micro, weight = [DUMMY_ROW], 0.0
@@ -198,9 +198,13 @@ class TrainerRank:
         self.steps += 1
         return mismatch_rate(self._reduce(stats)) | self._after_step()
 
+    def packs(self) -> bool:
+        """Whether micro-batches pack their sequences (``trainer.pack_sequences``, K3 policies) or pad each to the
+        longest (Hugging Face policies, whose attention cannot keep packed sequences apart on every backend)."""
+        return self.cfg.pack_sequences and getattr(self.engine.module, "pack_align", None) is not None
+
     def layout(self, rows: list[dict]) -> PackedLayout:
-        """How a micro-batch's sequences share forward rows: packed (``trainer.pack_sequences``, K3 policies) or
-        one row each (Hugging Face policies, whose attention cannot keep packed sequences apart on every backend)."""
+        """How a micro-batch's sequences share forward rows (``packs``)."""
         lengths = [len(r["token_ids"]) for r in rows]
         align = getattr(self.engine.module, "pack_align", None)
         if self.cfg.pack_sequences and align is not None:
