@@ -45,7 +45,7 @@ class EpisodeLimits:
     max_tool_calls: int = 8
     max_tool_output: int = 4096  # characters per observation
     tool_grace: float = 60.0  # how long a tool call may outlive the deadline before the episode fails
-    end_on_text: bool = False  # a reply without a tool call ends the episode (``rollout.end_on_text``)
+    end_on_text: bool = False  # a reply of prose alone ends the episode (``rollout.end_on_text``)
 
     @classmethod
     def from_config(cls, r: RolloutConfig, stop_ids: list[int], tool_grace: float = 60.0) -> EpisodeLimits:
@@ -195,7 +195,8 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         message, errors, outcome = await answer_reply(env, chat, ids, limits, deadline)
         traj.messages.append(message)
         turn.tool_calls, turn.parse_errors = message.tool_calls, errors
-        if limits.end_on_text and not message.tool_calls:  # its final answer: graded as the sandbox stands
+        malformed = errors[1:] if finish in ("length", "context") else errors  # beyond the cut-off note: a bad call
+        if limits.end_on_text and not message.tool_calls and not malformed:  # prose: its final answer, graded as is
             turn.seconds_tools = time.monotonic() - t1
             return "text"
         turn.seconds_tools = time.monotonic() - t1

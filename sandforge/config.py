@@ -161,9 +161,9 @@ class RolloutConfig(Section):
     episode_timeout: float | None = Field(600.0, gt=0)  # wall-clock seconds per episode (null: none); still graded
     max_tool_calls: int = Field(8, ge=1)  # tool calls run per turn; the rest get an error observation
     max_tool_output: int = Field(4096, ge=64)  # characters of each observation kept (head + tail, with a marker)
-    # a reply without a tool call (prose, or cut off before a call was complete) ends the episode, graded as it
-    # stands (finish reason "text"), as a chat agent's final message does; false: the policy is told to call a tool
-    # and the episode goes on
+    # a reply of prose alone (no tool call, none malformed; cut off or not) ends the episode, graded as it stands
+    # (finish reason "text"), as a chat agent's final message does; a malformed call still gets its error to fix.
+    # false: prose gets "no tool call found" and the episode goes on
     end_on_text: bool = False
 
 

@@ -162,17 +162,24 @@ def test_parse_errors_and_missing_calls_become_error_observations():
     assert traj.token_ids[end] == CHAT.end and traj.loss_mask[end] == 0
 
 
-@pytest.mark.parametrize("first", ["prose", "cut off"])
-def test_with_end_on_text_a_reply_without_a_call_ends_the_episode_and_is_graded(first):
-    prose = CHAT.tokenizer.encode("I am done here.") + [CHAT.end]
-    cut = reply(ToolCall("echo", {"text": "abcdef"}))[:-8]
+@pytest.mark.parametrize("first", ["prose", "cut-off prose"])
+def test_with_end_on_text_a_reply_of_prose_ends_the_episode_and_is_graded(first):
+    prose = CHAT.tokenizer.encode("I am done here. " * (1 if first == "prose" else 40)) + [CHAT.end]
     env = FakeEnv()
-    traj = episode(env, ReplayPolicy([reply(ToolCall("echo", {"text": "hi"})), prose if first == "prose" else cut,
-                                      reply(ToolCall("submit"))]), end_on_text=True)
+    traj = episode(env, ReplayPolicy([reply(ToolCall("echo", {"text": "hi"})), prose, reply(ToolCall("submit"))]),
+                   end_on_text=True, max_new_tokens=64)
     assert traj.finish_reason == "text" and len(traj.turns) == 2 and traj.reward is not None and not traj.failed
+    assert traj.turns[1].finish_reason == ("stop" if first == "prose" else "length")
     assert [m.role for m in traj.messages] == ["user", "assistant", "tool", "assistant"]  # no note it never read
-    assert traj.token_ids[-1] == (CHAT.end if first == "prose" else cut[-1]) and traj.loss_mask[-1] == 1
+    assert traj.loss_mask[-1] == 1
     assert rollout_metrics([traj])["episodes/finish_text"] == 1.0
+
+
+def test_with_end_on_text_a_malformed_call_still_gets_its_error_and_the_episode_goes_on():
+    cut = reply(ToolCall("echo", {"text": "abcdef"}))[:-8]
+    traj = episode(FakeEnv(), ReplayPolicy([cut, reply(ToolCall("submit"))]), end_on_text=True)
+    assert traj.finish_reason == "submit" and any("not closed" in e for e in traj.turns[0].parse_errors)
+    assert all(o.startswith("Error: ") for o in traj.turns[0].observations)
 
 
 def test_context_and_turn_limits():
