@@ -134,9 +134,11 @@ class TokenScores:
 
 def token_scores(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, temperature: float = 1.0,
-    entropy: bool = False, hidden: bool = False, segment_ids: Tensor | None = None,
+    entropy: bool | str = False, hidden: bool = False, segment_ids: Tensor | None = None,
 ) -> TokenScores:
     """One forward pass over right-padded ``input_ids``: log-probs (and optionally entropies and hidden states).
+    ``entropy``: True gives entropies with grad (an entropy bonus trains on them); "metric" without, so none of the
+    [B, T, vocab] tensors they take are kept for the backward (with a 49k vocabulary they dominate a step's memory).
 
     With ``segment_ids`` (packed sequences, ``models/packing.py``) the rows hold several sequences: a token is scored
     only from the previous token of its own segment, so each sequence's first token gets 0 as in the padded layout."""
@@ -153,8 +155,9 @@ def token_scores(
     lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view_as(targets)
     out = TokenScores(F.pad(lp * keep, (1, 0)), res.aux_loss)
     if entropy:
-        logp = F.log_softmax(logits, dim=-1)
-        out.entropy = F.pad(-(logp.exp() * logp).sum(-1) * keep, (1, 0))
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy != "metric"):
+            logp = F.log_softmax(logits, dim=-1)
+            out.entropy = F.pad(-(logp.exp() * logp).sum(-1) * keep, (1, 0))
     if hidden:
         out.hidden = F.pad(res.hidden[:, :-1] * keep[..., None], (0, 0, 1, 0))
     return out

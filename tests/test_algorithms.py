@@ -355,6 +355,10 @@ def test_token_scores_entropy_and_hidden_line_up_with_the_logprobs():
     assert s.entropy[0, 2].item() == pytest.approx(-(p * p.log()).sum().item(), rel=1e-5)
     assert torch.equal(s.hidden[0, 2], out.hidden[0, 1])
     assert s.entropy[:, 0].eq(0).all() and s.entropy[1, 2:].eq(0).all() and s.hidden[1, 2:].eq(0).all()
+    graded = token_scores(model, ids, attn, temperature=0.5, entropy=True)
+    metric = token_scores(model, ids, attn, temperature=0.5, entropy="metric")  # no grad: nothing kept for backward
+    assert graded.entropy.requires_grad and not metric.entropy.requires_grad and metric.logprobs.requires_grad
+    assert torch.allclose(metric.entropy, s.entropy) and torch.allclose(graded.entropy.detach(), s.entropy)
 
 
 def test_micro_batches_cover_every_row_once():

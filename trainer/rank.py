@@ -223,7 +223,8 @@ class TrainerRank:
         engine_ids = routed_ids(micro, ids.shape[1])  # trainer/routing_replay.py
         forced = engine_ids if self.cfg.routing_replay else None
         with RouterRecorder(self.engine.module) as router:
-            scores = forward_scores(self.engine, micro, layout, temperature, forced, entropy=True,
+            scores = forward_scores(self.engine, micro, layout, temperature, forced,
+                                    entropy=True if self.settings.entropy_coef else "metric",
                                     hidden=self.value_head is not None)
         ref = None  # no reference forward when KL neither weighs in the loss nor is logged (trainer.log_kl)
         if (self.settings.kl_coef and self.settings.kl_in == "loss") or self.cfg.log_kl:
