@@ -147,19 +147,25 @@ def token_scores(
         kwargs["segment_ids"] = segment_ids
         attention_mask = segment_ids > 0
     res = model(input_ids, attention_mask=attention_mask, **kwargs)
-    logits = res.logits[:, :-1].float() / _scale(temperature)  # fp32 log-probs, whatever the weights are in
+    aux_loss, last_hidden, logits = res.aux_loss, res.hidden, res.logits
+    del res  # from here on the [B, T, vocab] tensors are the only large ones, one saved for the backward at a time
+    scale = _scale(temperature)
+    logits = logits.float()  # fp32 log-probs, whatever the weights are in
+    if scale != 1.0:
+        logits = logits / scale
+    logp = F.log_softmax(logits, dim=-1)  # what the backward keeps; the logits themselves go
+    del logits
     targets = input_ids[:, 1:]
-    keep = attention_mask[:, 1:].to(logits.dtype)
+    keep = attention_mask[:, 1:].to(logp.dtype)
     if segment_ids is not None:
-        keep = keep * (segment_ids[:, 1:] == segment_ids[:, :-1]).to(logits.dtype)
-    lp = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none").view_as(targets)
-    out = TokenScores(F.pad(lp * keep, (1, 0)), res.aux_loss)
+        keep = keep * (segment_ids[:, 1:] == segment_ids[:, :-1]).to(logp.dtype)
+    lp = logp[:, :-1].gather(-1, targets[..., None]).squeeze(-1)
+    out = TokenScores(F.pad(lp * keep, (1, 0)), aux_loss)
     if entropy:
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy != "metric"):
-            logp = F.log_softmax(logits, dim=-1)
-            out.entropy = F.pad(-(logp.exp() * logp).sum(-1) * keep, (1, 0))
+            out.entropy = F.pad(-(logp[:, :-1].exp() * logp[:, :-1]).sum(-1) * keep, (1, 0))
     if hidden:
-        out.hidden = F.pad(res.hidden[:, :-1] * keep[..., None], (0, 0, 1, 0))
+        out.hidden = F.pad(last_hidden[:, :-1] * keep[..., None], (0, 0, 1, 0))
     return out
 
 
