@@ -5,7 +5,6 @@ reloaded from it takes the same next step."""
 
 import asyncio
 import os
-import threading
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from engine_sync import push_over_channel  # noqa: E402
 from test_hf import build_tokenizer  # noqa: E402
 
 from sandforge.config import (ConfigError, EngineConfig, LoraConfig, ModelConfig, TrainerConfig,  # noqa: E402
@@ -139,24 +139,12 @@ def sync(rank, engine, mode: str, version: int) -> int:
 
     if mode == "object_store":
         return asyncio.run(load(rank.get_weights()))
-    port, served = free_port(), []
 
-    async def receive():
-        try:
-            return await engine.receive_weights()
-        finally:
-            await engine.core.shutdown()
+    def send(port: int) -> None:
+        rank.open_weight_channel("127.0.0.1", port)
+        rank.send_weights(version)
 
-    def engine_side():
-        engine.open_weight_channel("127.0.0.1", port)
-        served.append(asyncio.run(receive()))
-
-    thread = threading.Thread(target=engine_side)
-    thread.start()
-    rank.open_weight_channel("127.0.0.1", port)
-    rank.send_weights(version)
-    thread.join(60)
-    return served[0]
+    return push_over_channel(engine, send)
 
 
 @pytest.mark.parametrize("mode", ["object_store", "collective"])

@@ -93,11 +93,11 @@ def test_a_run_with_collective_sync_and_routing_replay(tmp_path, terminal_image)
 
 def test_a_bfloat16_engine_takes_the_trainers_fp32_weights_over_the_channel():
     """engine.dtype bfloat16: the trainer still sends fp32, the engine receives that layout and serves it cast."""
-    import asyncio
-
-    from sandforge.config import EngineConfig
     from dataclasses import replace
 
+    from engine_sync import push_over_channel
+
+    from sandforge.config import EngineConfig
     from sandforge.models.k3.model import PRESETS, K3Model
     from sandforge.rollout.engine import InferenceEngine
 
@@ -106,23 +106,11 @@ def test_a_bfloat16_engine_takes_the_trainers_fp32_weights_over_the_channel():
     engine = InferenceEngine({"arch": "k3", **cfg.to_dict()}, EngineConfig(max_batch_size=2, session_memory_mb=8,
                                                                           dtype="bfloat16"), 0, 1)
     assert {p.dtype for p in engine.core.model.parameters()} == {torch.bfloat16}
-    port, served = free_port(), []
 
-    async def receive():
-        try:
-            return await engine.receive_weights()
-        finally:
-            await engine.core.shutdown()
+    def send(port: int) -> None:
+        WeightChannel("127.0.0.1", port, rank=0, timeout_s=60).send(trainer.state_dict(), 3)
 
-    def engine_side():
-        engine.open_weight_channel("127.0.0.1", port)
-        served.append(asyncio.run(receive()))
-
-    t = threading.Thread(target=engine_side)
-    t.start()
-    WeightChannel("127.0.0.1", port, rank=0, timeout_s=60).send(trainer.state_dict(), 3)
-    t.join(60)
-    assert served == [3]
+    assert push_over_channel(engine, send) == 3
     got = engine.core.model.state_dict()
     for k, v in trainer.state_dict().items():
         assert torch.equal(got[k], v.to(got[k].dtype)), k
