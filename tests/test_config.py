@@ -71,7 +71,7 @@ def test_override_parses_yaml_values():
         (["train", "configs/missing.yaml"], "config file not found: configs/missing.yaml"),
         (["train", "configs/quickstart.yaml", "environments=[{name: nowhere}]"], "unknown environment 'nowhere'"),
         (["train", "configs/quickstart.yaml", "environments=[{name: terminal, families: [juggle]}]"], "juggle"),
-        (["train", "configs/quickstart.yaml", "model.k3={d_modle: 64}"], "configs/quickstart.yaml: model.k3.d_modle"),
+        (["train", "configs/k3-scratch.yaml", "model.k3={d_modle: 64}"], "configs/k3-scratch.yaml: model.k3.d_modle"),
     ],
 )
 def test_cli_fails_fast_with_one_line(args, needle):

@@ -21,7 +21,7 @@ BUILTIN = {"terminal", "repo", "slack", "notion", "browser"}
 
 def test_there_is_one_config_per_environment_and_a_mixed_one():
     names = {p.stem for p in CONFIGS}
-    assert {"quickstart", "terminal", "mixed", "repo", "slack", "notion", "browser", "harbor"} <= names
+    assert {"quickstart", "k3-scratch", "terminal", "mixed", "repo", "slack", "notion", "browser", "harbor"} <= names
     mixed = load_config(ROOT / "configs" / "mixed.yaml", [])
     assert {e.name for e in mixed.environments} == BUILTIN
 

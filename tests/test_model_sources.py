@@ -83,7 +83,7 @@ def test_model_path_chooses_the_pretrained_policy_and_contradictions_are_refused
     cfg = load_config(config, [f"model.path={gguf}"])
     assert (cfg.model.arch, cfg.model.path) == ("hf", str(gguf))
     with pytest.raises(ConfigError, match=r"'model.path' = '/nope' is a pretrained model but 'model.arch' is 'k3'"):
-        load_config(ROOT / "configs/quickstart.yaml", ["model.path=/nope"])  # its arch: k3 is written out
+        load_config(ROOT / "configs/k3-scratch.yaml", ["model.path=/nope"])  # its arch: k3 is written out
     with pytest.raises(ConfigError, match=r"'model.path' = '/nope': model.arch hf needs a local Hugging Face model "
                                           r"directory \(with config.json\), a .gguf file or a catalogue name"):
         load_config(config, ["model.path=/nope"])
