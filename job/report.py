@@ -157,7 +157,7 @@ def plot_curves(panel_list: list[Panel]):
         styles = [st for st in MARKERS if any(s.style == st for s in panel.series)]
         handles = [Line2D([], [], color="0.4", marker=MARKERS[st], linestyle="", markerfacecolor="none"
                           if st != "after" else "0.4", label=f"{MARKER_LABELS[st]} (eval.json)") for st in styles]
-        ax.set_xlabel("warm-start step" if panel.title.startswith("warm-start") else "RL step", fontsize=9)
+        ax.set_xlabel("optimizer step" if panel.title.startswith("cold start") else "RL step", fontsize=9)
         ax.grid(alpha=0.3)
         if len(panel.series) > 1:
             ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="best")
