@@ -329,20 +329,43 @@ def packing_section(args, table: Table) -> dict:
             "packing_slot_use": {"packed": round(tokens / slots[True], 3), "padded": round(tokens / slots[False], 3)}}
 
 
-def lora_vs_full_section(args, table: Table) -> dict:
-    """Train tokens/s of one RL step on SmolLM2-135M with LoRA adapters over full fine-tuning: two TrainerRanks in this
-    process (same weights, batch and step), their steps alternated so machine noise hits both alike."""
-    import os
+def _rl_tokens_per_s(ranks: dict, rows: list[dict], steps: int) -> dict[str, float]:
+    """Train tokens/s of each rank's RL step on the same on-policy rows (log-probs of the first rank, which all start
+    from the same weights), their steps alternated so machine noise hits all alike; step 0 warms up; the median step
+    (a busy neighbour's burst skews a mean)."""
     import statistics
     import time
 
     import torch
 
+    from sandforge.models.generate import token_logprobs
+    from sandforge.trainer.batches import token_batch
+
+    first = next(iter(ranks.values()))
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(first.engine.module.eval(), *token_batch(rows))
+    for i, r in enumerate(rows):
+        r["logprobs"] = logprobs[i, : len(r["token_ids"])].tolist()
+        r["advantages"] = [1.0 if i % 2 else -1.0] * len(r["token_ids"])
+    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(len(r["token_ids"]) for r in rows)
+    timings: dict[str, list[float]] = {name: [] for name in ranks}
+    for i in range(steps + 1):
+        for name, rank in ranks.items():
+            t0 = time.perf_counter()
+            rank.train_step(rows, total, mode="rl")
+            if i:
+                timings[name].append(time.perf_counter() - t0)
+    return {name: tokens / statistics.median(v) for name, v in timings.items()}
+
+
+def lora_vs_full_section(args, table: Table) -> dict:
+    """Train tokens/s of one RL step on SmolLM2-135M with LoRA adapters over full fine-tuning: two TrainerRanks in this
+    process (same weights, batch and step), their steps alternated so machine noise hits both alike."""
+    import os
+
     from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
     from sandforge.job.fleet import free_port
-    from sandforge.models.generate import token_logprobs
     from sandforge.models.sources import local_model_dir
-    from sandforge.trainer.batches import token_batch
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -354,22 +377,10 @@ def lora_vs_full_section(args, table: Table) -> dict:
                                seed=0, num_threads=args.lora_threads)
              for name, lora in loras.items()}
     rows = _train_rows(len(ranks["full"].tokenizer), args.lora_rows, args.lora_len)
-    with torch.no_grad():  # on-policy, as the engine would have sampled them (both ranks start from the same weights)
-        logprobs, _ = token_logprobs(ranks["full"].engine.module.eval(), *token_batch(rows))
-    for i, r in enumerate(rows):
-        r["logprobs"] = logprobs[i, : len(r["token_ids"])].tolist()
-        r["advantages"] = [1.0 if i % 2 else -1.0] * len(r["token_ids"])
-    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(len(r["token_ids"]) for r in rows)
+    tokens = sum(len(r["token_ids"]) for r in rows)
     trainable = {name: sum(p.numel() for p in rank.engine.module.parameters() if p.requires_grad)
                  for name, rank in ranks.items()}
-    timings: dict[str, list[float]] = {name: [] for name in ranks}
-    for i in range(args.train_steps + 1):  # alternate, so machine noise hits both alike; step 0 warms up
-        for name, rank in ranks.items():
-            t0 = time.perf_counter()
-            rank.train_step(rows, total, mode="rl")
-            if i:
-                timings[name].append(time.perf_counter() - t0)
-    tps = {name: tokens / statistics.median(v) for name, v in timings.items()}  # the median: a busy neighbour's burst
+    tps = _rl_tokens_per_s(ranks, rows, args.train_steps)
     ratio, top_ratio = tps["lora"] / tps["full"], tps["lora_top"] / tps["full"]
     lora = LoraConfig()
     table.add_row(f"RL step, full fine-tuning (SmolLM2-135M, {len(rows)} rows, {tokens} tokens, gas 2)",
@@ -391,16 +402,10 @@ def precision_section(args, table: Table) -> dict:
     DeepSpeed bf16 (``trainer.bf16``: fp32 master weights) on top; three TrainerRanks in this process, their steps
     alternated so machine noise hits all alike."""
     import os
-    import statistics
-    import time
-
-    import torch
 
     from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
     from sandforge.job.fleet import free_port
-    from sandforge.models.generate import token_logprobs
     from sandforge.models.sources import local_model_dir
-    from sandforge.trainer.batches import token_batch
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -411,21 +416,8 @@ def precision_section(args, table: Table) -> dict:
                                TrainerConfig(grad_accum_steps=2, kl_coef=0.0, **fields), shape, seed=0,
                                num_threads=args.lora_threads)
              for name, fields in variants.items()}
-    rows = _train_rows(len(ranks["fp32"].tokenizer), args.lora_rows, args.lora_len)
-    with torch.no_grad():
-        logprobs, _ = token_logprobs(ranks["fp32"].engine.module.eval(), *token_batch(rows))
-    for i, r in enumerate(rows):
-        r["logprobs"] = logprobs[i, : len(r["token_ids"])].tolist()
-        r["advantages"] = [1.0 if i % 2 else -1.0] * len(r["token_ids"])
-    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(len(r["token_ids"]) for r in rows)
-    timings: dict[str, list[float]] = {name: [] for name in ranks}
-    for i in range(args.train_steps + 1):  # step 0 warms up
-        for name, rank in ranks.items():
-            t0 = time.perf_counter()
-            rank.train_step(rows, total, mode="rl")
-            if i:
-                timings[name].append(time.perf_counter() - t0)
-    tps = {name: tokens / statistics.median(v) for name, v in timings.items()}
+    tps = _rl_tokens_per_s(ranks, _train_rows(len(ranks["fp32"].tokenizer), args.lora_rows, args.lora_len),
+                           args.train_steps)
     for name in ranks:
         table.add_row(f"RL step, SmolLM2 LoRA top {args.lora_top_layers}, {name}", f"{tps[name]:.0f} tok/s",
                       f"{tps[name] / tps['fp32']:.2f}x fp32 with the KL reference's forward")
