@@ -12,8 +12,9 @@ from sandforge.config import EngineConfig, JobConfig, RunConfig
 
 
 class ActorEngine:
-    """The engine contract (``async generate(request) -> list[dict]``, ``stats()``) over the engine actor; the
-    engine's own errors (a request too long for the context) come back as themselves, not wrapped by Ray."""
+    """The engine contract (``async generate(request) -> list[dict]``, ``stats()``, ``async load_weights``) over the
+    engine actor; the engine's own errors (a request too long for the context, weights of another model) come back as
+    themselves, not wrapped by Ray."""
 
     def __init__(self, handle) -> None:
         self.handle = handle
@@ -23,6 +24,16 @@ class ActorEngine:
 
         try:
             return await self.handle.generate.remote(request)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from None
+
+    async def load_weights(self, state_dict: dict, version: int) -> int:
+        """``POST /update_weights_from_disk``: the engine serves ``state_dict`` as ``version`` once its running
+        requests are done."""
+        import ray
+
+        try:
+            return await self.handle.load_weights.remote(state_dict, version)
         except ray.exceptions.RayTaskError as e:
             raise e.cause from None
 

@@ -138,7 +138,10 @@ def test_remote_engine_reproduces_the_embedded_engine(server, embedded, tokenize
         assert_same(got, want)
     for got, expected in zip(got_stop, want_stop):
         assert_same(got, expected)
-    assert got_greedy[0]["routed_experts"] is None and got_greedy[0]["version"] == want["version"]
+    # what routing replay needs crosses the wire: the experts of every token fed, and each token's weight version
+    assert want["routed_experts"] and got_greedy[0]["routed_experts"] == want["routed_experts"]
+    assert got_greedy[0]["version"] == want["version"] == 0
+    assert got_greedy[0]["token_versions"] == want["token_versions"] == [0] * 10
 
 
 def test_a_seeded_request_samples_what_the_embedded_engine_samples(server, embedded, tokenizer):
@@ -243,13 +246,60 @@ def test_remote_engine_errors_say_what_is_missing_and_where():
                     await engine.generate({"prompt_ids": [5, 6], "max_tokens": 2})
                 with pytest.raises(RemoteEngineError, match=re.escape(f"{url}/v1/completions -> HTTP 400: prompt too")):
                     await engine.generate({"prompt_ids": [1], "max_tokens": 2})
-                with pytest.raises(NotImplementedError, match="cannot push weights"):
+                with pytest.raises(NotImplementedError, match="takes weights from disk"):
                     await engine.load_weights({}, 1)
         finally:
             await runner.cleanup()
-        async with RemoteEngine(url, model="stub", timeout=5) as engine:  # the stub is gone now
-            with pytest.raises(RemoteEngineError, match="cannot reach the server"):
+        async with RemoteEngine(url, model="stub", timeout=5, retries=1) as engine:  # the stub is gone now
+            with pytest.raises(RemoteEngineError, match=r"cannot reach the server .*\(2 attempts\)"):
                 await engine.generate({"prompt_ids": [5], "max_tokens": 2})
+
+    asyncio.run(run())
+
+
+def test_a_server_that_answers_5xx_is_asked_again_a_bounded_number_of_times():
+    """5xx and unreachable: asked again ``retries`` times, then one line naming the URL and the status; a 4xx (the
+    request is wrong) is not asked again."""
+    calls = []
+
+    async def completions(request):
+        body = await request.json()
+        calls.append(body["prompt"])
+        if body["prompt"] == [7] and len(calls) < 3:  # two failures, then an answer
+            return web.Response(status=503, text="warming up")
+        if body["prompt"] == [8]:
+            return web.json_response({"error": {"message": "engine crashed"}}, status=500)
+        if body["prompt"] == [9]:
+            return web.json_response({"error": {"message": "bad prompt"}}, status=400)
+        choice = {"index": 0, "text": "", "finish_reason": "length", "token_ids": [3],
+                  "logprobs": {"tokens": ["x"], "token_logprobs": [-0.5]}}
+        return web.json_response({"choices": [choice], "usage": {}})
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with RemoteEngine(url, model="stub", retries=2) as engine:
+                [got] = await engine.generate({"prompt_ids": [7], "max_tokens": 1})
+                assert got["token_ids"] == [3] and len(calls) == 3
+                assert got["version"] == -1  # a server that reports no version: the one pushed last (none yet)
+                engine.version = 4
+                assert (await engine.generate({"prompt_ids": [7], "max_tokens": 1}))[0]["version"] == 4
+                calls.clear()
+                with pytest.raises(RemoteEngineError) as crashed:
+                    await engine.generate({"prompt_ids": [8], "max_tokens": 1})
+                assert len(calls) == 3 and "\n" not in str(crashed.value)
+                assert str(crashed.value) == f"POST {url}/v1/completions -> HTTP 500: engine crashed (3 attempts)"
+                calls.clear()
+                with pytest.raises(RemoteEngineError, match="HTTP 400: bad prompt$"):
+                    await engine.generate({"prompt_ids": [9], "max_tokens": 1})
+                assert len(calls) == 1
+        finally:
+            await runner.cleanup()
 
     asyncio.run(run())
 
@@ -281,3 +331,54 @@ def test_a_hugging_face_checkpoint_serves_text_with_its_own_tokenizer(tmp_path):
     assert choice["prompt_token_ids"] == tokenizer.encode("def main():") and choice["token_ids"] == want["token_ids"]
     shown = want["token_ids"][:-1] if want["finish_reason"] == "stop" else want["token_ids"]
     assert choice["text"] == tokenizer.decode(shown) and choice["logprobs"]["token_logprobs"] == want["logprobs"]
+
+
+def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, checkpoint, tokenizer, tmp_path):
+    """``POST /update_weights_from_disk`` (SGLang's request) swaps the served weights: the answer, /v1/models,
+    /get_weight_version and every token report the new version, and generation is the new policy's. A directory
+    that is no policy, or another model's, is refused in one line and the old weights keep serving. (Last in the file:
+    it puts the module server's first weights back at the end.)"""
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    save_policy(build_policy(ModelConfig(), len(tokenizer)), other, tokenizer=tokenizer)
+    bigger = tmp_path / "bigger"  # another shape: what the server serves cannot take it
+    save_policy(build_policy(ModelConfig(k3={"d_model": 96}), len(tokenizer)), bigger, tokenizer=tokenizer)
+    greedy = {"prompt_ids": prompt_of(tokenizer, "cat notes.txt"), "max_tokens": 8, "temperature": 0.0, "stop_ids": []}
+    policy = load_policy(other)
+    want = asyncio.run(_generate_with(policy, greedy))
+
+    async def run():
+        async with RemoteEngine(server) as engine:
+            before = (await engine.generate(greedy))[0]
+            assert await engine.update_weights(str(other), 5, "sandforge") == 5
+            after = (await engine.generate(greedy))[0]
+            with pytest.raises(RemoteEngineError, match=r"update_weights_from_disk -> HTTP 400: could not load .*nope: no config.json there"):
+                await engine.update_weights(str(tmp_path / "nope"), 6, "sandforge")
+            with pytest.raises(RemoteEngineError, match=r"HTTP 400: could not load .*bigger: .*size mismatch"):
+                await engine.update_weights(str(bigger), 6, "sandforge")
+            still = (await engine.generate(greedy))[0]
+            return before, after, still
+
+    try:
+        before, after, still = asyncio.run(run())
+        assert before["version"] == 0 and after["version"] == 5 and after["token_versions"] == [5] * 8
+        assert_same(after, want) and after["token_ids"] != before["token_ids"]
+        assert still["version"] == 5 and still["token_ids"] == after["token_ids"]
+        assert get(server + "/get_weight_version") == (200, {"weight_version": "5"})
+        assert get(server + "/v1/models")[1]["data"][0]["weight_version"] == "5"
+        status, answer = post(server + "/update_weights_from_disk", {"weight_version": 7})
+        assert status == 400 and "`model_path` is required" in answer["error"]["message"]
+    finally:
+        status, answer = post(server + "/update_weights_from_disk", {"model_path": str(checkpoint),
+                                                                      "weight_version": "0"})
+    assert status == 200 and answer == {"success": True, "num_paused_requests": 0, "weight_version": "0",
+                                        "message": f"loaded {checkpoint} as weight version 0"}
+
+
+async def _generate_with(policy, request: dict) -> dict:
+    engine = EngineCore(policy, seed=0)
+    await engine.load_weights(policy.state_dict(), 5)
+    try:
+        return (await engine.generate(request))[0]
+    finally:
+        await engine.shutdown()

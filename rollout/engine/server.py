@@ -7,8 +7,14 @@ completions come back as token ids too (``choices[i].token_ids`` and ``prompt_to
 than ignored: no streaming, no echo, no stop strings (stop on ``stop_token_ids``), and only the
 sampled token's logprob (``logprobs`` 0 or 1; ``top_logprobs`` is null). Extensions: ``session_id`` names an engine
 session, so a multi-turn client that resends its growing sequence reuses the cache; the response's ``sandforge`` object
-carries the policy version and each choice's cache use. ``seed`` is the engine's per-request seed: the same request
-samples the same tokens whatever else the server is batching (choice i draws from a generator seeded from it).
+carries the policy version and, per choice, its cache use, the version behind each token and (from an MoE policy) the
+experts each fed token was routed to, so routing replay works through the server. ``seed`` is the engine's per-request
+seed: the same request samples the same tokens whatever else the server is batching (choice i draws from a generator
+seeded from it).
+
+New weights, as SGLang takes them: ``POST /update_weights_from_disk`` with ``model_path`` (a policy directory the
+trainer wrote) and ``weight_version`` loads it once the running requests are done and answers ``success``, ``message``
+and the ``weight_version`` now served; ``GET /get_weight_version`` and ``/v1/models`` report it too.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 20  # token-id prompts of long contexts are large JSON
-ROUTES = "POST /v1/completions, GET /v1/models, GET /health"
+ROUTES = ("POST /v1/completions, GET /v1/models, GET /health, POST /update_weights_from_disk, "
+          "GET /get_weight_version")
 # Fields that would change the completion if honoured, with the values that mean "off".
 UNSUPPORTED = {
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
@@ -50,13 +57,18 @@ class RequestError(Exception):
 
 @dataclass
 class Served:
-    engine: Any  # EngineCore, or anything with its ``async generate(request) -> list[dict]`` and ``stats()``
+    # EngineCore, or anything with its ``async generate(request) -> list[dict]``, ``stats()`` and
+    # ``async load_weights(state_dict, version) -> int``
+    engine: Any
     name: str
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos_id: int | None
     vocab_size: int
     max_len: int | None
+    # name -> shape of every weight the engine serves: an update from disk must match it (a mismatched load would
+    # leave the engine half-loaded)
+    layout: dict[str, tuple[int, ...]] | None = None
 
 
 def served_from(engine, model, tokenizer, name: str) -> Served:
@@ -66,8 +78,9 @@ def served_from(engine, model, tokenizer, name: str) -> Served:
         encode, eos = (lambda text: [tokenizer.bos_id, *tokenizer.encode(text)]), tokenizer.eos_id
     else:
         encode, eos = tokenizer.encode, tokenizer.eos_token_id  # HF: adds the model's own special tokens
+    layout = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     return Served(engine, name, encode, tokenizer.decode, eos, int(config.vocab_size),
-                  getattr(config, "max_seq_len", None))
+                  getattr(config, "max_seq_len", None), layout)
 
 
 @dataclass
@@ -205,7 +218,8 @@ async def complete(served: Served, req: Completion) -> dict:
             if req.return_token_ids:
                 choice["token_ids"], choice["prompt_token_ids"] = ids, prompt
             choices.append(choice)
-            mine.append({k: r[k] for k in ("version", "cached_tokens", "prefill_tokens")})
+            mine.append({k: r[k] for k in ("version", "cached_tokens", "prefill_tokens", "token_versions",
+                                           "routed_experts") if r.get(k) is not None})
     prompt_tokens = sum(len(p) for p in req.prompts)
     completion_tokens = sum(len(r["token_ids"]) for results in outs for r in results)
     cached = sum(min(r["cached_tokens"] for r in results) for results in outs)  # what the cache held before the call
@@ -249,7 +263,58 @@ async def _errors(request: web.Request, handler):
         return _error(500, f"the engine failed: {type(e).__name__}: {e}", None, "server_error")
 
 
-def build_app(served: Served) -> web.Application:
+async def engine_stats(served: Served) -> dict:
+    stats = served.engine.stats()
+    return await stats if inspect.isawaitable(stats) else stats
+
+
+def _update_request(body) -> tuple[Path, int | None]:
+    """``model_path`` and ``weight_version`` of an ``/update_weights_from_disk`` body (SGLang's other fields, such as
+    ``flush_cache`` or ``abort_all_requests``, change nothing here: a load always waits for the running requests and
+    empties the cache)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise RequestError("`model_path` is required: the policy directory to load (config.json and weights)",
+                           "model_path")
+    version = body.get("weight_version")
+    if version is not None and not (isinstance(version, int) and not isinstance(version, bool)):
+        if not (isinstance(version, str) and version.isdigit()):
+            raise RequestError(f"`weight_version` must be a non-negative integer (or its digits), got {version!r}",
+                               "weight_version")
+        version = int(version)
+    if version is not None and version < 0:
+        raise RequestError(f"`weight_version` must be a non-negative integer, got {version}", "weight_version")
+    return Path(path), version
+
+
+def _policy_weights(path: Path, layout: dict[str, tuple[int, ...]] | None) -> dict:
+    """The state dict of the policy in ``path``; ValueError says why it cannot be loaded, or why it is not a policy
+    of the ``layout`` served."""
+    from sandforge.models.build import load_policy
+
+    if not (path / "config.json").is_file():
+        raise ValueError("no config.json there: not a policy directory (is it on a filesystem this server sees?)")
+    try:
+        state_dict = {k: v.detach() for k, v in load_policy(path).state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - whatever the loader says, in one line
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    if layout is not None:
+        missing, unknown = sorted(layout.keys() - state_dict.keys()), sorted(state_dict.keys() - layout.keys())
+        if missing or unknown:
+            raise ValueError(f"another model: {len(missing)} weight(s) missing (first: {(missing or ['-'])[0]}), "
+                             f"{len(unknown)} this server does not have (first: {(unknown or ['-'])[0]})")
+        for name, shape in layout.items():
+            if tuple(state_dict[name].shape) != shape:
+                raise ValueError(f"another model: size mismatch for {name}: {list(state_dict[name].shape)} in the "
+                                 f"files, {list(shape)} served")
+    return state_dict
+
+
+def build_app(served: Served, announce: Callable[[str], Any] | None = None) -> web.Application:
+    """The server's routes; ``announce`` hears one line per weight update."""
+    loading = asyncio.Lock()  # one weight update at a time
     async def completions(request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
@@ -261,17 +326,45 @@ def build_app(served: Served) -> web.Application:
 
     async def models(request: web.Request) -> web.Response:
         card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "sandforge",
-                "root": served.name, "max_model_len": served.max_len}
+                "root": served.name, "max_model_len": served.max_len,
+                "weight_version": str((await engine_stats(served))["version"])}
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(request: web.Request) -> web.Response:
-        stats = served.engine.stats()
-        return web.json_response({"status": "ok", **(await stats if inspect.isawaitable(stats) else stats)})
+        return web.json_response({"status": "ok", **(await engine_stats(served))})
+
+    async def update_weights(request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            raise RequestError(f"the request body is not valid JSON: {e}") from None
+        path, version = _update_request(body)
+        async with loading:
+            if version is None:
+                version = int((await engine_stats(served))["version"]) + 1
+            try:
+                state_dict = await asyncio.to_thread(_policy_weights, path, served.layout)
+                served_version = await served.engine.load_weights(state_dict, version)
+            except (ValueError, RuntimeError) as e:  # the wrong model for this server, unreadable files
+                message = f"could not load {path}: {' '.join(str(e).split())[:1000]}"
+                if announce is not None:
+                    announce(message)
+                return web.json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
+        message = f"loaded {path} as weight version {served_version}"
+        if announce is not None:
+            announce(message)
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0,
+                                  "weight_version": str(served_version)})
+
+    async def weight_version(request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str((await engine_stats(served))["version"])})
 
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_post("/update_weights_from_disk", update_weights)
+    app.router.add_get("/get_weight_version", weight_version)
     return app
 
 
@@ -297,7 +390,7 @@ def load_checkpoint(directory: str | Path):
 async def serve(served: Served, host: str = "127.0.0.1", port: int = 8000,
                 announce: Callable[[str], Any] = print) -> None:
     """Listen on ``host:port`` (0: any free port) and answer with ``served`` until SIGINT/SIGTERM."""
-    runner = web.AppRunner(build_app(served), access_log=None)
+    runner = web.AppRunner(build_app(served, announce), access_log=None)
     await runner.setup()
     try:
         try:
