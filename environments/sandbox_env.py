@@ -7,22 +7,27 @@ session (a service they start keeps running). Subclasses add tools; none are dec
 
 ``sandbox_defaults``: SandboxSpec fields this env needs beyond the job's ``sandbox`` config (e.g. a browser's memory);
 the rollout worker applies them over the config when it builds the env's pool.
+
+``score``: the grader ``(sandbox, task) -> Reward`` that the step ending the episode reports as its reward (what
+``gymnasium.make`` gives, see ``gym_registry.py``: the same ``score_task`` the agent loop grades with). Without it,
+as in the rollout worker, ``step``'s reward stays 0.0 and the agent loop grades the episode itself afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import posixpath
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import docker
 
-from sandforge.environments.base import ToolEnv
+from sandforge.environments.base import ObservationText, ToolEnv
 from sandforge.environments.sandbox.daemon import docker_client
 from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
 from sandforge.environments.sandbox.labels import driver_labels
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
-from sandforge.types import ExecResult, Task
+from sandforge.types import ExecResult, Reward, Task
 
 
 class SandboxEnv(ToolEnv):
@@ -30,7 +35,9 @@ class SandboxEnv(ToolEnv):
 
     With ``pool``, sandboxes come from it (its spec wins; ``spec`` should match it) and ``client`` and ``labels`` are
     unused. Without one, the env creates its own, labelled with ``labels`` (default: this process's ``driver_labels``).
-    Exec latency and exec failures go to ``stats`` (default: the pool's stats, if any).
+    The spec in use is ``sandbox_spec``; ``spec`` is gymnasium's (the ``EnvSpec`` that ``gymnasium.make`` sets).
+    Exec latency and exec failures go to ``stats`` (default: the pool's stats, if any). ``score``, ``max_steps`` and
+    ``max_observation``: see the module's and ``ToolEnv``'s docstrings.
     """
 
     sandbox_defaults: ClassVar[dict[str, Any]] = {}
@@ -45,10 +52,17 @@ class SandboxEnv(ToolEnv):
         pool: SandboxPool | None = None,
         stats: SandboxStats | None = None,
         labels: dict[str, str] | None = None,
+        *,
+        score: Callable[[Sandbox, Task], Reward] | None = None,
+        max_steps: int | None = None,
+        max_observation: int | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(max_steps=max_steps, max_observation=max_observation)
+        if max_observation is not None:  # the instruction is the first observation, and it is never cut
+            self.observation_space = ObservationText(max(max_observation, len(task.instruction)))
+        self.score = score
         self.task = task
-        self.spec = pool.spec if pool is not None else spec
+        self.sandbox_spec = pool.spec if pool is not None else spec
         self.run_id = run_id
         self.exec_timeout = exec_timeout
         self.pool = pool
@@ -72,10 +86,10 @@ class SandboxEnv(ToolEnv):
         else:
             self._client = self._client or docker_client()  # one client for all of this env's episodes
             labels = self._labels or driver_labels(self.run_id)
-            self._sandbox = Sandbox.create(self.spec, self.run_id, client=self._client, labels=labels)
+            self._sandbox = Sandbox.create(self.sandbox_spec, self.run_id, client=self._client, labels=labels)
         try:
             for path, content in self.task.setup.get("files", {}).items():
-                self._sandbox.write_file(posixpath.join(self.spec.workdir, path), content)
+                self._sandbox.write_file(posixpath.join(self.sandbox_spec.workdir, path), content)
         except (OSError, ValueError) as e:
             self.close()
             raise SandboxError(f"task {self.task.id}: setup could not write its files: {e}") from e
@@ -86,6 +100,20 @@ class SandboxEnv(ToolEnv):
                 raise SandboxError(f"task {self.task.id}: setup command {command!r} exited {result.exit_code}: "
                                    f"{result.output[-200:]}")
         return self.task.instruction, {"task_id": self.task.id, "sandbox": self._sandbox.name}
+
+    def episode_reward(self, info: dict) -> float:
+        """The verifiers' grade of the sandbox as the episode left it, by ``score`` (0.0 without one). A grader that
+        fails (a broken sandbox, a check that cannot run) gives 0.0 and says why in ``info["failure"]``, as the agent
+        loop marks such an episode failed; the reward itself goes to ``info["reward"]``."""
+        if self.score is None:
+            return 0.0
+        try:
+            reward = self.score(self.sandbox, self.task)
+        except Exception as e:  # noqa: BLE001 - a broken verifier or sandbox fails the episode, not the caller
+            info["failure"] = f"{type(e).__name__}: {e}"
+            return 0.0
+        info["reward"] = dataclasses.asdict(reward)
+        return float(reward.value)
 
     def close(self) -> None:
         """Remove the episode's container (back to the pool, which removes it, when there is one). Never raises."""
@@ -112,5 +140,5 @@ class SandboxEnv(ToolEnv):
         return result
 
     def _truncate(self, text: str) -> str:
-        limit = self.spec.max_output_bytes
+        limit = self.sandbox_spec.max_output_bytes
         return text if len(text) <= limit else text[:limit] + f"\n[... truncated {len(text) - limit} chars]"

@@ -119,7 +119,7 @@ class AppEnv(SandboxEnv):
             answer = json.loads(lines[-1])
             status, body = answer["status"], answer["body"]
         except (IndexError, ValueError, KeyError, TypeError):
-            if len(result.output) >= self.spec.max_output_bytes:
+            if len(result.output) >= self.sandbox_spec.max_output_bytes:
                 raise ToolError(f"{method}: the answer is too large to show; ask for less") from None
             raise SandboxError(f"the {self.app} client failed (exit {result.exit_code}): {result.output[-500:]}") \
                 from None
