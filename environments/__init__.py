@@ -1,1 +1,9 @@
-"""Environments: Docker sandboxes and the gymnasium environments that act in them."""
+"""Environments: Docker sandboxes and the gymnasium environments that act in them.
+
+Importing this package registers every environment with gymnasium (``sandforge/Terminal-v0``, ``sandforge/Repo-v0``,
+..., and installed plugins'); see ``gym_registry.py``. Registering imports nothing heavy: gymnasium, and the names.
+"""
+
+from sandforge.environments.gym_registry import register_environments
+
+register_environments()
