@@ -41,7 +41,7 @@ _JSON_CHECKS = {
 
 
 class ToolCallSpace(gymnasium.Space):
-    """Actions are ``sandforge.types.ToolCall``s of the env's tools (``tools``: their schemas, as the prompt shows them).
+    """Actions are ``sandforge.types.ToolCall``s of the env's tools (``tools``: their schemas, as the prompt shows).
 
     ``contains`` holds a call the env would run: a known tool, every required argument, no unknown one, each of its
     JSON type. ``sample`` draws a uniformly chosen tool with arguments of the right types (each optional one half the
@@ -100,7 +100,7 @@ def as_tool_call(action: Any) -> ToolCall:
     if isinstance(action, dict) and isinstance(action.get("name"), str):
         return ToolCall(action["name"], action.get("arguments", {}), str(action.get("id", "")))
     if not isinstance(action, ToolCall) or not isinstance(action.name, str):
-        raise ToolError(f"an action is a tool call, ToolCall(name, arguments) or {{'name': ..., 'arguments': {{...}}}}; "
+        raise ToolError("an action is a tool call, ToolCall(name, arguments) or {'name': ..., 'arguments': {...}}; "
                         f"got {type(action).__name__}: {str(action)[:200]}")
     return action
 

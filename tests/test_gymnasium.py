@@ -1,6 +1,6 @@
-"""gymnasium: every environment (the built-ins and an installed plugin's) is registered under an id, ``check_env`` passes
-on each in real containers, sampled actions are valid tool calls, and the step that ends an episode returns the reward
-``run_episode`` records for the same actions (both grade through ``score_task``).
+"""gymnasium: every environment (the built-ins and an installed plugin's) is registered under an id, ``check_env``
+passes on each in real containers, sampled actions are valid tool calls, and the step that ends an episode returns the
+reward ``run_episode`` records for the same actions (both grade through ``score_task``).
 
 Unit tests (no Docker) pin registration, the spaces and what a malformed action becomes.
 """
@@ -135,7 +135,8 @@ def test_the_action_space_holds_exactly_the_calls_the_env_runs():
 
 @pytest.mark.parametrize("action", [None, 42, "bash ls", b"\x00", {"name": 3}, {"name": "bump"},
                                     {"name": "bump", "arguments": "by=1"}, ToolCall(["bump"]), ToolCall(None),
-                                    ToolCall("bump", None), ToolCall("bump", {"by": float("nan")}), [ToolCall("submit")]])
+                                    ToolCall("bump", None), ToolCall("bump", {"by": float("nan")}),
+                                    [ToolCall("submit")]])
 def test_a_malformed_action_is_an_error_observation_not_an_exception(action):
     env = Counter()
     env.reset()
