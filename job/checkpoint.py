@@ -121,7 +121,7 @@ def save_checkpoint(job, step: int) -> str:
         "sampler_rng": job.sampler.rng.getstate(),  # the data cursor: which tasks come next
         "driver_rng": job.rng.getstate(),
         "torch_rng": torch.get_rng_state(),
-        "engine_rng": ray.get(job.engine.rng_state.remote()),
+        "engine_rng": ray.get(job.engine.rng_state.remote()) if job.engine is not None else None,  # remote: none
         "config_hash": config_hash(job.cfg),
     })
     mark_complete(where)
@@ -151,4 +151,5 @@ def restore_checkpoint(job, step: int) -> None:
     torch.set_rng_state(driver["torch_rng"])
     job.version = driver["policy_version"]
     job.push_weights()
-    ray.get(job.engine.set_rng_state.remote(driver["engine_rng"]))
+    if job.engine is not None and driver["engine_rng"] is not None:
+        ray.get(job.engine.set_rng_state.remote(driver["engine_rng"]))

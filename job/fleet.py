@@ -7,6 +7,9 @@ package, a Harbor task's from its folder); Ray starts, its workers at the driver
 weight sync from rank 0 to the engine; the rollout workers, one per node in turn. Leaving the block closes the workers'
 warm sandboxes, stops Ray, removes every container labelled with the run and puts the signal handlers back, whether
 the job ended, failed or was interrupted.
+
+With ``engine.remote`` no engine starts: the workers generate through that server, and the weights reach it through
+disk (job/weight_sync.py ``DiskWeightSync``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class Fleet:
     parts: frozenset[str] = ALL_PARTS
     images: dict[str, str] = field(default_factory=dict)  # image name -> tag, every image the job's tasks use
     ranks: list = field(default_factory=list)
-    engine: Any = None
+    engine: Any = None  # the engine actor; None with engine.remote
     workers: list = field(default_factory=list)
     sync: Any = None
 
@@ -126,6 +129,28 @@ def start_engine(cfg: JobConfig, run_id: str, policy_config: dict):
         policy_config, cfg.engine, cfg.run.seed, os.cpu_count() or 1)
 
 
+def remote_engine(cfg: JobConfig, ranks: list):
+    """``engine.remote``: the weight sync through disk to that server (with trainer ranks), or else the policy being
+    evaluated (``model.init_from``) loaded by the server as version 0."""
+    import asyncio
+
+    from sandforge.job.console import JobError
+    from sandforge.job.weight_sync import DiskWeightSync, load_remote_weights
+    from sandforge.rollout.engine.remote import RemoteEngineError
+
+    remote, t = cfg.engine.remote, cfg.trainer
+    if ranks:
+        weights_dir = remote.weights_dir or Path(cfg.run.output_dir) / "weights"
+        return DiskWeightSync(remote, ranks, gather_all=t.expert_parallel > 1 or t.zero_stage == 3,
+                              weights_dir=weights_dir)
+    if cfg.model.init_from is not None:
+        try:
+            asyncio.run(load_remote_weights(remote, Path(cfg.model.init_from).resolve(), 0))
+        except RemoteEngineError as e:
+            raise JobError(f"remote engine: {e}") from None
+    return None
+
+
 def engine_name(run_id: str) -> str:
     return f"engine-{run_id}"
 
@@ -139,7 +164,7 @@ def start_rollout_workers(cfg: JobConfig, run_id: str, images: dict[str, str]) -
 
     setup = WorkerSetup(run_id=run_id, engine=engine_name(run_id), images=images, labels=driver_labels(run_id),
                         environments=tuple(cfg.environments), rollout=cfg.rollout, sandbox=cfg.sandbox,
-                        model=cfg.model)
+                        model=cfg.model, remote=cfg.engine.remote)
     return start_workers(RolloutWorker, cfg.rollout.workers, setup)
 
 
@@ -173,19 +198,19 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
         _interrupts_raise()  # ray.init installs handlers of its own
         if "trainer" in parts:
             fleet.ranks = start_trainer_ranks(cfg)
-            policy_config = ray.get(fleet.ranks[0].model_config_dict.remote())
-        else:
-            policy_config = policy["config"]
-        fleet.engine = start_engine(cfg, run_id, policy_config)
-        if fleet.ranks:
+        if cfg.engine.remote is not None:  # a separate server: no engine here, the weights go through disk
+            fleet.sync = remote_engine(cfg, fleet.ranks)
+        elif fleet.ranks:
             from sandforge.job.weight_sync import WeightSync
 
+            fleet.engine = start_engine(cfg, run_id, ray.get(fleet.ranks[0].model_config_dict.remote()))
             # with expert parallelism (experts) or ZeRO-3 (every parameter) the model is spread over the ranks: all of
             # them take part in gathering the whole model, and rank 0's copy goes to the engine
             t = cfg.trainer
             fleet.sync = WeightSync(t.weight_sync, fleet.ranks, fleet.engine, free_port(),
                                     gather_all=t.expert_parallel > 1 or t.zero_stage == 3)
         else:
+            fleet.engine = start_engine(cfg, run_id, policy["config"])
             ray.get(fleet.engine.load_weights.remote(policy["state_dict"], 0))
         if "workers" in parts:
             fleet.workers = start_rollout_workers(cfg, run_id, fleet.images)

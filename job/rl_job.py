@@ -18,7 +18,7 @@ from rich.progress import Progress
 
 from sandforge.config import JobConfig
 from sandforge.job import learner
-from sandforge.job.console import console
+from sandforge.job.console import JobError, console
 from sandforge.job.eta import RunClock
 from sandforge.job.evaluation import eval_line, evaluation, metric_row
 from sandforge.job.fleet import Fleet
@@ -80,6 +80,12 @@ class RLJob:
         trajs = collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
                                  label, greedy)
         self.tick("scripted" if scripted else "episode", len(tasks), time.monotonic() - t0)
+        remote = self.cfg.engine.remote
+        if remote is not None and not scripted and trajs and all(
+                t.failed and (t.failure or "").startswith("engine:") for t in trajs):
+            # the server is down (after the retries) or answers nothing usable: stop rather than train on nothing
+            raise JobError(f"remote engine {remote.url}: all {len(trajs)} episodes of '{label}' failed on it; first: "
+                           f"{trajs[0].failure.removeprefix('engine: ')}")
         return trajs
 
     def tick(self, kind: str, units: int, seconds: float) -> None:

@@ -9,11 +9,20 @@
 - ``auto``: collective where there is a GPU, object store otherwise.
 
 With expert parallelism or ZeRO-3 every rank takes part (the whole model is gathered first) on either path.
+
+With ``engine.remote`` (a separate inference server) ``DiskWeightSync`` takes their place: rank 0 writes the policy to
+``engine.remote.weights_dir`` and the server loads it by its own mechanism (rollout/engine/remote.py
+``update_weights``); the version it then reports must be the one pushed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+from pathlib import Path
 from typing import Any
+
+from sandforge.config import RemoteEngineConfig
 
 
 def resolve_mode(mode: str) -> str:
@@ -54,3 +63,49 @@ class WeightSync:
         if served != version:
             raise RuntimeError(f"weight sync ({self.mode}): pushed version {version}, the engine serves {served}")
         return served
+
+
+class DiskWeightSync:
+    """Trainer -> remote inference server: the policy goes through disk. ``weights_dir/version_N`` is written by rank
+    0 (every rank takes part when the model is spread over them), the server is told to load it, and the previous
+    version's directory is removed once the server serves the new one."""
+
+    def __init__(self, remote: RemoteEngineConfig, ranks: list[Any], gather_all: bool, weights_dir: Path):
+        self.remote = remote
+        self.ranks = ranks if gather_all else ranks[:1]
+        self.weights_dir = Path(weights_dir).resolve()
+        self.previous: Path | None = None
+
+    def push(self, version: int) -> int:
+        """Write the ranks' current weights as ``version`` and have the server load them; returns the version it
+        serves. A server that cannot take them (down after the retries, refusing the files) raises JobError: one line
+        naming the URL and what it answered."""
+        import ray
+
+        from sandforge.job.console import JobError
+        from sandforge.rollout.engine.remote import RemoteEngineError
+
+        path = self.weights_dir / f"version_{version}"
+        if path.exists():  # a resumed run writes this version again
+            shutil.rmtree(path)
+        ray.get([rank.save_policy.remote(str(path)) for rank in self.ranks])
+        try:
+            served = asyncio.run(load_remote_weights(self.remote, path, version))
+        except RemoteEngineError as e:
+            raise JobError(f"remote engine: {e}; the run stopped at policy version {version}") from None
+        if served != version:
+            raise JobError(f"remote engine {self.remote.url}: pushed weight version {version}, the server reports "
+                           f"{served}")
+        if self.previous is not None and self.previous != path:
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.previous = path
+        return served
+
+
+async def load_remote_weights(remote: RemoteEngineConfig, directory: Path, version: int) -> int:
+    """Have the server of ``engine.remote`` serve the policy in ``directory`` as ``version``; the version it serves."""
+    from sandforge.rollout.engine.remote import RemoteEngine
+
+    async with RemoteEngine(remote.url, model=remote.model, api_key=remote.api_key, timeout=remote.timeout,
+                            retries=remote.retries) as engine:
+        return await engine.update_weights(str(directory), version, remote.api)

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from sandforge.config import EnvironmentConfig, ModelConfig, RolloutConfig, SandboxConfig
+from sandforge.config import EnvironmentConfig, ModelConfig, RemoteEngineConfig, RolloutConfig, SandboxConfig
 from sandforge.environments.sandbox.daemon import docker_client
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.pool import SandboxPool
@@ -44,16 +44,24 @@ class WorkerSetup:
     rollout: RolloutConfig
     sandbox: SandboxConfig
     model: ModelConfig  # for the chat format: how episodes become tokens
+    remote: RemoteEngineConfig | None = None  # engine.remote: generate through that server, not the engine actor
 
 
 class RolloutWorker:
     """``engine``: the engine actor's name as in ``setup`` (the driver's way), or any object with ``async
-    generate(request)`` (tests, benchmarks)."""
+    generate(request)`` (tests, benchmarks). With ``setup.remote`` the worker talks to that server itself."""
 
     def __init__(self, worker_id: int, setup: WorkerSetup, engine=None):
         self.worker_id = worker_id
         self.run_id = setup.run_id
-        if engine is None:
+        self.remote = None
+        if engine is None and setup.remote is not None:
+            from sandforge.rollout.engine.remote import RemoteEngine
+
+            r = setup.remote
+            engine = self.remote = RemoteEngine(r.url, model=r.model, api_key=r.api_key, timeout=r.timeout,
+                                                retries=r.retries)
+        elif engine is None:
             import ray
 
             engine = ray.get_actor(setup.engine)
@@ -117,6 +125,8 @@ class RolloutWorker:
         ``seeds`` (one per episode) make their sampling reproducible (see ``run_episode``); ``greedy``: decode at
         temperature 0 (held-out evaluation of the policy's mode) instead of ``rollout.temperature``."""
         self._threads()
+        if self.remote is not None:  # the version pushed last: what a server that reports none (vLLM) serves now
+            self.remote.version = version
         limits = replace(self.limits, temperature=0.0) if greedy else self.limits
         return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted, s, limits)
                                       for t, g, s in zip(tasks, groups, seeds or [None] * len(tasks))))

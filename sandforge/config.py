@@ -167,7 +167,35 @@ class RolloutConfig(Section):
     end_on_text: bool = False
 
 
+class RemoteEngineConfig(Section):
+    """A separate inference server the rollout workers generate through instead of the embedded engine
+    (rollout/engine/remote.py): token ids in and out over OpenAI's ``/v1/completions``. After each step the trainer
+    writes the policy to ``weights_dir`` and the server loads it by its own mechanism (``api``)."""
+
+    url: str  # the server's base URL, e.g. http://10.0.0.5:8000 (a trailing /v1 is fine)
+    # sandforge: `sandforge serve`; sglang: an SGLang server (both load weights at POST /update_weights_from_disk);
+    # vllm: `vllm serve` started with VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc reload_weights)
+    api: Literal["sandforge", "sglang", "vllm"] = "sandforge"
+    model: str | None = None  # the served model name; null: the first one GET /v1/models lists
+    api_key: str | None = None
+    timeout: float = Field(600.0, gt=0)  # seconds one request may take
+    retries: int = Field(3, ge=0)  # further attempts when the server cannot be reached or answers 5xx, with backoff
+    # where the trainer writes each version's policy for the server to load: a path the server sees the same way
+    # (a shared filesystem when it runs elsewhere); null: <run.output_dir>/weights. Only the newest version is kept.
+    weights_dir: Path | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+            raise ValueError("expected the server's base URL, http://HOST:PORT (e.g. the one `sandforge serve` "
+                             "prints)")
+        return url
+
+
 class EngineConfig(Section):
+    # a separate inference server instead of the embedded engine (the keys below then do not apply)
+    remote: RemoteEngineConfig | None = None
     max_batch_size: int = Field(16, ge=1)  # sequences decoded together
     session_memory_mb: float = Field(1024, gt=0)  # idle episode caches kept between turns; least recently used go first
     # the dtype the engine serves in; the trainer keeps fp32 weights and sends them, cast on load (LoRA merges in fp32
@@ -387,6 +415,15 @@ def check_combinations(cfg: JobConfig, source: str) -> None:
         raise ConfigError(f"{source}: 'model.lora' with 'trainer.zero_stage' 3 is not supported (the KL reference runs "
                           "the policy under other adapters, which ZeRO-3's partitioned parameters do not allow): use "
                           "zero_stage 2, which with LoRA already keeps only the adapters' optimizer state")
+    remote = cfg.engine.remote
+    if remote is not None and cfg.trainer.mode == "async":
+        raise ConfigError(f"{source}: 'engine.remote' with 'trainer.mode' async is not supported (async RL swaps "
+                          "weights under running sequences, which only the embedded engine does): use trainer.mode "
+                          "sync, or drop engine.remote")
+    if remote is not None and remote.api != "sandforge" and cfg.trainer.routing_replay:
+        raise ConfigError(f"{source}: 'trainer.routing_replay' with 'engine.remote.api' {remote.api} is not "
+                          "supported: only `sandforge serve` sends the routed experts back in a form the trainer "
+                          "replays; use engine.remote.api sandforge or trainer.routing_replay=false")
 
 
 def check_paths(cfg: JobConfig, source: str) -> None:

@@ -359,8 +359,6 @@ class TrainerRank:
         """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors). With LoRA
         the DeepSpeed checkpoint leaves out the frozen base (the config rebuilds it), the policy is saved merged, and
         the adapters go beside it (``adapters.safetensors``: a later resume's KL reference when this is step 0)."""
-        from sandforge.models.build import save_policy
-
         self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {},
                                     exclude_frozen_parameters=self.lora)
         policy_dir = Path(directory) / tag / "policy"
@@ -368,11 +366,7 @@ class TrainerRank:
             from safetensors.torch import save_file
 
             save_file(self.get_weights(), str(Path(directory) / tag / ADAPTERS_FILE))
-        # with expert parallelism or ZeRO-3 a collective: every rank takes part
-        whole = self.get_weights() if self.gathers or self.rank == 0 else None
-        with self.full_parameters():  # a Hugging Face policy saves its own (gathered) parameters
-            if self.rank == 0:
-                save_policy(self.engine.module, policy_dir, tokenizer=self.tokenizer, state_dict=whole)
+        self.save_policy(str(policy_dir))
         # what DeepSpeed does not keep: this rank's RNG, its step counts (the lr schedule's too), the value head (outside DeepSpeed)
         torch.save({"torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -382,6 +376,18 @@ class TrainerRank:
                     "value_optimizer": self.value_optimizer.state_dict() if self.value_optimizer else None},
                    Path(directory) / tag / f"trainer_rank_{self.rank}.pt")
         return str(policy_dir)
+
+    def save_policy(self, directory: str) -> str:
+        """The standalone policy (config.json + safetensors, merged with LoRA), written by rank 0: what a checkpoint
+        keeps, and what a remote inference server loads after each step. With expert parallelism or ZeRO-3 a
+        collective: every rank takes part."""
+        from sandforge.models.build import save_policy
+
+        whole = self.get_weights() if self.gathers or self.rank == 0 else None
+        with self.full_parameters():  # a Hugging Face policy saves its own (gathered) parameters
+            if self.rank == 0:
+                save_policy(self.engine.module, directory, tokenizer=self.tokenizer, state_dict=whole)
+        return directory
 
     def load_checkpoint(self, directory: str, tag: str, reference: str | None = None) -> dict:
         """Restore what ``save_checkpoint`` wrote (weights, balancing biases, optimizer, RNG, value head); returns the
