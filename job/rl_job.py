@@ -85,7 +85,7 @@ class RLJob:
                 t.failed and (t.failure or "").startswith("engine:") for t in trajs):
             # the server is down (after the retries) or answers nothing usable: stop rather than train on nothing
             raise JobError(f"remote engine {remote.url}: all {len(trajs)} episodes of '{label}' failed on it; first: "
-                           f"{trajs[0].failure.removeprefix('engine: ')}")
+                           f"{trajs[0].failure.removeprefix('engine: ').removeprefix('RemoteEngineError: ')}")
         return trajs
 
     def tick(self, kind: str, units: int, seconds: float) -> None:

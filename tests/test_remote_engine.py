@@ -352,7 +352,8 @@ def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, che
             before = (await engine.generate(greedy))[0]
             assert await engine.update_weights(str(other), 5, "sandforge") == 5
             after = (await engine.generate(greedy))[0]
-            with pytest.raises(RemoteEngineError, match=r"update_weights_from_disk -> HTTP 400: could not load .*nope: no config.json there"):
+            refused = r"update_weights_from_disk -> HTTP 400: could not load .*nope: no config.json there"
+            with pytest.raises(RemoteEngineError, match=refused):
                 await engine.update_weights(str(tmp_path / "nope"), 6, "sandforge")
             with pytest.raises(RemoteEngineError, match=r"HTTP 400: could not load .*bigger: .*size mismatch"):
                 await engine.update_weights(str(bigger), 6, "sandforge")

@@ -8,8 +8,9 @@ Token-in, token-out holds across the wire: the prompt goes as token ids, the com
 
 Weights: ``update_weights`` makes the server load a policy directory the trainer wrote, by the server's own mechanism:
 ``POST /update_weights_from_disk`` for ``sandforge serve`` and SGLang, ``POST /collective_rpc`` ``reload_weights`` for
-vLLM (started with ``VLLM_SERVER_DEV_MODE=1``). ``sandforge serve`` reports the version of the weights behind every token
-(and the routed experts, for routing replay); for the others each answer is taken to come from the last version pushed.
+vLLM (started with ``VLLM_SERVER_DEV_MODE=1``). ``sandforge serve`` reports the version of the weights behind every
+token (and the routed experts, for routing replay); for the others each answer is taken to come from the last version
+pushed.
 
 Failures: a server that cannot be reached or answers 5xx is asked again ``retries`` times (with backoff); what is left
 is a ``RemoteEngineError`` of one line naming the URL and the status.
