@@ -315,6 +315,7 @@ def _policy_weights(path: Path, layout: dict[str, tuple[int, ...]] | None) -> di
 def build_app(served: Served, announce: Callable[[str], Any] | None = None) -> web.Application:
     """The server's routes; ``announce`` hears one line per weight update."""
     loading = asyncio.Lock()  # one weight update at a time
+
     async def completions(request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
