@@ -1,14 +1,13 @@
 """A Python repository with a reported bug, in a fresh sandbox per episode: read, edit, run the visible tests, submit.
 
-The tools are the SWE-agent set: bash, read_file, search_code (a fixed-string search over the files, SWE-agent's
-search_dir), str_replace (an edit that must name its target exactly once) and run_tests. The repository, its git history and the visible tests come from the task's setup (see ``tasks.py``);
+The tools are the SWE-agent set: bash, read_file, str_replace (an edit that must name its target exactly once) and
+run_tests. The repository, its git history and the visible tests come from the task's setup (see ``tasks.py``);
 grading is the ``repo_tests`` verifier's, in a fresh container with the hidden tests, so nothing here decides a reward.
 """
 
 from __future__ import annotations
 
 import posixpath
-import shlex
 
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.tools import ToolError, tool
@@ -50,28 +49,6 @@ class RepoEnv(TerminalEnv):
             raise ToolError(f"str_replace: {e}") from e
         line = content[: content.index(old)].count("\n") + 1
         return f"edited {posixpath.normpath(path)} at line {line}"
-
-    @tool
-    def search_code(self, text: str, path: str = ".") -> str:
-        """Find the lines that contain text (a plain string, not a pattern) in the files under path.
-
-        Args:
-            text: the exact text to look for
-            path: a file or directory, relative to /workspace or absolute (default: the whole workspace)
-        """
-        if not text:
-            raise ToolError("search_code: text must not be empty")
-        where = "" if path in ("", ".", "./") else " " + shlex.quote(path)  # no operand: names print without ./
-        command = f"grep -rnF -I --exclude-dir=.git -- {shlex.quote(text)}{where}"
-        try:
-            result = self.run_command(command, session=False)
-        except ValueError as e:  # a NUL in the text or path
-            raise ToolError(f"search_code: {e}") from e
-        if result.timed_out:
-            return self._truncate(result.output) + f"\n[search timed out after {self.exec_timeout:g}s; killed]"
-        if result.exit_code == 1:
-            return f"no line under {path} contains {text!r}"
-        return self._truncate(result.output.rstrip("\n"))
 
     @tool
     def run_tests(self) -> str:

@@ -192,7 +192,7 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
         # the reference works as a policy has to: find the function the report names, read its module, then edit;
         # a demonstration that jumps straight to the edit teaches guessing paths and lines it could not have seen
         solution=[
-            ToolCall("search_code", {"text": f"def {symptom_fn}(", "path": package}),
+            ToolCall("bash", {"command": f"grep -rn 'def {symptom_fn}(' {package}"}),
             ToolCall("read_file", {"path": path}),
             ToolCall("str_replace", {"path": path, "old": buggy, "new": correct}),
             ToolCall("submit"),
