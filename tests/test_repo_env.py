@@ -61,9 +61,8 @@ def test_task_holds_one_bug_its_fix_and_tests_kept_apart(family):
         task = make_task(family, seed)
         (check,) = task.checks
         files, hidden = task.setup["files"], check["hidden_tests"]
-        find, read, fix, submit = task.solution
+        fix, submit = task.solution
         assert submit == ToolCall("submit") and fix.name == "str_replace"
-        assert find.name == "bash" and read == ToolCall("read_file", {"path": fix.arguments["path"]})
         assert files[fix.arguments["path"]].count(fix.arguments["old"]) == 1  # the edit the policy must make
         assert check["files"] == files and not set(hidden) & set(files)  # hidden tests are never set up
         assert check["fail_to_pass"] and check["pass_to_pass"]
@@ -81,7 +80,7 @@ def test_task_holds_one_bug_its_fix_and_tests_kept_apart(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_function_with_the_bug_kind_is_drawn_and_generates(family):
     # the generator checks each drawn bug against inputs that expose it; this makes every template face that check
-    fixes = {make_task(family, seed).solution[-2].arguments["new"] for seed in range(150)}
+    fixes = {make_task(family, seed).solution[0].arguments["new"] for seed in range(150)}
     assert len(fixes) == sum(family in f.bugs for f in FUNCTIONS)
 
 
@@ -133,9 +132,7 @@ def test_reference_scores_one_doing_nothing_zero_and_runs_repeat(family, repo_sp
     task = make_task(family, 7)
     solved, observations = _play(task, repo_spec, run_id, docker_client)
     assert (solved.value, solved.success) == (1.0, True), solved.reason
-    located, source, edited, submitted = observations
-    assert located.startswith(task.solution[2].arguments["path"] + ":")  # grep names the module of the function
-    assert task.solution[2].arguments["old"] in source and edited.startswith("edited ") and submitted == "submitted"
+    assert observations[0].startswith("edited ") and observations[-1] == "submitted"
     assert solved.breakdown["repo_tests:0/fail_to_pass"] == 1.0
 
     idle = replace(task, solution=[ToolCall("submit")])
@@ -154,7 +151,7 @@ def test_reference_scores_one_doing_nothing_zero_and_runs_repeat(family, repo_sp
 @pytest.mark.docker
 def test_str_replace_and_run_tests_in_the_sandbox(repo_spec, run_id, docker_client):
     task = make_task("wrong_operator", 2)
-    fix = task.solution[-2].arguments
+    fix = task.solution[0].arguments
     env = RepoEnv(task, repo_spec, run_id, client=docker_client)
     try:
         obs, info = env.reset()

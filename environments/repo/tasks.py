@@ -134,7 +134,7 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
     fail_to_pass: list[str] = []
     pass_to_pass: list[str] = []
     fix: tuple[str, str, str] | None = None  # (path, buggy line, correct line)
-    symptom = symptom_fn = ""
+    symptom = ""
     for kind in kinds:
         stem = _MODULE_FILES[split][kind]
         pool = [f for f in FUNCTIONS if f.module == kind and f is not target]
@@ -151,7 +151,7 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
                     raise AssertionError(f"{name}: no input exposes the {family} bug; add an edge case")
                 # the hidden tests repeat the shown symptom when it is the only one (an empty list, say)
                 shown, kept = revealing[:1] + passing[:1], (revealing[1:3] or revealing[:1]) + passing[1:2]
-                symptom, symptom_fn = _symptom(name, *revealing[0]), name
+                symptom = _symptom(name, *revealing[0])
                 fix = (path, *reversed(fn.bugs[family]))
             else:
                 shown, kept = passing[:1], passing[1:3]
@@ -189,14 +189,7 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
             "pass_to_pass": pass_to_pass,
             "timeout": GRADE_TIMEOUT,
         }],
-        # the reference works as a policy has to: find the function the report names, read its module, then edit;
-        # a demonstration that jumps straight to the edit teaches guessing paths and lines it could not have seen
-        solution=[
-            ToolCall("bash", {"command": f"grep -rn 'def {symptom_fn}(' {package}"}),
-            ToolCall("read_file", {"path": path}),
-            ToolCall("str_replace", {"path": path, "old": buggy, "new": correct}),
-            ToolCall("submit"),
-        ],
+        solution=[ToolCall("str_replace", {"path": path, "old": buggy, "new": correct}), ToolCall("submit")],
     )
 
 
