@@ -8,11 +8,8 @@ a reason that says the answer held no score. Artefacts come from real terminal s
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -220,6 +217,8 @@ def served(tmp_path_factory):
     """``sandforge serve`` on a random k3-nano checkpoint: (base URL, model name)."""
     import torch
 
+    from serve_process import serve_process
+
     from sandforge.config import ModelConfig
     from sandforge.models.bpe import load_tokenizer
     from sandforge.models.build import build_policy, save_policy
@@ -228,26 +227,8 @@ def served(tmp_path_factory):
     tokenizer = load_tokenizer("bpe")
     directory = tmp_path_factory.mktemp("judge") / "policy"
     save_policy(build_policy(ModelConfig(), len(tokenizer)), directory, tokenizer=tokenizer)
-    log = directory.parent / "serve.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sandforge.job.cli", "serve", str(directory), "--port", "0"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline, url = time.monotonic() + 90, None
-        while url is None:
-            assert proc.poll() is None, f"sandforge serve exited with {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"sandforge serve printed no URL within 90 s:\n{log.read_text()}"
-            found = re.search(r"http://\S+?/v1", log.read_text())
-            url = found.group(0)[: -len("/v1")] if found else None
-            time.sleep(0.1)
+    with serve_process(directory, directory.parent / "serve.txt") as (_, url):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.docker

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +18,8 @@ import openai
 import pytest
 import torch
 from aiohttp import web
+
+from serve_process import serve_process  # noqa: E402 - tests/ is on sys.path
 
 from sandforge.config import ModelConfig
 from sandforge.models.bpe import load_tokenizer
@@ -59,27 +59,9 @@ def embedded(checkpoint):
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """``sandforge serve CHECKPOINT --port 0`` in a subprocess; yields its base URL, stops it afterwards."""
-    log = tmp_path_factory.mktemp("serve-log") / "out.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sandforge.job.cli", "serve", str(checkpoint), "--port", "0"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline, url = time.monotonic() + 60, None
-        while url is None:
-            assert proc.poll() is None, f"sandforge serve exited with {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"sandforge serve printed no URL within 60 s:\n{log.read_text()}"
-            found = re.search(r"http://\S+?/v1", log.read_text())
-            url = found.group(0)[: -len("/v1")] if found else None
-            time.sleep(0.1)
+    with serve_process(checkpoint, tmp_path_factory.mktemp("serve-log") / "out.txt", start_timeout=60) as (_, url):
         assert get(url + "/health")[0] == 200
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def get(url: str) -> tuple[int, dict]:

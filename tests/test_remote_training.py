@@ -4,9 +4,7 @@ stops the run in one line."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
@@ -18,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from serve_process import serve_process  # noqa: E402 - tests/ is on sys.path
 
 from sandforge.config import ModelConfig
 from sandforge.models.bpe import load_tokenizer
@@ -46,29 +46,6 @@ def checkpoint(tmp_path_factory) -> Path:
     return directory
 
 
-@contextlib.contextmanager
-def served(checkpoint: Path, log: Path):
-    """``sandforge serve CHECKPOINT --port 0`` in a subprocess: yields (process, base URL); stopped afterwards."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(sandforge("serve", str(checkpoint), "--port", "0"), stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        deadline, url = time.monotonic() + 90, None
-        while url is None:
-            assert proc.poll() is None, f"sandforge serve exited with {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"sandforge serve printed no URL within 90 s:\n{log.read_text()}"
-            found = re.search(r"http://\S+?/v1", log.read_text())
-            url = found.group(0)[: -len("/v1")] if found else None
-            time.sleep(0.2)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def loaded_versions(log: Path) -> list[tuple[int, str]]:
@@ -90,7 +67,7 @@ def remote_run(checkpoint, tmp_path_factory, terminal_image):
     """Three RL steps of configs/terminal.yaml through the server; (run directory, server log, server URL)."""
     tmp = tmp_path_factory.mktemp("remote")
     log, out = tmp / "serve.log", tmp / "run"
-    with served(checkpoint, log) as (_, url):
+    with serve_process(checkpoint, log) as (_, url):
         proc = subprocess.run(sandforge("train", "configs/terminal.yaml", f"run.output_dir={out}", "trainer.steps=3",
                                         f"engine.remote.url={url}", *SHORT),
                               cwd=ROOT, capture_output=True, text=True, timeout=1200)
@@ -145,7 +122,7 @@ def test_metrics_have_the_embedded_engines_shape(remote_run, tmp_path):
 
 def test_a_server_killed_mid_run_stops_it_in_one_line(checkpoint, tmp_path, terminal_image):
     log, out = tmp_path / "serve.log", tmp_path / "run"
-    with served(checkpoint, log) as (server, url):
+    with serve_process(checkpoint, log) as (server, url):
         run = subprocess.Popen(sandforge("train", "configs/terminal.yaml", f"run.output_dir={out}", "trainer.steps=20",
                                          f"engine.remote.url={url}", "engine.remote.retries=2", *SHORT),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
