@@ -64,6 +64,16 @@ def server(checkpoint, tmp_path_factory):
         yield url
 
 
+async def stub_server(completions) -> tuple[web.AppRunner, str]:
+    """A local server whose ``POST /v1/completions`` is ``completions``: (its runner, to clean up; its base URL)."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 def get(url: str) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=30) as resp:
@@ -216,12 +226,7 @@ def test_remote_engine_errors_say_what_is_missing_and_where():
         return web.json_response({"id": "x", "object": "text_completion", "choices": [choice], "usage": {}})
 
     async def run():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        runner, url = await stub_server(completions)
         try:
             async with RemoteEngine(url + "/v1", model="stub") as engine:
                 with pytest.raises(RemoteEngineError, match=r"no token ids .*return_token_ids"):
@@ -258,12 +263,7 @@ def test_a_server_that_answers_5xx_is_asked_again_a_bounded_number_of_times():
         return web.json_response({"choices": [choice], "usage": {}})
 
     async def run():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        runner, url = await stub_server(completions)
         try:
             async with RemoteEngine(url, model="stub", retries=2) as engine:
                 [got] = await engine.generate({"prompt_ids": [7], "max_tokens": 1})
