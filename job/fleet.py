@@ -129,6 +129,12 @@ def start_engine(cfg: JobConfig, run_id: str, policy_config: dict):
         policy_config, cfg.engine, cfg.run.seed, os.cpu_count() or 1)
 
 
+def model_spread(trainer) -> bool:
+    """Whether the model is spread over the ranks, by expert parallelism (experts) or ZeRO-3 (every parameter): then
+    all of them take part in gathering the whole model for the engine, and rank 0's copy is sent."""
+    return trainer.expert_parallel > 1 or trainer.zero_stage == 3
+
+
 def remote_engine(cfg: JobConfig, ranks: list):
     """``engine.remote``: the weight sync through disk to that server (with trainer ranks), or else the policy being
     evaluated (``model.init_from``) loaded by the server as version 0."""
@@ -138,11 +144,10 @@ def remote_engine(cfg: JobConfig, ranks: list):
     from sandforge.job.weight_sync import DiskWeightSync, load_remote_weights
     from sandforge.rollout.engine.remote import RemoteEngineError
 
-    remote, t = cfg.engine.remote, cfg.trainer
+    remote = cfg.engine.remote
     if ranks:
         weights_dir = remote.weights_dir or Path(cfg.run.output_dir) / "weights"
-        return DiskWeightSync(remote, ranks, gather_all=t.expert_parallel > 1 or t.zero_stage == 3,
-                              weights_dir=weights_dir)
+        return DiskWeightSync(remote, ranks, gather_all=model_spread(cfg.trainer), weights_dir=weights_dir)
     if cfg.model.init_from is not None:
         try:
             asyncio.run(load_remote_weights(remote, Path(cfg.model.init_from).resolve(), 0))
@@ -204,11 +209,8 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
             from sandforge.job.weight_sync import WeightSync
 
             fleet.engine = start_engine(cfg, run_id, ray.get(fleet.ranks[0].model_config_dict.remote()))
-            # with expert parallelism (experts) or ZeRO-3 (every parameter) the model is spread over the ranks: all of
-            # them take part in gathering the whole model, and rank 0's copy goes to the engine
-            t = cfg.trainer
-            fleet.sync = WeightSync(t.weight_sync, fleet.ranks, fleet.engine, free_port(),
-                                    gather_all=t.expert_parallel > 1 or t.zero_stage == 3)
+            fleet.sync = WeightSync(cfg.trainer.weight_sync, fleet.ranks, fleet.engine, free_port(),
+                                    gather_all=model_spread(cfg.trainer))
         else:
             fleet.engine = start_engine(cfg, run_id, policy["config"])
             ray.get(fleet.engine.load_weights.remote(policy["state_dict"], 0))
