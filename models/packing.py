@@ -110,3 +110,14 @@ def same_segment(segment_ids: Tensor, shift: int) -> Tensor:
     """[B, T] bool: token t and token t - ``shift`` are real and in the same segment (False for t < shift)."""
     prev = torch.nn.functional.pad(segment_ids, (shift, 0))[:, : segment_ids.shape[1]]
     return (segment_ids > 0) & (segment_ids == prev)
+
+
+def packed_cu_seqlens(segment_ids: Tensor) -> Tensor:
+    """The boundaries of packed rows [B, T] flattened into one sequence of B*T tokens, as varlen kernels take them
+    (fla-core's ``cu_seqlens``): every row start and every segment start, then B*T. Pads after a row's last segment
+    stay in that segment's span (a pad neither decays nor writes a recurrent state)."""
+    starts = segment_starts(segment_ids)
+    starts[:, 0] = True
+    idx = starts.reshape(-1).nonzero().squeeze(1)
+    return torch.cat([idx, idx.new_tensor([segment_ids.numel()])])
+

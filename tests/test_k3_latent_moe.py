@@ -265,3 +265,43 @@ def test_quantile_bias_follows_the_rule():
         moe(x)
     moe.update_bias()
     assert (moe.bias - expected).abs().max() <= 2 * QUANTILE_RANGE / 4096 * 2
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_grouped_gemm_experts_equal_the_loop_over_experts(dtype, tol):
+    """The fast path (``torch._grouped_mm`` over tokens sorted by expert, used on CUDA) against the loop over experts,
+    forward and backward, with an expert no token chose (an empty group) and a padded token."""
+    torch.manual_seed(3)
+    moe = LatentMoE(D, n_experts=8, top_k=2, balancing="none").to(dtype)
+    x = torch.randn(3, 11, D, dtype=dtype)
+    mask = torch.ones(3, 11)
+    mask[2, 7:] = 0
+    forced = torch.randint(1, 8, (3, 11, 2))  # expert 0 gets no token
+    forced[..., 1] = (forced[..., 0] % 7) + 1
+    outs, grads = [], []
+    for grouped in (False, True):
+        moe.zero_grad()
+        moe.grouped_mm = grouped
+        xi = x.clone().requires_grad_()
+        y = moe(xi, mask, forced_ids=forced).y
+        (y.float() * torch.linspace(-1, 1, D)).sum().backward()
+        outs.append(y.float())
+        grads.append([xi.grad.float()] + [torch.zeros_like(p).float() if p.grad is None else p.grad.float()
+                                          for p in moe.experts.parameters()])
+    assert torch.allclose(outs[0], outs[1], atol=tol, rtol=tol)
+    for loop, grouped in zip(*grads):
+        assert torch.allclose(loop, grouped, atol=tol, rtol=tol)
+    assert all(p.grad.abs().sum() == 0 for p in moe.experts[0].parameters())  # the empty group got no gradient
+
+
+def test_the_layer_takes_the_grouped_path_on_cuda_only_by_default(monkeypatch):
+    from sandforge.models.k3 import latent_moe
+
+    calls = []
+    monkeypatch.setattr(latent_moe, "grouped_experts", lambda *a: calls.append(a) or latent_moe.looped_experts(*a))
+    moe = LatentMoE(D, n_experts=4, top_k=2, balancing="none")
+    moe(torch.randn(1, 5, D))
+    assert calls == []  # CPU: the loop
+    moe.grouped_mm = True
+    moe(torch.randn(1, 5, D))
+    assert len(calls) == 1

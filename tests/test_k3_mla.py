@@ -113,3 +113,16 @@ def test_gradients_flow_through_all_projections(layer):
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert x.grad.abs().sum() > 0
+
+
+def test_the_maskless_causal_path_equals_the_masked_one(layer):
+    """No mask and no cache: SDPA's is_causal path (flash attention on GPU) against an explicit all-real mask, forward
+    and backward."""
+    x = torch.randn(2, 13, D, requires_grad=True)
+    y_fast, _ = layer(x)
+    g_fast, = torch.autograd.grad(y_fast.square().sum(), x)
+    y_mask, _ = layer(x, torch.ones(2, 13))
+    g_mask, = torch.autograd.grad(y_mask.square().sum(), x)
+    torch.testing.assert_close(y_fast, y_mask, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(g_fast, g_mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y_fast.detach(), mla_reference(layer, x.detach()), atol=1e-5, rtol=1e-5)

@@ -77,6 +77,30 @@ def test_kda_chunk_reset_equals_separate_recurrences():
     torch.testing.assert_close(o, torch.cat([first, second], dim=1), atol=1e-5, rtol=1e-5)
 
 
+def test_varlen_boundaries_of_packed_rows_give_what_chunk_resets_give():
+    """What fla-core's varlen chunk_kda is handed on CUDA (``packed_cu_seqlens``: packed rows flattened into one
+    sequence, one span per segment) computes what ``kda_chunked`` with chunk resets computes on the packed rows: each
+    span run alone (as a varlen kernel does) equals it, pads included (they neither decay nor write the state)."""
+    from sandforge.models.packing import packed_cu_seqlens
+
+    torch.manual_seed(0)
+    layout = PackedLayout.pack(LENGTHS, align=64)
+    seg = layout.segment_ids()
+    B, T, H, K, V = *seg.shape, 2, 8, 8
+    real = (seg > 0)[..., None]
+    q, k = torch.randn(B, T, H, K), torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1) * real[..., None]
+    v, g = torch.randn(B, T, H, V) * real[..., None], -torch.rand(B, T, H, K) * real[..., None]
+    beta = torch.rand(B, T, H) * real
+    starts = torch.nn.functional.pad(seg, (1, 0))[:, :-1] != seg
+    reset = (starts & (seg > 0))[:, ::64]
+    packed, _ = kda_chunked(q, k, v, g, beta, chunk_size=64, reset=reset)
+    cu = packed_cu_seqlens(seg).tolist()
+    assert cu[0] == 0 and cu[-1] == B * T and len(cu) - 1 == len(LENGTHS) + sum(1 for r in range(B) if seg[r, 0] == 0)
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    spans = [kda_recurrent(*(t[:, a:b] for t in flat))[0] for a, b in zip(cu, cu[1:])]
+    torch.testing.assert_close(torch.cat(spans, dim=1).view(B, T, H, V), packed, atol=1e-5, rtol=1e-5)
+
+
 def test_packed_k3_forward_and_backward_equal_separate_forwards():
     model = _model()
     seqs = _sequences(LENGTHS)

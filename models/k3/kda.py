@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..packing import same_segment, segment_starts
+from ..packing import packed_cu_seqlens, same_segment, segment_starts
 
 
 def kda_recurrent(
@@ -331,10 +331,13 @@ class KDA(nn.Module):
             beta = beta * m[..., None]
 
         state = None if cache is None else cache.state
-        # packed segments take kda_chunked, whose chunk resets fla's chunk_kda has no argument for
-        fla_chunk = fla_chunk_kda() if self.use_fla and q.is_cuda and T > 1 and reset is None else None
+        fla_chunk = fla_chunk_kda() if self.use_fla and q.is_cuda and T > 1 else None
         if T == 1:
             o, state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+        elif fla_chunk is not None and reset is not None:  # packed rows: one varlen sequence, a span per segment
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta.to(q.dtype))]
+            o, _ = fla_chunk(*flat, cu_seqlens=packed_cu_seqlens(segment_ids))
+            o = o.view(B, T, H, V)
         elif fla_chunk is not None:  # the fused Triton kernel of flash-linear-attention, same contract and layout
             o, state = fla_chunk(q, k, v, g, beta.to(q.dtype), initial_state=state, output_final_state=use_cache)
         else:

@@ -42,6 +42,10 @@ always describe the router's own choice.
 Expert parallelism (``expert_parallel.shard_experts``) keeps only one rank's routed experts and moves tokens to them
 with all-to-all; everything else in the layer, the bias included, stays replicated.
 
+The routed experts run as three grouped GEMMs over the tokens sorted by expert (``grouped_experts``,
+``torch._grouped_mm``) on CUDA, and as a loop over experts elsewhere (``LatentMoE.grouped_mm`` chooses; the loop is the
+reference the grouped path is tested against, on CPU too).
+
 Shapes: B batch, T tokens, D model, L latent, N = B·T flattened tokens, n experts, k experts per token.
 """
 
@@ -121,6 +125,7 @@ class LatentMoE(nn.Module):
         self.w_down = nn.Linear(d_model, self.latent_dim, bias=False)
         self.experts = nn.ModuleList(SituGLU(self.latent_dim, self.d_expert) for _ in range(n_experts))
         self.ep = None  # an expert_parallel.ExpertGroup once shard_experts() keeps only this rank's experts
+        self.grouped_mm: bool | None = None  # routed experts as grouped GEMMs; None: on CUDA, where it pays
         self.norm = nn.RMSNorm(self.latent_dim, eps=1e-6)
         self.w_up = nn.Linear(self.latent_dim, d_model, bias=False)
         self.shared = nn.ModuleList(SituGLU(d_model, self.d_expert) for _ in range(n_shared))
@@ -173,12 +178,11 @@ class LatentMoE(nn.Module):
 
         z = self.w_down(xf)  # [N, L]
         if self.ep is None:
-            per_slot = torch.zeros(B * T, self.top_k, self.latent_dim, dtype=torch.float32, device=x.device)  # [N,k,L]
-            for e, expert in enumerate(self.experts):
-                tok, slot = (ids == e).nonzero(as_tuple=True)  # each (token, slot) pair is written once
-                if tok.numel():
-                    per_slot[tok, slot] = expert(z[tok]).float() * p[tok, slot, None]
-            mixed = per_slot.sum(1)  # Σ_i p_i E_i(z), summed in slot order  [N, L]
+            grouped = x.is_cuda if self.grouped_mm is None else self.grouped_mm
+            if grouped and grouped_mm_fits(z, self.d_expert):
+                mixed = grouped_experts(z, ids, p, self.experts)
+            else:
+                mixed = looped_experts(z, ids, p, self.experts)
         else:  # experts spread over ranks: the same sum, tokens sent to their experts' ranks and back
             mixed = self.ep.mix(z, ids, p, self.experts)
         y = self.w_up(self.norm(mixed.to(x.dtype)))  # [N, D]
@@ -233,6 +237,45 @@ class LatentMoE(nn.Module):
         self._counts.zero_()
         self._n_tokens.zero_()
         return metrics
+
+
+def looped_experts(z: Tensor, ids: Tensor, p: Tensor, experts: nn.ModuleList) -> Tensor:
+    """Σ_i p_i E_i(z) per token [N, L] in fp32, one expert at a time over the tokens that chose it (the reference)."""
+    N, k = ids.shape
+    per_slot = torch.zeros(N, k, z.shape[-1], dtype=torch.float32, device=z.device)  # [N, k, L]
+    for e, expert in enumerate(experts):
+        tok, slot = (ids == e).nonzero(as_tuple=True)  # each (token, slot) pair is written once
+        if tok.numel():
+            per_slot[tok, slot] = expert(z[tok]).float() * p[tok, slot, None]
+    return per_slot.sum(1)  # summed in slot order
+
+
+def grouped_mm_fits(z: Tensor, d_expert: int) -> bool:
+    """``torch._grouped_mm`` wants every row stride a multiple of 16 bytes (and exists: torch >= 2.8)."""
+    size = z.element_size()
+    return hasattr(torch, "_grouped_mm") and (z.shape[-1] * size) % 16 == 0 and (d_expert * size) % 16 == 0
+
+
+def grouped_experts(z: Tensor, ids: Tensor, p: Tensor, experts: nn.ModuleList) -> Tensor:
+    """``looped_experts`` as three grouped GEMMs: the (token, slot) pairs sorted by expert, each expert's rows one
+    group (``offs``: where each group ends), the experts' weights stacked [n, in, out]. Same sum, same slot order."""
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)  # pairs grouped by expert
+    tok, slot = order // k, order % k
+    offs = torch.bincount(flat, minlength=len(experts)).cumsum(0).to(torch.int32)
+    rows = z[tok]  # [N*k, L]
+    first = experts[0]
+    w_gate = torch.stack([e.w_gate.weight for e in experts]).transpose(1, 2)  # [n, L, H]
+    w_up = torch.stack([e.w_up.weight for e in experts]).transpose(1, 2)
+    w_down = torch.stack([e.w_down.weight for e in experts]).transpose(1, 2)  # [n, H, L]
+    g, u = torch._grouped_mm(rows, w_gate, offs=offs), torch._grouped_mm(rows, w_up, offs=offs)
+    b1, b2 = first.beta1, first.beta2
+    h = b1 * torch.tanh(g / b1) * torch.sigmoid(g) * (b2 * torch.tanh(u / b2))  # SituGLU.hidden
+    out = torch._grouped_mm(h.to(rows.dtype), w_down, offs=offs).float() * p[tok, slot, None]
+    per_slot = torch.zeros(N, k, z.shape[-1], dtype=torch.float32, device=z.device)
+    per_slot = per_slot.index_put((tok, slot), out)
+    return per_slot.sum(1)
 
 
 def hist_quantile(hist: Tensor, q: float, value_range: float) -> Tensor:

@@ -153,9 +153,11 @@ class GatedMLA(nn.Module):
             S = len(full)
             k = self.wk_up(full.latent).view(B, S, self.n_heads, self.head_dim)  # [B, S, H, hd]
             v = self.wv_up(full.latent).view(B, S, self.n_heads, self.head_dim)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed[:, None]
-            ).transpose(1, 2)  # [B, T, H, hd]
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if cache is None and mask is None:  # plain causal: SDPA may take its flash kernel, which takes no mask
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2)
+            else:
+                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed[:, None]).transpose(1, 2)  # [B,T,H,hd]
         return self.output(x, o), (full if use_cache else None)
 
     def _absorbed_attention(self, q: Tensor, latent: Tensor, allowed: Tensor) -> Tensor:
