@@ -2,8 +2,9 @@
 
 ``open_fleet`` does, in order: Ctrl-C and SIGTERM become KeyboardInterrupt (so every exit path below runs); the
 containers of dead drivers on this host are reaped; the job's images are built (each environment's, a plugin's from its
-package, a Harbor task's from its folder); Ray starts, its workers at the driver's priority; the trainer ranks
-(DeepSpeed, when the job trains); the inference engine, named ``engine-<run id>`` so rollout workers find it by name; the
+package, a Harbor task's from its folder); Ray starts, its workers at the driver's priority; where each part runs is
+decided (job/placement.py: CPU, or GPUs Ray reserves) and stated in one line once the parts report it; the trainer
+ranks (DeepSpeed, when the job trains); the inference engine, named ``engine-<run id>`` so rollout workers find it by name; the
 weight sync from rank 0 to the engine; the rollout workers, one per node in turn. Leaving the block closes the workers'
 warm sandboxes, stops Ray, removes every container labelled with the run and puts the signal handlers back, whether
 the job ended, failed or was interrupted.
@@ -26,6 +27,7 @@ from typing import Any, Iterator
 
 from sandforge.config import JobConfig
 from sandforge.job.console import console
+from sandforge.job.placement import Placement, cluster_gpus, describe, placement_group, resolve_placement
 
 ALL_PARTS = frozenset({"trainer", "engine", "workers"})
 
@@ -49,9 +51,18 @@ class Fleet:
     engine: Any = None  # the engine actor; None with engine.remote
     workers: list = field(default_factory=list)
     sync: Any = None
+    placement: Placement | None = None
+    bundles: Any = None  # the placement group colocated parts share (job/placement.py)
 
     def push_weights(self, version: int) -> None:
         self.sync.push(version)
+
+    def before_update(self) -> None:
+        """The trainer is about to step: an engine sharing its GPU frees its idle caches first."""
+        if self.placement is not None and self.placement.colocate and self.engine is not None:
+            import ray
+
+            ray.get(self.engine.release_memory.remote())
 
     def close_workers(self) -> None:
         """The workers remove their warm sandboxes (best effort: the run's label sweep follows anyway)."""
@@ -105,8 +116,9 @@ def start_ray(cfg: JobConfig) -> None:
              _system_config={"worker_niceness": 0} if local else None)  # relative to the raylet: the driver's
 
 
-def start_trainer_ranks(cfg: JobConfig) -> list:
-    """``trainer.world_size`` DeepSpeed ranks, one torch.distributed group (gloo on CPU)."""
+def start_trainer_ranks(cfg: JobConfig, placement: Placement, bundles: Any = None) -> list:
+    """``trainer.world_size`` DeepSpeed ranks, one torch.distributed group (gloo on CPU, NCCL on GPUs), each where
+    ``placement`` puts it."""
     import ray
 
     from sandforge.trainer.rank import RolloutShape, TrainerRank
@@ -114,19 +126,34 @@ def start_trainer_ranks(cfg: JobConfig) -> list:
     world = cfg.trainer.world_size
     threads = max(1, (os.cpu_count() or 1) // world)
     port, shape = free_port(), RolloutShape.of(cfg.rollout)
-    rank_actor = ray.remote(num_cpus=0)(TrainerRank)
-    return [rank_actor.remote(r, world, "127.0.0.1", port, cfg.model, cfg.trainer, shape, cfg.run.seed, threads)
-            for r in range(world)]
+    rank_actor = ray.remote(TrainerRank)
+    return [rank_actor.options(**placement.rank_options(r, bundles)).remote(
+        r, world, "127.0.0.1", port, cfg.model, cfg.trainer, shape, cfg.run.seed, threads, placement.trainer)
+        for r in range(world)]
 
 
-def start_engine(cfg: JobConfig, run_id: str, policy_config: dict):
-    """The inference engine actor for the policy ``policy_config`` describes (weights come later, by a push)."""
+def start_engine(cfg: JobConfig, run_id: str, policy_config: dict, placement: Placement, bundles: Any = None):
+    """The inference engine actor for the policy ``policy_config`` describes (weights come later, by a push), where
+    ``placement`` puts it."""
     import ray
 
     from sandforge.rollout.engine.inference_engine import InferenceEngine
 
-    return ray.remote(num_cpus=0)(InferenceEngine).options(name=engine_name(run_id)).remote(
-        policy_config, cfg.engine, cfg.run.seed, os.cpu_count() or 1)
+    options = placement.engine_options(bundles) | {"name": engine_name(run_id)}
+    return ray.remote(InferenceEngine).options(**options).remote(
+        policy_config, cfg.engine, cfg.run.seed, os.cpu_count() or 1, placement.engine)
+
+
+def state_placement(fleet: Fleet) -> str:
+    """The run's line on where its parts run, from what the ranks and the engine report (printed as the fleet
+    starts)."""
+    import ray
+
+    ranks = ray.get([rank.device_name.remote() for rank in fleet.ranks])
+    engine = ray.get(fleet.engine.device_name.remote()) if fleet.engine is not None else None
+    line = describe(fleet.placement, ranks, engine, fleet.cfg.engine.dtype)
+    console.print(line, soft_wrap=True)
+    return line
 
 
 def model_spread(trainer) -> bool:
@@ -201,19 +228,24 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
             fleet.images = build_job_images(cfg)
         start_ray(cfg)
         _interrupts_raise()  # ray.init installs handlers of its own
+        fleet.placement = placement = resolve_placement(cfg, cluster_gpus(), trains="trainer" in parts)
+        fleet.bundles = placement_group(placement)
         if "trainer" in parts:
-            fleet.ranks = start_trainer_ranks(cfg)
+            fleet.ranks = start_trainer_ranks(cfg, placement, fleet.bundles)
         if cfg.engine.remote is not None:  # a separate server: no engine here, the weights go through disk
             fleet.sync = remote_engine(cfg, fleet.ranks)
         elif fleet.ranks:
             from sandforge.job.weight_sync import WeightSync
 
-            fleet.engine = start_engine(cfg, run_id, ray.get(fleet.ranks[0].model_config_dict.remote()))
-            fleet.sync = WeightSync(cfg.trainer.weight_sync, fleet.ranks, fleet.engine, free_port(),
-                                    gather_all=model_spread(cfg.trainer))
+            fleet.engine = start_engine(cfg, run_id, ray.get(fleet.ranks[0].model_config_dict.remote()), placement,
+                                        fleet.bundles)
+            spread = model_spread(cfg.trainer)
+            fleet.sync = WeightSync(placement.weight_sync(cfg.trainer.weight_sync, spread), fleet.ranks, fleet.engine,
+                                    free_port(), gather_all=spread)
         else:
-            fleet.engine = start_engine(cfg, run_id, policy["config"])
+            fleet.engine = start_engine(cfg, run_id, policy["config"], placement, fleet.bundles)
             ray.get(fleet.engine.load_weights.remote(policy["state_dict"], 0))
+        state_placement(fleet)
         if "workers" in parts:
             fleet.workers = start_rollout_workers(cfg, run_id, fleet.images)
         yield fleet
@@ -231,6 +263,9 @@ def close_fleet(fleet: Fleet, clean: bool) -> None:
 
     if clean and fleet.workers:
         fleet.close_workers()
+    if fleet.bundles is not None and ray.is_initialized():  # on a cluster, the GPUs go back now
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(fleet.bundles)
     if ray.is_initialized():
         ray.shutdown()
     if "workers" not in fleet.parts:

@@ -183,6 +183,7 @@ class RLJob:
         t1 = time.perf_counter()
         metrics = rollout_metrics(trajs) | self.sandbox_metrics() | sampling
         if ok:
+            self.fleet.before_update()  # an engine sharing the trainer's GPU frees its caches
             rows, shaping = self.rl_rows(ok)
             metrics |= shaping | self.update(rows)
         else:

@@ -6,9 +6,14 @@
   anywhere Ray does.
 - ``collective``: rank 0 broadcasts flat buffers to the engine over a process group of their own
   (models/weight_channel.py: NCCL on GPU, Gloo on CPU), GPU memory to GPU memory without the object store.
-- ``auto``: collective where there is a GPU, object store otherwise.
+- ``colocated``: the engine shares rank 0's GPU (``engine.colocate``); rank 0 hands over handles to its own tensors
+  (models/shared_weights.py: CUDA IPC, shared memory on CPU) and the engine copies straight out of them, nothing
+  serialised or sent but the handles.
+- ``auto``: colocated when the engine shares rank 0's GPU, collective where a GPU takes part, object store otherwise
+  (job/placement.py ``Placement.weight_sync``).
 
-With expert parallelism or ZeRO-3 every rank takes part (the whole model is gathered first) on either path.
+With expert parallelism or ZeRO-3 every rank takes part (the whole model is gathered first) on the first two paths;
+the colocated one needs the whole model on rank 0.
 
 With ``engine.remote`` (a separate inference server) ``DiskWeightSync`` takes their place: rank 0 writes the policy to
 ``engine.remote.weights_dir`` and the server loads it by its own mechanism (rollout/engine/remote.py
@@ -25,23 +30,21 @@ from typing import Any
 from sandforge.config import RemoteEngineConfig
 
 
-def resolve_mode(mode: str) -> str:
-    if mode != "auto":
-        return mode
-    import torch
-
-    return "collective" if torch.cuda.is_available() else "object_store"
-
-
 class WeightSync:
     def __init__(self, mode: str, ranks: list[Any], engine: Any, port: int, gather_all: bool,
                  host: str = "127.0.0.1"):
-        """``ranks``: TrainerRank handles (rank 0 first); ``engine``: an InferenceEngine handle; ``port``: a free port
-        on ``host`` (rank 0's address) for the collective channel; ``gather_all``: every rank takes part in building
-        the whole state dict (expert parallelism, ZeRO-3)."""
+        """``mode``: object_store, collective or colocated (``Placement.weight_sync`` resolves auto); ``ranks``:
+        TrainerRank handles (rank 0 first); ``engine``: an InferenceEngine handle; ``port``: a free port on ``host``
+        (rank 0's address) for the collective channel; ``gather_all``: every rank takes part in building the whole
+        state dict (expert parallelism, ZeRO-3)."""
         import ray
 
-        self.mode = resolve_mode(mode)
+        if mode not in ("object_store", "collective", "colocated"):
+            raise ValueError(f"weight sync mode {mode!r}: expected object_store, collective or colocated")
+        if mode == "colocated" and gather_all:
+            raise ValueError("weight_sync colocated needs the whole model on rank 0; with expert_parallel > 1 or "
+                             "zero_stage 3 it is spread over the ranks: use weight_sync collective")
+        self.mode = mode
         self.ranks = ranks if gather_all else ranks[:1]
         self.engine = engine
         if self.mode == "collective":
@@ -55,6 +58,8 @@ class WeightSync:
             sends = [rank.send_weights.remote(version) for rank in self.ranks]
             served = ray.get(self.engine.receive_weights.remote())
             ray.get(sends)
+        elif self.mode == "colocated":  # the handles travel; the engine copies out of rank 0's memory before answering
+            served = ray.get(self.engine.load_shared.remote(self.ranks[0].share_weights.remote(), version))
         else:
             weights = [rank.get_weights.remote() for rank in self.ranks]
             served = ray.get(self.engine.load_weights.remote(weights[0], version))

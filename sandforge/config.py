@@ -203,6 +203,11 @@ class EngineConfig(Section):
     # engine_dtype); the trainer recomputes every log-prob it trains on, so the sampler's rounding only moves the
     # importance ratio it reports (tis/*)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # where the engine runs (job/placement.py): auto is cuda when Ray has a GPU to give it, else cpu
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # share trainer rank 0's GPU instead of taking one of its own (verl's hybrid engine): the engine frees its episode
+    # caches while the trainer steps, and weights reach it by a direct copy from the rank's GPU memory
+    colocate: bool = False
 
 
 class PretrainConfig(Section):
@@ -270,6 +275,8 @@ class TrainerConfig(Section):
     overlong_buffer: int | None = Field(None, ge=0)  # soft overlong penalty over the budget's last N tokens (0: off)
     overlong_penalty: float = Field(1.0, ge=0)  # the penalty at the budget: -overlong_penalty
     world_size: int = Field(1, ge=1)
+    # where the ranks run (job/placement.py): auto is cuda when Ray has GPUs for them (one each), else cpu
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel nor model.lora)
     bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available
     grad_accum_steps: int = Field(2, ge=1)
@@ -281,9 +288,10 @@ class TrainerConfig(Section):
     mini_batches: int = Field(1, ge=1)
     expert_parallel: int = Field(1, ge=1)  # ranks the routed experts are split over (README "Expert parallelism")
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
-    # trainer -> engine weights: the Ray object store, or a broadcast over a process group of their own (NCCL on GPU,
-    # Gloo on CPU); auto: collective with a GPU, object store without
-    weight_sync: Literal["auto", "object_store", "collective"] = "auto"
+    # trainer -> engine weights: the Ray object store; a broadcast over a process group of their own (NCCL on GPU,
+    # Gloo on CPU); or, with engine.colocate, a direct copy out of rank 0's memory (no serialisation). auto: colocated
+    # when the engine shares rank 0's GPU, collective with a GPU, object store without
+    weight_sync: Literal["auto", "object_store", "collective", "colocated"] = "auto"
     routing_replay: bool = False  # R3: the training forward uses the experts the engine routed each token to
     # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (README "Async mode")
     mode: Literal["sync", "async"] = "sync"
@@ -404,52 +412,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
         first = _describe(errors[0], source)
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConfigError(first + more) from None
-    check_paths(cfg, source)
-    check_combinations(cfg, source)
+    from sandforge.config_checks import combination_problems, path_problems
+
+    for problem in [*path_problems(cfg, source), *combination_problems(cfg, source)]:
+        raise ConfigError(problem)
     return cfg
-
-
-def check_combinations(cfg: JobConfig, source: str) -> None:
-    """Keys of different sections that cannot go together."""
-    if cfg.model.lora is not None and cfg.trainer.zero_stage == 3:
-        raise ConfigError(f"{source}: 'model.lora' with 'trainer.zero_stage' 3 is not supported (the KL reference runs "
-                          "the policy under other adapters, which ZeRO-3's partitioned parameters do not allow): use "
-                          "zero_stage 2, which with LoRA already keeps only the adapters' optimizer state")
-    remote = cfg.engine.remote
-    if remote is not None and cfg.trainer.mode == "async":
-        raise ConfigError(f"{source}: 'engine.remote' with 'trainer.mode' async is not supported (async RL swaps "
-                          "weights under running sequences, which only the embedded engine does): use trainer.mode "
-                          "sync, or drop engine.remote")
-    if remote is not None and remote.api != "sandforge" and cfg.trainer.routing_replay:
-        raise ConfigError(f"{source}: 'trainer.routing_replay' with 'engine.remote.api' {remote.api} is not "
-                          "supported: only `sandforge serve` sends the routed experts back in a form the trainer "
-                          "replays; use engine.remote.api sandforge or trainer.routing_replay=false")
-
-
-def check_paths(cfg: JobConfig, source: str) -> None:
-    """Files a config points at must exist before any work starts."""
-    init = cfg.model.init_from
-    if init is not None and not (Path(init) / "config.json").is_file():
-        raise ConfigError(f"{source}: 'model.init_from' = {str(init)!r}: no checkpoint there (expected config.json)")
-    template = cfg.model.chat_template
-    if template is not None and not Path(template).is_file():
-        raise ConfigError(f"{source}: 'model.chat_template' = {str(template)!r}: no such file (expected a .jinja chat "
-                          "template)")
-    if cfg.model.arch == "hf" and not pretrained_source(cfg.model.path):
-        from sandforge.registry import MODEL_CATALOG
-
-        raise ConfigError(f"{source}: 'model.path' = {cfg.model.path!r}: model.arch hf needs a local Hugging Face model "
-                          f"directory (with config.json), a .gguf file or a catalogue name ({', '.join(MODEL_CATALOG)})")
-
-
-def pretrained_source(path: str | None) -> bool:
-    """Does ``model.path`` name something a pretrained policy can come from (models/sources.py resolves it)?"""
-    from sandforge.registry import MODEL_CATALOG
-
-    if not path:
-        return False
-    p = Path(path).expanduser()
-    return (p / "config.json").is_file() or (p.suffix == ".gguf" and p.is_file()) or path in MODEL_CATALOG
 
 
 def dump_config(cfg: JobConfig, path: Path) -> None:

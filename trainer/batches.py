@@ -17,30 +17,34 @@ DUMMY_ROW = {"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "
              "returns": [0.0, 0.0]}
 
 
-def pad_right(rows: list[list], value, dtype) -> torch.Tensor:
+def pad_right(rows: list[list], value, dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """Rows padded to the longest with ``value``, as one [B, T] tensor on ``device`` (built on CPU, moved once)."""
     width = max(len(r) for r in rows)
-    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+    out = torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+    return out if device is None else out.to(device, non_blocking=True)
 
 
-def token_batch(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids and their attention mask [B, T] for a micro-batch of rows."""
-    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
-    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
+def token_batch(rows: list[dict], device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token ids and their attention mask [B, T] for a micro-batch of rows, on ``device``."""
+    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long, device)
+    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long, device)
     return ids, attn
 
 
 def forward_scores(model, rows: list[dict], layout: PackedLayout, temperature: float = 1.0,
-                   forced: torch.Tensor | None = None, **kwargs) -> TokenScores:
+                   forced: torch.Tensor | None = None, device: torch.device | str | None = None,
+                   **kwargs) -> TokenScores:
     """``token_scores`` of right-padded ``rows``, computed in ``layout`` (packed rows, or one row each) and returned
     in the padded layout, so everything after the forward is the same whether sequences were packed or not.
-    ``forced``: the engine's routing [B, T, layers, k] to replay (padded layout, -1 unknown)."""
-    ids, attn = token_batch(rows)
+    ``forced``: the engine's routing [B, T, layers, k] to replay (padded layout, -1 unknown); ``device``: the
+    model's, where the batch is built."""
+    ids, attn = token_batch(rows, device)
     if layout.is_padded:
         return token_scores(replaying(model, forced), ids, attn, temperature, **kwargs)
     if forced is not None:
         forced = layout.pack_tensor(forced, fill=UNKNOWN)
     s = token_scores(replaying(model, forced), layout.pack_tensor(ids), None, temperature,
-                     segment_ids=layout.segment_ids(), **kwargs)
+                     segment_ids=layout.segment_ids(ids.device), **kwargs)
     unpack = layout.unpack
     return TokenScores(unpack(s.logprobs), s.aux_loss, None if s.entropy is None else unpack(s.entropy),
                        None if s.hidden is None else unpack(s.hidden))

@@ -1,6 +1,7 @@
 """One trainer rank: a Ray actor that owns a DeepSpeed engine over the policy.
 
-N ranks form one torch.distributed group (gloo on CPU). Each rank receives its shard of the step's sequences, splits it
+N ranks form one torch.distributed group (gloo on CPU, NCCL on GPU: job/placement.py gives each CUDA rank a GPU of
+its own, which it sees as cuda:0; its batches, reference model and value head live there too). Each rank receives its shard of the step's sequences, splits it
 into exactly ``grad_accum_steps`` micro-batches (empty ones run a zero-weighted dummy so every rank does the same number
 of backward passes), and DeepSpeed averages gradients across ranks and steps the optimizer at the boundary. The loss
 itself (clipping, aggregation, KL, importance weights) lives in ``trainer/algorithms``; this file is plumbing.
@@ -61,14 +62,21 @@ def deepspeed_config(trainer: TrainerConfig, cuda: bool) -> dict:
 
 class TrainerRank:
     """``model``: the policy to build (or ``model.init_from`` to load); ``trainer``: the whole trainer section;
-    ``shape``: what the rollout fixes about the scored tokens."""
+    ``shape``: what the rollout fixes about the scored tokens; ``device``: "cpu", or "cuda" when Ray placed the rank
+    on a GPU (job/placement.py)."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model: ModelConfig,
-                 trainer: TrainerConfig, shape: RolloutShape, seed: int = 0, num_threads: int = 1):
+                 trainer: TrainerConfig, shape: RolloutShape, seed: int = 0, num_threads: int = 1,
+                 device: str = "cpu"):
+        from sandforge.models.device import part_device, where
+
+        self.device = part_device(device, f"trainer rank {rank}")
+        self.where = where(device)
+        cuda = self.device.type == "cuda"
         os.environ.update(
-            DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+            DS_ACCELERATOR="cuda" if cuda else "cpu",
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
+            LOCAL_RANK="0" if cuda else str(rank),  # a CUDA rank sees only its own GPU
             WORLD_SIZE=str(world_size),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
@@ -78,7 +86,7 @@ class TrainerRank:
 
         from sandforge.models.build import load_chat, trainable_policy
 
-        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = trainer, shape.temperature
         torch.manual_seed(seed)  # identical initial weights on every rank
@@ -102,13 +110,13 @@ class TrainerRank:
             shard_model(policy, self.expert_parallel)
         # frozen, for the KL metric/penalty. LoRA: the policy itself under a copy of its adapters, not a second model,
         # taken below once DeepSpeed has placed and cast the adapters
-        self.reference = None if self.lora else copy.deepcopy(policy).eval().requires_grad_(False)
+        self.reference = None if self.lora else copy.deepcopy(policy).eval().requires_grad_(False).to(self.device)
         if self.expert_parallel > 1:
             params = optimizer_groups(policy)
         else:
             params = [p for p in policy.parameters() if p.requires_grad] if self.lora else policy.parameters()
         optimizer = torch.optim.AdamW(params, lr=trainer.lr, weight_decay=trainer.weight_decay)
-        ds_config = deepspeed_config(trainer, torch.cuda.is_available())
+        ds_config = deepspeed_config(trainer, cuda)
         if self.expert_parallel > 1:
             from sandforge.trainer import expert_parallel
 
@@ -125,11 +133,13 @@ class TrainerRank:
                                                                      config=ds_config)
         if self.lora:
             self.reference = AdapterSnapshot(self.engine.module)
+        elif "bf16" in ds_config:  # the reference scores in the policy's own precision, so KL measures training only
+            self.reference.to(torch.bfloat16)
         self.settings = resolve(trainer, shape.response_budget)
         self.value_head = self.value_optimizer = None
         if self.settings.algorithm.value_head:  # PPO's critic: a linear head on the policy's last hidden state
             width = getattr(policy.config, "d_model", None) or policy.hf_config.hidden_size
-            self.value_head = torch.nn.Linear(width, 1).to(next(policy.parameters()).device)
+            self.value_head = torch.nn.Linear(width, 1).to(self.device)
             torch.nn.init.zeros_(self.value_head.weight)  # V = 0 at first: GAE starts as discounted returns
             torch.nn.init.zeros_(self.value_head.bias)
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=trainer.lr,
@@ -213,36 +223,37 @@ class TrainerRank:
 
     def _micro_batch_loss(self, micro: list[dict], totals: Totals,
                           mode: str) -> tuple[torch.Tensor, Stats, torch.Tensor]:
-        ids, attn = token_batch(micro)
+        dev = self.device
+        ids, attn = token_batch(micro, dev)
         layout = self.layout(micro)
-        mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
+        mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32, dev)
         if mode == "sft":
-            scores = forward_scores(self.engine, micro, layout)
+            scores = forward_scores(self.engine, micro, layout, device=dev)
             return *sft_objective(scores.logprobs, mask, totals), scores.aux_loss
         temperature = self.temperature  # RL scores tokens as the engine sampled them
-        engine_ids = routed_ids(micro, ids.shape[1])  # trainer/routing_replay.py
+        engine_ids = routed_ids(micro, ids.shape[1], dev)  # trainer/routing_replay.py
         forced = engine_ids if self.cfg.routing_replay else None
         with RouterRecorder(self.engine.module) as router:
-            scores = forward_scores(self.engine, micro, layout, temperature, forced,
+            scores = forward_scores(self.engine, micro, layout, temperature, forced, device=dev,
                                     entropy=True if self.settings.entropy_coef else "metric",
                                     hidden=self.value_head is not None)
         ref = None  # no reference forward when KL neither weighs in the loss nor is logged (trainer.log_kl)
         if (self.settings.kl_coef and self.settings.kl_in == "loss") or self.cfg.log_kl:
             with torch.no_grad():
-                ref = forward_scores(self.reference, micro, layout, temperature).logprobs
+                ref = forward_scores(self.reference, micro, layout, temperature, device=dev).logprobs
         batch = MicroBatch(
             logprobs=scores.logprobs,
-            engine_logprobs=pad_right([r["logprobs"] for r in micro], 0.0, torch.float32),
-            advantages=pad_right([r["advantages"] for r in micro], 0.0, torch.float32),
+            engine_logprobs=pad_right([r["logprobs"] for r in micro], 0.0, torch.float32, dev),
+            advantages=pad_right([r["advantages"] for r in micro], 0.0, torch.float32, dev),
             mask=mask,
             ref_logprobs=ref,
             entropy=scores.entropy,
         )
         if all("old_logprobs" in r for r in micro):  # later mini-batches of a step: ratio against the step's start
-            batch.old_logprobs = pad_right([r["old_logprobs"] for r in micro], 0.0, torch.float32)
+            batch.old_logprobs = pad_right([r["old_logprobs"] for r in micro], 0.0, torch.float32, dev)
         if self.value_head is not None:
             batch.values = self.value_head(scores.hidden.float()).squeeze(-1)
-            batch.returns = pad_right([r["returns"] for r in micro], 0.0, torch.float32)
+            batch.returns = pad_right([r["returns"] for r in micro], 0.0, torch.float32, dev)
         loss, st = rl_objective(batch, self.settings, totals)
         own = router.own_ids()
         st.sums |= mismatch_counts(None if own is None else layout.unpack(own), engine_ids, attn)
@@ -265,12 +276,12 @@ class TrainerRank:
         for micro in batches:
             layout = self.layout(micro)
             width = max(len(r["token_ids"]) for r in micro)
-            forced = routed_ids(micro, width) if self.cfg.routing_replay else None
-            scores = forward_scores(self.engine, micro, layout, temperature, forced,
+            forced = routed_ids(micro, width, self.device) if self.cfg.routing_replay else None
+            scores = forward_scores(self.engine, micro, layout, temperature, forced, device=self.device,
                                     hidden=self.value_head is not None)
             penalty = torch.zeros_like(scores.logprobs)
             if s.kl_in == "reward" and s.kl_coef:
-                ref = forward_scores(self.reference, micro, layout, temperature).logprobs
+                ref = forward_scores(self.reference, micro, layout, temperature, device=self.device).logprobs
                 penalty = s.kl_coef * kl_estimate(scores.logprobs, ref, s.kl_estimator)
             values = None if self.value_head is None else self.value_head(scores.hidden.float()).squeeze(-1)
             for i, r in enumerate(micro):
@@ -312,7 +323,8 @@ class TrainerRank:
             keys = sorted(values)
             if not keys:
                 continue
-            vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).cpu() for k in keys])
+            # on the rank's device: NCCL reduces GPU tensors only
+            vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).to(self.device) for k in keys])
             if self.world_size > 1:
                 dist.all_reduce(vec, op=op)
             out |= {k: v for k, v in zip(keys, vec.tolist()) if math.isfinite(v)}  # min/max of no tokens: left out
@@ -338,6 +350,21 @@ class TrainerRank:
                 weights = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
         return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
+    def share_weights(self) -> bytes:
+        """Handles to the policy's own tensors (LoRA: its adapters) for an engine on this rank's device to copy from
+        (models/shared_weights.py, ``trainer.weight_sync: colocated``); the engine casts them to its dtype. Not with
+        expert parallelism or ZeRO-3, where rank 0 does not hold the whole model."""
+        from sandforge.models.shared_weights import share
+
+        if self.gathers:
+            raise ValueError("weight_sync colocated needs the whole model on rank 0; with expert_parallel > 1 or "
+                             "zero_stage 3 it is spread over the ranks (use weight_sync collective)")
+        if self.lora:
+            from sandforge.models.lora import adapter_weights
+
+            return share(adapter_weights(self.engine.module))
+        return share(self.engine.module.state_dict())
+
     def open_weight_channel(self, host: str, port: int) -> None:
         """Rank 0's end of the collective weight sync (models/weight_channel.py); the engine opens the other end."""
         from sandforge.models.weight_channel import WeightChannel
@@ -349,6 +376,10 @@ class TrainerRank:
         ZeRO-3 the whole model is gathered first; rank 0 sends)."""
         weights = self.get_weights()
         return self.channel.send(weights, version) if self.rank == 0 else version
+
+    def device_name(self) -> str:
+        """Where this rank runs, as the run's placement line states it (``cuda:<GPU id>`` or ``cpu``)."""
+        return self.where
 
     def model_config_dict(self) -> dict:
         from sandforge.models.build import policy_config
@@ -369,7 +400,7 @@ class TrainerRank:
         self.save_policy(str(policy_dir))
         # what DeepSpeed does not keep: this rank's RNG, its step counts (the lr schedule's too), the value head (outside DeepSpeed)
         torch.save({"torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                    "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                     "steps": self.steps,
                     "rl_updates": self.rl_updates,
                     "value_head": self.value_head.state_dict() if self.value_head is not None else None,
@@ -401,7 +432,7 @@ class TrainerRank:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
         extra = torch.load(Path(directory) / tag / f"trainer_rank_{self.rank}.pt", weights_only=False)
         torch.set_rng_state(extra["torch_rng"])
-        if extra["cuda_rng"] is not None and torch.cuda.is_available():
+        if extra["cuda_rng"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])
         self.steps = extra["steps"]
         self.rl_updates = extra.get("rl_updates", 0)

@@ -19,16 +19,16 @@ from torch import Tensor, nn
 UNKNOWN = -1
 
 
-def routed_ids(rows: list[dict], width: int) -> Tensor | None:
-    """The engine's routing of right-padded rows: [B, width, n_moe_layers, top_k], -1 where unknown; None when no row
-    carries any."""
+def routed_ids(rows: list[dict], width: int, device: torch.device | str | None = None) -> Tensor | None:
+    """The engine's routing of right-padded rows: [B, width, n_moe_layers, top_k] on ``device``, -1 where unknown; None
+    when no row carries any."""
     routed = [r.get("routed_experts") or [] for r in rows]
     first = next((e for rr in routed for e in rr if e is not None), None)
     if first is None:
         return None
     unknown = [[UNKNOWN] * len(first[0])] * len(first)
     return torch.tensor([[e if e is not None else unknown for e in rr] + [unknown] * (width - len(rr))
-                         for rr in routed], dtype=torch.long)
+                         for rr in routed], dtype=torch.long, device=device)
 
 
 def replaying(model: nn.Module, forced: Tensor | None) -> Any:

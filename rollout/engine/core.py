@@ -98,6 +98,13 @@ class EngineCore:
         if self._wake is not None:
             self._wake.set()
 
+    def release_memory(self) -> None:
+        """Drop every idle cache and hand the freed GPU memory back to the device (a colocated trainer is about to
+        step); the sessions' next requests rebuild their caches by re-prefill."""
+        self.commands.append(("release",))
+        if self._wake is not None:
+            self._wake.set()
+
     async def load_weights(self, state_dict: dict, version: int, interrupt: bool | None = None,
                            partial: bool = False) -> int:
         """New weights and their version. Waits for running sequences to finish, or with ``interrupt`` (default:
@@ -211,6 +218,10 @@ class EngineCore:
             cmd = self.commands.popleft()
             if cmd[0] == "close":
                 self._close(cmd[1])
+            elif cmd[0] == "release":
+                self.store.clear()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             elif len(self.batch) and not cmd[5]:
                 waiting.append(cmd)
             else:

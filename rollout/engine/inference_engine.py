@@ -1,6 +1,6 @@
 """The engine as a Ray actor: builds the policy from its config and serves ``EngineCore`` on the actor's event loop.
 
-    engine = ray.remote(num_cpus=0)(InferenceEngine).remote(policy_config, cfg.engine, seed, threads)
+    engine = ray.remote(num_cpus=0)(InferenceEngine).remote(policy_config, cfg.engine, seed, threads, "cpu")
     [sample] = await engine.generate.remote({"prompt_ids": [...], "session_id": "ep-3", "max_tokens": 256, ...})
 """
 
@@ -24,13 +24,14 @@ class InferenceEngine:
     trainer trains LoRA adapters): each load brings the adapters only, merged here into the base weights the engine
     was built with (models/lora.py ``LoraMerger``, which keeps that base unmerged, so syncs never accumulate)."""
 
-    def __init__(self, policy_config: dict, engine: EngineConfig, seed: int = 0, num_threads: int = 1):
+    def __init__(self, policy_config: dict, engine: EngineConfig, seed: int = 0, num_threads: int = 1,
+                 device: str = "cpu"):
         from sandforge.models.build import policy_from_config
+        from sandforge.models.device import part_device, where
 
+        self.device, self.where = part_device(device, "engine"), where(device)
         torch.set_num_threads(num_threads)
-        model = policy_from_config(policy_config)
-        if torch.cuda.is_available():
-            model = model.cuda()
+        model = policy_from_config(policy_config).to(self.device)
         self.lora = None
         if policy_config.get("lora"):
             from sandforge.models.lora import LoraMerger
@@ -57,6 +58,26 @@ class InferenceEngine:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    async def load_shared(self, blob: bytes, version: int) -> int:
+        """Weights shared by trainer rank 0 on this engine's device (``TrainerRank.share_weights``: handles, no data),
+        copied straight into the served model as ``version``."""
+        from sandforge.models.shared_weights import open_shared
+
+        return await self.load_weights(open_shared(blob), version)
+
+    def release_memory(self) -> None:
+        """Give back the episode caches' memory while the trainer steps on the GPU this engine shares with it; the
+        sessions' next requests rebuild their caches by re-prefill."""
+        self.core.release_memory()
+
+    def served_weights(self) -> dict:
+        """The weights being served, copied to CPU in the engine's dtype (checks of a weight sync)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.core.model.state_dict().items()}
+
+    def device_name(self) -> str:
+        """Where the engine runs, as the run's placement line states it."""
+        return self.where
 
     def open_weight_channel(self, host: str, port: int) -> None:
         """The receiving end of the collective weight sync (models/weight_channel.py); trainer rank 0 sends."""
