@@ -148,6 +148,11 @@ class _WeightSender:
     def send_weights(self, version: int) -> int:
         return self.channel.send(self.weights, version)
 
+    def share_weights(self) -> bytes:
+        from sandforge.models.shared_weights import share
+
+        return share(self.weights)
+
 
 def weight_sync_section(args, table: Table) -> dict:
     """Seconds per GB of weights from a trainer actor into a serving InferenceEngine actor (received, loaded, version
@@ -174,7 +179,7 @@ def weight_sync_section(args, table: Table) -> dict:
         gb = sum(v.numel() * v.element_size() for v in weights.values()) / 1e9
         del weights
         out, version = {}, 0
-        for mode in ("object_store", "collective"):
+        for mode in ("object_store", "collective", "colocated"):
             sync = WeightSync(mode, [sender], engine, free_port(), gather_all=False)
             times = []
             for _ in range(args.sync_repeats + 1):  # the first push warms up (allocations, connections)
@@ -192,6 +197,8 @@ def weight_sync_section(args, table: Table) -> dict:
                   f"{out['object_store']:.2f} s/GB", f"median of {args.sync_repeats} pushes, load + version included")
     table.add_row("weight sync, collective (gloo on CPU)", f"{out['collective']:.2f} s/GB",
                   f"object store / collective = {ratio:.2f}x; nccl on GPU")
+    table.add_row("weight sync, colocated (shared memory on CPU)", f"{out['colocated']:.2f} s/GB",
+                  f"object store / colocated = {out['object_store'] / out['colocated']:.2f}x; CUDA IPC on GPU")
     return {"weight_sync_s_per_gb": {k: round(v, 3) for k, v in out.items()},
             "weight_sync_object_store_vs_collective": round(ratio, 2), "weight_sync_gb": round(gb, 4)}
 
