@@ -197,3 +197,8 @@ class ToolEnv(gymnasium.Env):
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
+
+    def screenshots_png(self) -> list[bytes]:
+        """PNG images of what the episode looked like, for the run's logs (a browser's pages); none by default. Called
+        once the episode is graded, before ``close``."""
+        return []

@@ -117,10 +117,11 @@ def _drive(job, *args, **kwargs) -> None:
     """Run a job (train, sft, eval); Ctrl-C exits with 130, an error the user can act on is one line, exit 1."""
     from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError
-    from sandforge.job.console import JobError
+    from sandforge.job.console import JobError, heartbeat
 
     try:
-        job(*args, **kwargs)
+        with heartbeat():  # off a terminal: a status line at least every 30 s
+            job(*args, **kwargs)
     except KeyboardInterrupt:
         raise typer.Exit(130)
     except (JobError, SandboxError, ImageError) as e:
@@ -145,7 +146,10 @@ def images_build(
                    if e.source != "built-in" and e.image_name == name and (env is None or name in env)}
         contexts = {name: e.image_context() for name, e in plugins.items()}
         builtins = None if env is None else [name for name in env if name not in plugins]
-        tags = build_images(builtins, base_image=base_image, mirror=mirror, contexts=contexts)
+        from sandforge.job.console import heartbeat, phase
+
+        with heartbeat(), phase("building the sandbox images"):  # a first build takes minutes
+            tags = build_images(builtins, base_image=base_image, mirror=mirror, contexts=contexts)
     except (SandboxError, ImageError, PluginError) as e:
         fail(str(e), 1)
     for name, tag in tags.items():

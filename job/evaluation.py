@@ -126,14 +126,16 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
     environment) to ``out_file`` and returns it."""
     from sandforge.job.console import console, make_run_id, progress
     from sandforge.job.fleet import checkpoint_policy, open_fleet
-    from sandforge.job.rollout_workers import collect_episodes
+    from sandforge.job.rollout_workers import collect_episodes, stop_if_all_failed
 
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": checkpoint})})
     with open_fleet(cfg, make_run_id(f"{cfg.run.name}-eval"), frozenset({"engine", "workers"}),
                     policy=checkpoint_policy(checkpoint)) as fleet, progress() as bar:
 
         def collect(tasks, groups, scripted, label, greedy=False):
-            return collect_episodes(fleet.workers, tasks, groups, cfg.run.seed, 0, scripted, bar, label, greedy)
+            trajs = collect_episodes(fleet.workers, tasks, groups, cfg.run.seed, 0, scripted, bar, label, greedy)
+            stop_if_all_failed(trajs, label)
+            return trajs
 
         _, summary = evaluation(cfg, collect, "eval")
     summary = {"checkpoint": str(checkpoint), **summary}

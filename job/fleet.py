@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sandforge.config import JobConfig
-from sandforge.job.console import console
+from sandforge.job.console import console, phase
 from sandforge.job.placement import Placement, cluster_gpus, describe, placement_group, resolve_placement
 
 ALL_PARTS = frozenset({"trainer", "engine", "workers"})
@@ -106,13 +106,16 @@ def start_ray(cfg: JobConfig) -> None:
     """A new local Ray instance (never a cluster found lying around), or the cluster ``ray.address`` names. Ray starts
     its worker processes at nice 15 by default, so a trainer rank would lose most of a core to any normal process:
     locally they run at the driver's own priority. (A cluster's raylets were started with their own setting.)"""
+    import logging
+
     import ray
 
     if ray.is_initialized():  # this process joined Ray itself (a notebook, a test harness): the fleet uses it
         return
     local = cfg.ray.address is None
+    # logging_level: Ray's own start-up notices (its local instance, token authentication) are not the user's concern
     ray.init(address=cfg.ray.address or "local", num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-             log_to_driver=False, object_store_memory=256 * 1024**2 if local else None,
+             logging_level=logging.ERROR, log_to_driver=False, object_store_memory=256 * 1024**2 if local else None,
              _system_config={"worker_niceness": 0} if local else None)  # relative to the raylet: the driver's
 
 
@@ -225,13 +228,17 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
     _interrupts_raise()
     try:
         if "workers" in parts:
-            fleet.images = build_job_images(cfg)
-        start_ray(cfg)
+            with phase("building the sandbox images"):
+                fleet.images = build_job_images(cfg)
+        with phase("starting Ray"):
+            start_ray(cfg)
         _interrupts_raise()  # ray.init installs handlers of its own
         fleet.placement = placement = resolve_placement(cfg, cluster_gpus(), trains="trainer" in parts)
         fleet.bundles = placement_group(placement)
         if "trainer" in parts:
-            fleet.ranks = start_trainer_ranks(cfg, placement, fleet.bundles)
+            with phase("starting the trainer ranks (DeepSpeed)"):
+                fleet.ranks = start_trainer_ranks(cfg, placement, fleet.bundles)
+                ray.get([rank.device_name.remote() for rank in fleet.ranks])
         if cfg.engine.remote is not None:  # a separate server: no engine here, the weights go through disk
             fleet.sync = remote_engine(cfg, fleet.ranks)
         elif fleet.ranks:
@@ -247,7 +254,8 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
             ray.get(fleet.engine.load_weights.remote(policy["state_dict"], 0))
         state_placement(fleet)
         if "workers" in parts:
-            fleet.workers = start_rollout_workers(cfg, run_id, fleet.images)
+            with phase("starting the rollout workers"):
+                fleet.workers = start_rollout_workers(cfg, run_id, fleet.images)
         yield fleet
     finally:
         close_fleet(fleet, clean=sys.exc_info()[0] is None)

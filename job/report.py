@@ -254,7 +254,24 @@ def episode_html(index: int, ep: dict) -> str:
                        + (pre(reward["reason"]) if reward.get("reason") else "")))
     if ep.get("failed"):
         parts.append(block("failure", "failure", pre(ep.get("failure", ""))))
+    shots = (ep.get("metadata") or {}).get("screenshots") or []
+    if shots:
+        parts.append(block("shots", f"screenshots ({len(shots)})", screenshots_html(shots)))
     return f'<details open><summary>{head}</summary>{"".join(parts)}</details>'
+
+
+def screenshots_html(paths: list[str]) -> str:
+    """Images by their paths relative to the run directory, where report.html lies (a path that is not a plain
+    relative one under screenshots/ is left out: rows can be edited by hand)."""
+    safe = [p for p in paths if p.startswith("screenshots/") and ".." not in p and "\\" not in p]
+    return "".join(f'<a href="{html.escape(p)}"><img class="shot" loading="lazy" alt="{html.escape(p)}" '
+                   f'src="{html.escape(p)}"></a>' for p in safe)
+
+
+def screenshot_episodes(episodes: list[dict], n: int = 2) -> list[int]:
+    """The latest ``n`` episodes that left screenshots (browser episodes)."""
+    return [i for i in range(len(episodes) - 1, -1, -1)
+            if (episodes[i].get("metadata") or {}).get("screenshots")][:n][::-1]
 
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1em;color:#222}
@@ -263,7 +280,7 @@ details{border:1px solid #ccc;border-radius:6px;margin:1em 0;padding:.5em}summar
 details>div{margin:.5em 0;padding:.3em .6em;border-left:4px solid #bbb}.user{border-color:#4a7}
 .assistant{border-color:#47c}.think pre{color:#666;font-style:italic}.call{border-left:2px solid #c84;padding-left:.5em}
 .tool{border-color:#999;background:#f6f6f6}.reward{border-color:#a4a}.failure{border-color:#c33;background:#fee}
-.label{font-size:12px;font-weight:600;color:#555}"""
+.label{font-size:12px;font-weight:600;color:#555}img.shot{width:320px;margin:4px;border:1px solid #ccc}"""
 
 
 def write_report(run_dir: str | Path) -> tuple[Path, Path]:
@@ -284,13 +301,16 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
                     for k, v in summary_rows(run_dir, metrics, summary, episodes))
     empty = [p.title for p in panel_list if not p.series]
     note = f"<p>No data yet for: {e(', '.join(empty))}.</p>" if empty else ""
-    samples = "".join(episode_html(i, episodes[i]) for i in sample_episodes(episodes))
+    picks = sample_episodes(episodes)
+    samples = "".join(episode_html(i, episodes[i]) for i in picks)
+    shots = "".join(episode_html(i, episodes[i]) for i in screenshot_episodes(episodes) if i not in picks)
     image = base64.b64encode(png.read_bytes()).decode()
     page = (f'<!doctype html><html><head><meta charset="utf-8"><title>sandforge report: {e(run_id(run_dir))}</title>'
             f"<style>{STYLE}</style></head><body><h1>sandforge run {e(run_id(run_dir))}</h1>"
             f'<table class="summary">{table}</table><h2>Curves</h2>{note}'
             f'<img alt="training curves" src="data:image/png;base64,{image}">'
-            f"<h2>Sample episodes</h2>{samples or '<p>No episodes recorded yet.</p>'}</body></html>\n")
+            f"<h2>Sample episodes</h2>{samples or '<p>No episodes recorded yet.</p>'}"
+            + (f"<h2>Browser episodes, with screenshots</h2>{shots}" if shots else "") + "</body></html>\n")
     out = run_dir / "report.html"
     out.write_text(page)
     return png, out

@@ -23,7 +23,7 @@ from sandforge.job.eta import RunClock
 from sandforge.job.evaluation import eval_line, evaluation, metric_row
 from sandforge.job.fleet import Fleet
 from sandforge.job.rollout_metrics import rollout_metrics
-from sandforge.job.rollout_workers import collect_episodes, worker_gone
+from sandforge.job.rollout_workers import collect_episodes, stop_if_all_failed, worker_gone
 from sandforge.job.runlog import RunLogger
 from sandforge.job.tasks import TaskSampler
 from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
@@ -86,6 +86,8 @@ class RLJob:
             # the server is down (after the retries) or answers nothing usable: stop rather than train on nothing
             raise JobError(f"remote engine {remote.url}: all {len(trajs)} episodes of '{label}' failed on it; first: "
                            f"{trajs[0].failure.removeprefix('engine: ').removeprefix('RemoteEngineError: ')}")
+        if not scripted:  # the warm start's replays report their own failures (job/cold_start.py)
+            stop_if_all_failed(trajs, label)
         return trajs
 
     def tick(self, kind: str, units: int, seconds: float) -> None:

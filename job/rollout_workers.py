@@ -135,3 +135,29 @@ def lost_episodes(tasks: list[dict], groups: list[str], version: int, worker: in
     return [Trajectory(task=Task.from_dict(t), group=g, failed=True, failure=reason, finish_reason="error",
                        policy_version=version, reward=Reward(0.0, False, reason=reason), metadata={"worker": worker})
             for t, g in zip(tasks, groups)]
+
+
+def common_failure(trajs: list[Trajectory]) -> str | None:
+    """The one reason every episode failed for, when at least two ran and all failed alike (numbers aside: "worker 0"
+    and "worker 1" are the same reason); None otherwise. Such a batch means the job cannot work (a tokenizer that does
+    not load, a sandbox image that does not start), not that the policy lost: the run stops with it in one line."""
+    import re
+
+    if len(trajs) < 2 or not all(t.failed for t in trajs):
+        return None
+    first = [(t.failure or "unknown").strip().splitlines()[0] if (t.failure or "").strip() else "unknown"
+             for t in trajs]
+    if len({re.sub(r"\d+", "#", f) for f in first}) != 1:
+        return None
+    return first[0]
+
+
+def stop_if_all_failed(trajs: list[Trajectory], label: str) -> None:
+    """Every episode of a batch failed for one reason (``common_failure``): the job cannot work as set up; JobError
+    says why in one line."""
+    from sandforge.job.console import JobError
+
+    reason = common_failure(trajs)
+    if reason is not None:
+        raise JobError(f"all {len(trajs)} episodes of '{label}' failed, each with: {reason}")
+

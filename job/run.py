@@ -63,13 +63,13 @@ def start_run(cfg: JobConfig, resume: bool) -> tuple[Path, str, int]:
         run_id = make_run_id(cfg.run.name)
         dump_config(cfg, out / "config.yaml")
         (out / "run_id").write_text(run_id + "\n")
-        console.print(f"[bold]sandforge[/] run [cyan]{run_id}[/] → {out}")
+        console.print(f"[bold]sandforge[/] run [cyan]{run_id}[/] → {out}", soft_wrap=True)
         return out, run_id, 0
     start, _ = resume_point(out)
     run_id = (out / "run_id").read_text().strip()
     truncate_jsonl(out / "metrics.jsonl", lambda r: _kept_on_resume(r, start))
     truncate_jsonl(out / "trajectories.jsonl", lambda r: _kept_on_resume(r, start))
-    console.print(f"[bold]sandforge[/] resuming run [cyan]{run_id}[/] after step {start} → {out}")
+    console.print(f"[bold]sandforge[/] resuming run [cyan]{run_id}[/] after step {start} → {out}", soft_wrap=True)
     return out, run_id, start
 
 

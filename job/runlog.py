@@ -64,6 +64,10 @@ class RunLogger:
             self.run.log(metrics)
 
     def log_trajectories(self, step: int, phase: str, trajectories: list[Trajectory]) -> None:
+        """Each episode as a row of trajectories.jsonl; its screenshots (a browser episode's) as PNG files under
+        ``screenshots/<phase>-<step>/``, the row naming them (``metadata.screenshots``, relative to the run directory)."""
+        for i, t in enumerate(trajectories):
+            self._write_screenshots(t, f"{phase}-{step}", i)
         with self.trajectories_path.open("a") as f:
             for t in trajectories:
                 f.write(json.dumps({"step": step, "phase": phase, **t.to_dict()}) + "\n")
@@ -77,6 +81,21 @@ class RunLogger:
                 breakdown = json.dumps(t.reward.breakdown if t.reward else {})
                 table.add_data(step, t.task.id, reward, breakdown, t.failure or "", len(t.turns), render_messages(t))
             self.run.log({f"samples/{phase}": table})
+
+    def _write_screenshots(self, traj: Trajectory, batch: str, index: int) -> None:
+        import base64
+
+        shots = traj.metadata.pop("screenshots_png", None)
+        if not shots:
+            return
+        folder = self.output_dir / "screenshots" / batch
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for j, data in enumerate(shots):
+            path = folder / f"{index:04d}-{j}.png"  # names of our own: nothing from the sandbox reaches a host path
+            path.write_bytes(base64.b64decode(data))
+            paths.append(str(path.relative_to(self.output_dir)))
+        traj.metadata["screenshots"] = paths
 
     def close(self) -> None:
         if self.run is not None:

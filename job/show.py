@@ -135,6 +135,9 @@ def render_episode(ep: dict) -> RenderableType:
             parts.append(Panel(Text(str(m.get("content", ""))), title=str(role or "?"), title_align="left",
                                border_style="green" if role == "user" else "white"))
     parts.append(reward_panel(ep))
+    if meta.get("screenshots"):
+        parts.append(Panel(Text("\n".join(map(str, meta["screenshots"]))), title="screenshots (in the run directory)",
+                           title_align="left", border_style="blue"))
     if ep.get("failed"):
         detail = str(ep.get("failure") or "no reason recorded")
         if meta.get("traceback"):

@@ -16,6 +16,7 @@ sandbox as the policy left it, which is what a user expects of a time limit.
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 import traceback
 import uuid
@@ -94,6 +95,7 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
             await policy.close_session(session)
         except Exception:  # noqa: BLE001 - the engine evicts the session by itself eventually
             pass
+        await _keep_screenshots(traj, env)
         await env.aclose()
     if traj.failed:
         traj.finish_reason = "error"
@@ -152,6 +154,20 @@ def turn_seed(seed: int, turn: int) -> int:
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
+
+
+async def _keep_screenshots(traj: Trajectory, env) -> None:
+    """The env's screenshots (a browser's), base64 in ``metadata["screenshots_png"]`` until the run log writes them
+    into the run directory. Best effort: a sandbox already gone has none to give."""
+    shots = getattr(env, "screenshots_png", None)
+    if shots is None or getattr(env, "_sandbox", True) is None:
+        return
+    try:
+        images = await asyncio.to_thread(shots)
+    except Exception:  # noqa: BLE001 - logs only: never fails the episode
+        return
+    if images:
+        traj.metadata["screenshots_png"] = [base64.b64encode(png).decode() for png in images]
 
 
 async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLimits, session: str,

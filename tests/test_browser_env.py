@@ -8,6 +8,7 @@ then the policy's limits (no shell, no network beyond the box, no access to the 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
 import subprocess
@@ -99,6 +100,8 @@ def test_reference_solves_doing_nothing_fails_and_runs_repeat(family, browser_en
     observations = [o for t in first.turns for o in t.observations]
     assert not any(o.startswith("Error") for o in observations), observations
     assert "Thank you" in observations[-2] or "Booked!" in observations[-2], observations[-2]
+    shots = [base64.b64decode(s) for s in first.metadata["screenshots_png"]]  # for the run directory
+    assert 1 <= len(shots) <= 8 and all(s.startswith(b"\x89PNG\r\n\x1a\n") and len(s) > 1000 for s in shots)
 
     again = episode(browser_env(make_task(family, 11)), make_task(family, 11))
     assert again.reward == first.reward

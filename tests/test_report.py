@@ -164,3 +164,37 @@ def test_wandb_sample_table_carries_reward_breakdown(tmp_path):
     got = {r[table["columns"].index("task")] + f"#{i}": json.loads(r[col]) for i, r in enumerate(table["data"])}
     want = {t.task.id + f"#{i}": t.reward.breakdown for i, t in enumerate(trajs)}
     assert got == want and any(v == {"file_equals:/workspace/answer.txt": 0.0} for v in got.values())
+
+
+def test_browser_screenshots_land_in_the_run_directory_the_report_and_show(tmp_path):
+    """An episode that left screenshots (the agent loop puts a browser's PNGs in its metadata): the run log writes them
+    as files under screenshots/, the trajectory row names them instead of carrying the bytes, report.html shows them
+    and `sandforge show` lists them."""
+    import io
+
+    from rich.console import Console
+
+    from sandforge.config import JobConfig
+    from sandforge.job.runlog import RunLogger
+    from sandforge.job.show import render_episode
+    from sandforge.types import Trajectory
+
+    shutil.copytree(SAMPLE, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    row = json.loads((SAMPLE / "trajectories.jsonl").read_text().splitlines()[-1])
+    traj = Trajectory.from_dict({k: v for k, v in row.items() if k not in ("step", "phase")})
+    png = PNG_MAGIC + bytes(range(64))
+    traj.metadata["screenshots_png"] = [base64.b64encode(png).decode(), base64.b64encode(png).decode()]
+    logger = RunLogger(run_dir, JobConfig.model_validate({"logging": {"wandb": {"mode": "disabled"}}}), "shots")
+    logger.log_trajectories(7, "eval", [traj])
+    shots = sorted((run_dir / "screenshots" / "eval-7").glob("*.png"))
+    assert [p.read_bytes() for p in shots] == [png, png]
+    last = json.loads((run_dir / "trajectories.jsonl").read_text().splitlines()[-1])
+    assert last["metadata"]["screenshots"] == ["screenshots/eval-7/0000-0.png", "screenshots/eval-7/0000-1.png"]
+    assert "screenshots_png" not in last["metadata"]
+    _, html_path = write_report(run_dir)
+    page = html_path.read_text()
+    assert 'src="screenshots/eval-7/0000-0.png"' in page and 'src="screenshots/eval-7/0000-1.png"' in page
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    console.print(render_episode(last))
+    assert "screenshots/eval-7/0000-1.png" in console.file.getvalue()

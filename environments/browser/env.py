@@ -9,7 +9,7 @@ user with its SQLite database in a folder only that user may enter, and the brow
 Chromium page), run as the policy's ``sandbox`` user. Every tool call is one exec of a small stdlib client that talks
 to the daemon over a unix socket. Verifiers read the database as root after the episode (``sql`` checks).
 Screenshots: one per action inside the sandbox (/tmp/shots/NNN.png); ``screenshots`` lists them, ``screenshot()``
-fetches one as PNG bytes for logs.
+fetches one as PNG bytes, ``screenshots_png()`` the episode's last ones, which the agent loop hands to the run directory.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ SITE_USER = "site"
 CLIENT = "python3 /opt/browser/driver/client.py"  # stdlib only: starts fast
 DAEMON = "/opt/browser/venv/bin/python /opt/browser/driver/daemon.py"  # Playwright lives in this venv
 START_TIMEOUT = 60.0  # Chromium's first start on a busy 1-cpu sandbox
+MAX_SHOTS = 8  # screenshots of an episode kept for the run directory (its last ones)
+MAX_SHOT_BYTES = 2 * 1024**2
 
 
 class BrowserEnv(SandboxEnv):
@@ -98,6 +100,16 @@ class BrowserEnv(SandboxEnv):
             raise ToolError(f"{action}: {meta.get('error')}\n{self._truncate(text)}")
         note = f"[{meta['note']}]\n" if meta.get("note") else ""
         return note + self._truncate(text)
+
+    def screenshots_png(self) -> list[bytes]:
+        """The episode's last ``MAX_SHOTS`` screenshots, for the run directory. Only real PNGs under ``MAX_SHOT_BYTES``
+        are kept: the bytes come out of the sandbox."""
+        shots = []
+        for i in range(max(0, len(self.screenshots) - MAX_SHOTS), len(self.screenshots)):
+            data = self.sandbox.get_file(self.screenshots[i], user="root", max_bytes=MAX_SHOT_BYTES + 1)
+            if data and data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) <= MAX_SHOT_BYTES:
+                shots.append(data)
+        return shots
 
     def screenshot(self, index: int = -1) -> bytes | None:
         """PNG bytes of one of this episode's screenshots (default: the latest), for logs; None if there is none."""

@@ -407,22 +407,30 @@ def build_images(
             return lambda msg: status.update(f"[bold]{name}[/bold] {msg[-120:]}")
 
         t0 = time.perf_counter()
+        fresh: list[str] = []  # images found up to date: one line for all of them at the end
+
+        def report(name: str, existed: bool, took: float) -> None:
+            if existed:
+                fresh.append(name)
+            else:
+                console.print(f"image {name} {tags.get(name, base)}: built ({took:.1f}s)", highlight=False)
+
         had_base = _image_id(client, base_image or BASE_TAG) is not None
         base = ensure_base_image(client, base_image, mirror=mirror, progress=stage("base"))
-        console.log(f"base {base}: {'present' if had_base else 'ready'} ({time.perf_counter() - t0:.1f}s)")
+        report("base", had_base, time.perf_counter() - t0)
         for env in envs:
             t0 = time.perf_counter()
             existed = _image_id(client, env_image_tag(env, base, client, envs_dir)) is not None
             tags[env] = build_env_image(client, env, base, progress=stage(env), envs_dir=envs_dir)
-            done = "up to date" if existed else "built"
-            console.log(f"{env} {tags[env]}: {done} ({time.perf_counter() - t0:.1f}s)")
+            report(env, existed, time.perf_counter() - t0)
         for name, ctx in (contexts or {}).items():
             t0 = time.perf_counter()
             existed = _image_id(client, context_image_tag(ctx, name, base, client)) is not None
             tags[name] = build_context_image(client, ctx, name, base, progress=stage(name))
             require_sandbox_user(client, tags[name], ctx / "Dockerfile")
-            done = "up to date" if existed else "built"
-            console.log(f"{name} {tags[name]}: {done} ({time.perf_counter() - t0:.1f}s)")
+            report(name, existed, time.perf_counter() - t0)
+        if fresh:
+            console.print(f"images up to date: {', '.join(fresh)}", highlight=False)
     return tags
 
 

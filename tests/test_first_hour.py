@@ -1,0 +1,71 @@
+"""The first hour of a new user: `bash scripts/quickstart.sh`, shortened, with its output redirected to a file as a CI
+log or `nohup` would. What reaches the file is what the user needs: no setuptools or Ray notices, a line at least every
+30 s however long a phase takes, and the run directory holds the browser episodes' screenshots, shown in report.html."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["trainer.steps=1", "warmup.steps=1", "warmup.episodes=8", "warmup.batch_size=4", "trainer.grad_accum_steps=4",
+         "rollout.tasks_per_step=2", "rollout.group_size=2", "rollout.max_turns=3", "rollout.max_new_tokens=32",
+         "eval.tasks_per_family=1", "eval.samples=1", "eval.greedy=false", "eval.base=false"]
+NOISE = re.compile(r"setuptools|SetuptoolsDeprecationWarning|easy_install|Token authentication|RAY_AUTH_MODE|"
+                   r"Started a local Ray instance|is ignored: it is neither|\[WARNING\]|real_accelerator", re.I)
+LONGEST_SILENCE_S = 33.0  # the heartbeat's 30 s, plus its 1 s tick and this test's polling
+
+
+def follow(cmd: list[str], log: Path, timeout: float) -> tuple[int, list[tuple[float, str]]]:
+    """Run ``cmd`` with stdout and stderr into ``log``; (exit code, each line with the time it appeared)."""
+    lines: list[tuple[float, str]] = []
+    seen = 0
+    start = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        while True:
+            done = proc.poll() is not None
+            text = log.read_bytes().decode(errors="replace")
+            complete = text[seen:].rpartition("\n")[0]
+            if complete:
+                now = time.monotonic() - start
+                lines += [(now, line) for line in complete.split("\n")]
+                seen += len(complete) + 1
+            if done:
+                return proc.returncode, lines
+            if time.monotonic() - start > timeout:
+                proc.kill()
+                pytest.fail(f"quickstart did not finish within {timeout:.0f} s; last lines: {lines[-10:]}")
+            time.sleep(0.5)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_the_shortened_quickstart_redirected_to_a_file(tmp_path):
+    run_dir = tmp_path / "quickstart"
+    code, lines = follow(["bash", "scripts/quickstart.sh", f"run.output_dir={run_dir}", *SHORT], tmp_path / "out.log",
+                         timeout=1500)
+    text = "\n".join(line for _, line in lines)
+    assert code == 0, text[-4000:]
+    noise = [line for _, line in lines if NOISE.search(line)]
+    assert not noise, noise
+    times = [0.0] + [t for t, _ in lines]
+    gaps = [(b - a, lines[i][1]) for i, (a, b) in enumerate(zip(times, times[1:]))]
+    longest = max(gaps)
+    assert longest[0] <= LONGEST_SILENCE_S, f"{longest[0]:.0f} s of silence before: {longest[1]!r}"
+    assert any("trainer: 1 rank on cpu" in line for _, line in lines), text[-3000:]  # where each part runs
+
+    rows = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    acted = [r for r in rows if r["task"]["env"] == "browser" and not r["failed"]  # episodes that used the browser
+             and any(c["name"] != "submit" for m in r["messages"] for c in m.get("tool_calls") or [])]
+    assert acted and all(r["metadata"].get("screenshots") for r in acted), [r["metadata"] for r in acted]
+    browser = acted
+    shots = [run_dir / p for r in browser for p in r["metadata"]["screenshots"]]
+    assert all(p.is_file() and p.read_bytes().startswith(b"\x89PNG") for p in shots)
+    page = (run_dir / "report.html").read_text()
+    assert f'src="{browser[-1]["metadata"]["screenshots"][-1]}"' in page
