@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import tempfile
@@ -36,7 +37,6 @@ import torch
 
 from sandforge.config import EngineConfig, ModelConfig, TrainerConfig
 from sandforge.job.fleet import free_port
-from sandforge.models.build import policy_config
 from sandforge.models.generate import SamplingParams, generate
 from sandforge.models.lora import adapter_weights
 from sandforge.rollout.engine import InferenceEngine
@@ -177,10 +177,6 @@ def measure(name: str, args, scratch: Path) -> dict:
         "gpu_mem_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if device.type == "cuda" else None,
     }
     out["engine_vs_baseline"] = round(out["engine_decode_tokens_per_s"] / out["baseline_decode_tokens_per_s"], 2)
-    del rank, engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     return out
 
 
@@ -204,6 +200,10 @@ def main() -> None:
             print(f"measuring {name} ...", flush=True)
             result[name] = measure(name, args, Path(scratch))
             print(json.dumps({name: result[name]}), flush=True)
+            gc.collect()  # the model's rank and engine go before the next model is measured
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
     print(json.dumps(result))
 
 

@@ -92,17 +92,15 @@ def make_env(
     ``gym-<random>``); ``close()`` removes them, and a crashed process's are reaped by the next sandforge command.
     """
     from sandforge.config import SandboxConfig  # pydantic: only when an env is made
-    from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
+    from sandforge.environments.sandbox.daemon import docker_client
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
 
     entry = environment(env)
     task, contexts = _task(entry, task, family, seed, split)
     config = sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig.model_validate(sandbox or {})
     env_class = entry.env_class()
-    fields = dict(memory=config.memory, cpus=config.cpus, pids_limit=config.pids_limit, network=config.network,
-                  runtime=config.runtime, read_only=config.read_only, workspace_size=config.workspace_size,
-                  tmp_size=config.tmp_size, nofile=config.nofile, max_file_size=config.max_file_size)
-    spec = SandboxSpec(image=image or _image(entry, task, contexts, config),
-                       **{**fields, **getattr(env_class, "sandbox_defaults", {})})
+    spec = sandbox_spec(config, image or _image(entry, task, contexts, config), env_class, task.setup.get("sandbox"),
+                        docker_client())
     return env_class(task, spec, run_id or f"gym-{uuid.uuid4().hex[:12]}", exec_timeout=config.exec_timeout,
                      score=resolve(GRADER), max_steps=max_steps, max_observation=max_observation)
 
@@ -141,7 +139,13 @@ def _image(entry: EnvironmentEntry, task: Task, contexts: dict[str, Path], confi
     import docker.errors
 
     from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.images import BASE_TAG, ImageError, build_images, context_image_tag
+    from sandforge.environments.sandbox.images import (
+        BASE_TAG,
+        BuildContext,
+        ImageError,
+        build_images,
+        context_image_tag,
+    )
 
     name = task.setup.get("image") or entry.image_name
     context = contexts.get(name) or (entry.image_context() if name == entry.image_name else None)
@@ -149,6 +153,9 @@ def _image(entry: EnvironmentEntry, task: Task, contexts: dict[str, Path], confi
         raise ValueError(f"task {task.id} runs in image {name!r}, which {gym_id(entry.name)} cannot build: pass "
                          "image=<tag>, or for a Harbor task its directory as task=")
     client = docker_client()
+    if isinstance(context, BuildContext):  # a Harbor task's: its Dockerfile is rewritten for this host first
+        return build_images([], base_image=config.base_image, client=client, mirror=config.mirror,
+                            contexts={name: context}, show_progress=False)[name]
     try:
         tag = context_image_tag(context, name, config.base_image or BASE_TAG, client)
         client.images.get(tag)

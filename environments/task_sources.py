@@ -31,7 +31,7 @@ class ProceduralSource:
     family_names: list[str]
     make: Callable[[str, int, str], Task]
     origin: str = "seeded"
-    images: dict[str, Path] = field(default_factory=dict)
+    images: dict[str, Any] = field(default_factory=dict)  # image name -> folder or images.BuildContext
 
     def families(self) -> list[str]:
         return list(self.family_names)
@@ -50,7 +50,7 @@ class FiniteSource:
 
     tasks: list[Task]
     origin: str  # the file or folder, for messages
-    images: dict[str, Path] = field(default_factory=dict)
+    images: dict[str, Any] = field(default_factory=dict)  # image name -> folder or images.BuildContext
 
     def families(self) -> list[str]:
         return sorted({t.family for t in self.tasks})
@@ -133,8 +133,10 @@ def dump_jsonl(tasks: list[Task], path: Path) -> None:
     Path(path).write_text("".join(json.dumps(asdict(t)) + "\n" for t in tasks))
 
 
-def open_source(entry: Any, tasks: Path | None = None) -> ProceduralSource | FiniteSource:
-    """The task source of a registry entry: its seeded module, or the file/folder ``tasks`` (JSONL or Harbor)."""
+def open_source(entry: Any, tasks: Path | None = None, harbor_mode: str = "root",
+                heldout: float = 0.0) -> ProceduralSource | FiniteSource:
+    """The task source of a registry entry: its seeded module, or the file/folder ``tasks`` (JSONL or Harbor; for
+    Harbor, ``harbor_mode`` and the ``heldout`` fraction: environments/harbor/tasks.py)."""
     if tasks is None:
         if not entry.families():
             raise TaskSourceError(f"the {entry.name!r} environment has no seeded tasks: give it `tasks:` (a JSONL "
@@ -147,7 +149,7 @@ def open_source(entry: Any, tasks: Path | None = None) -> ProceduralSource | Fin
         if entry.name != "harbor":
             raise TaskSourceError(f"{tasks}: a directory of Harbor tasks runs in the 'harbor' environment, not "
                                   f"{entry.name!r}")
-        found, images = load_tasks(tasks)
+        found, images = load_tasks(tasks, harbor_mode, heldout)
         return FiniteSource(found, str(tasks), images)
     if entry.name == "harbor":
         raise TaskSourceError(f"{tasks}: the harbor environment reads Harbor task directories (instruction.md, "

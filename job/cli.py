@@ -23,6 +23,8 @@ app.add_typer(images_app, name="images")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(envs_app, name="envs")
 app.add_typer(models_app, name="models")
+harbor_app = typer.Typer(no_args_is_help=True, help="Harbor / terminal-bench task folders.")
+app.add_typer(harbor_app, name="harbor")
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -126,6 +128,34 @@ def _drive(job, *args, **kwargs) -> None:
         raise typer.Exit(130)
     except (JobError, SandboxError, ImageError) as e:
         fail(str(e), 1)
+
+
+@harbor_app.command("check")
+def harbor_check(
+    tasks: list[Path] = typer.Argument(..., help="Harbor task folders, or folders of them"),
+    mode: str = typer.Option("root", "--mode", help="root (Harbor's: the agent as the task's user) or hardened (a "
+                             "non-root agent, for RL)"),
+) -> None:
+    """Build each task's image, replay its oracle (solution/solve.sh, as Harbor runs it) and a no-op, and print one row
+    per task: image, oracle and no-op rewards, seconds, and why where something is off. Exit 1 unless every oracle
+    scores 1 and every no-op 0."""
+    from rich.console import Console
+
+    from sandforge.job.console import heartbeat
+    from sandforge.job.harbor_check import check, table
+
+    missing = [str(t) for t in tasks if not t.is_dir()]
+    if missing:
+        fail(f"no such directory: {', '.join(missing)}")
+    if mode not in ("root", "hardened"):
+        fail(f"--mode {mode!r}: expected root or hardened")
+    with heartbeat():
+        rows = check(tasks, mode)
+    if not rows:
+        fail(f"no Harbor tasks under {', '.join(map(str, tasks))} (a task folder holds instruction.md and task.toml)")
+    Console(width=200).print(table(rows))
+    if not all(r.ok for r in rows):
+        raise typer.Exit(1)
 
 
 @images_app.command("build")

@@ -55,16 +55,32 @@ def verified_demonstrations(job: RLJob) -> tuple[list, int]:
     job.logger.log_trajectories(0, "warmup", trajs)
     demos = [t for t in trajs if not t.failed and t.reward and t.reward.success]
     if not demos:
-        reasons = {t.failure or (t.reward.reason if t.reward else "") for t in trajs}
+        reasons = {why_not_verified(t) for t in trajs}
         raise JobError(f"warm start: no reference episode passed its verifier ({'; '.join(sorted(reasons))})")
     for family in sorted({f"{t.task.env}/{t.task.family}" for t in trajs}
                          - {f"{t.task.env}/{t.task.family}" for t in demos}):
         failed = [t for t in trajs if f"{t.task.env}/{t.task.family}" == family]
-        why = failed[0].failure or (failed[0].reward.reason if failed[0].reward else "") or failed[0].finish_reason
-        job.bar.console.print(f"[yellow]warm start: no verified demonstration of {family} ({len(failed)} tried; "
-                              f"first: {why}); is rollout.max_turns ({job.cfg.rollout.max_turns}) shorter than "
-                              f"its reference solution?[/]", soft_wrap=True)
+        job.bar.console.print(f"warm start: no verified demonstration of {family} ({len(failed)} tried; first: "
+                              f"{why_not_verified(failed[0])}); is rollout.max_turns ({job.cfg.rollout.max_turns}) "
+                              "shorter than its reference solution?", soft_wrap=True, style="yellow", markup=False)
+    long = [t for t in demos if len(t.token_ids) > job.cfg.rollout.max_context]
+    if long:
+        job.bar.console.print(f"warm start: {len(long)} verified demonstration(s) exceed rollout.max_context "
+                              f"({job.cfg.rollout.max_context} tokens), e.g. {long[0].task.id} with "
+                              f"{len(long[0].token_ids)}: they train as they are, longer than any episode can be",
+                              soft_wrap=True, style="yellow", markup=False)
     return demos, len(trajs)
+
+
+def why_not_verified(t) -> str:
+    """One line: the task, why its reference episode did not verify, and the end of what its last command printed
+    (a solve.sh's output, say)."""
+    why = t.failure or (t.reward.reason if t.reward else "") or t.finish_reason or "unknown"
+    outputs = [o for turn in t.turns for call, o in zip(turn.tool_calls, turn.observations)
+               if call.name != "submit" and o.strip()]
+    last = outputs[-1] if outputs else ""
+    tail = " | ".join(x.strip() for x in last.strip().splitlines()[-3:] if x.strip())[-160:]
+    return f"{t.task.id}: {why.strip().splitlines()[0] if why.strip() else why}" + (f" (output: {tail})" if tail else "")
 
 
 def warmup(job: RLJob) -> None:

@@ -52,7 +52,7 @@ def eval_episodes(cfg: JobConfig) -> int:
     n = 0
     for env in cfg.environments:
         try:
-            source = open_source(environment(env.name), env.tasks)
+            source = open_source(environment(env.name), env.tasks, env.harbor_mode, env.heldout)
             families = env.families or source.families()
             if isinstance(source, FiniteSource):
                 n += sum(min(cfg.eval.tasks_per_family, sum(t.family == f and t.split == "heldout"

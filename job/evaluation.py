@@ -30,7 +30,7 @@ def heldout_tasks(envs: list[EnvironmentConfig], per_family: int) -> list[Task]:
     without held-out tasks there is left out)."""
     tasks: list[Task] = []
     for env in envs:
-        source = open_source(environment(env.name), env.tasks)
+        source = open_source(environment(env.name), env.tasks, env.harbor_mode, env.heldout)
         for family in env.families or source.families():
             if isinstance(source, FiniteSource):
                 tasks += [t for t in source.tasks if t.family == family and t.split == "heldout"][:per_family]

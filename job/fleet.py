@@ -74,18 +74,25 @@ class Fleet:
             console.print(f"[yellow]workers did not close cleanly: {e}[/]")
 
 
-def job_images(cfg: JobConfig) -> dict[str, Path]:
+def job_images(cfg: JobConfig) -> dict[str, Any]:
     """Every image the job's tasks run in (image name -> folder with its Dockerfile): each environment's own (a
     plugin's may live in its package, or reuse a built-in's), plus the ones tasks bring (a Harbor task's)."""
     from sandforge.job.tasks import TaskSampler
     from sandforge.registry import environment
+
+    import dataclasses
 
     contexts = {}
     for env in cfg.environments:
         entry = environment(env.name)
         if entry.image_name is not None:
             contexts[entry.image_name] = entry.image_context()
-    return contexts | TaskSampler(cfg.environments, cfg.run.seed).images()
+    for name, ctx in TaskSampler(cfg.environments, cfg.run.seed).images().items():
+        prepare = getattr(ctx, "prepare", None)
+        if prepare is not None and hasattr(prepare, "base_map"):  # a Harbor task's: the job's sandbox.base_map
+            ctx = dataclasses.replace(ctx, prepare=dataclasses.replace(prepare, base_map=cfg.sandbox.base_map))
+        contexts[name] = ctx
+    return contexts
 
 
 def build_job_images(cfg: JobConfig) -> dict[str, str]:

@@ -68,9 +68,13 @@ class RunLogger:
         ``screenshots/<phase>-<step>/``, the row naming them (``metadata.screenshots``, relative to the run directory)."""
         for i, t in enumerate(trajectories):
             self._write_screenshots(t, f"{phase}-{step}", i)
+        from sandforge.environments.harbor.tasks import compact_checks
+
         with self.trajectories_path.open("a") as f:
             for t in trajectories:
-                f.write(json.dumps({"step": step, "phase": phase, **t.to_dict()}) + "\n")
+                row = t.to_dict()
+                row["task"] = compact_checks(row["task"])  # a Harbor task's tests by hash, not in every row
+                f.write(json.dumps({"step": step, "phase": phase, **row}) + "\n")
         if self.run is not None and self.samples and trajectories:
             import wandb
 

@@ -27,7 +27,7 @@ class TaskSampler:
         for i, env in enumerate(envs):
             entry = environment(env.name)  # KeyError names the known environments
             try:
-                source = open_source(entry, env.tasks)
+                source = open_source(entry, env.tasks, env.harbor_mode, env.heldout)
             except TaskSourceError as e:
                 raise ValueError(f"environments[{i}].tasks: {e}") from None
             known = source.families()

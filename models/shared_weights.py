@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import pickle
 
-import torch
 import torch.multiprocessing as mp
 from torch import Tensor
 

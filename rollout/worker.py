@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from sandforge.config import EnvironmentConfig, ModelConfig, RemoteEngineConfig, RolloutConfig, SandboxConfig
 from sandforge.environments.sandbox.daemon import docker_client
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
+from sandforge.environments.sandbox.job_spec import sandbox_spec
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.models.build import load_chat
@@ -86,21 +87,16 @@ class RolloutWorker:
             if image is not None:
                 self._pool(image, self.env_classes[name], s.warm_pool)
 
-    def _spec(self, image: str, env_class: type) -> SandboxSpec:
-        """The job's ``sandbox`` config, with what the env declares it needs (``sandbox_defaults``) on top."""
-        s = self.sandbox
-        fields = dict(memory=s.memory, cpus=s.cpus, pids_limit=s.pids_limit, network=s.network, runtime=s.runtime,
-                      read_only=s.read_only, workspace_size=s.workspace_size, tmp_size=s.tmp_size, nofile=s.nofile,
-                      max_file_size=s.max_file_size)
-        return SandboxSpec(image=image, **{**fields, **getattr(env_class, "sandbox_defaults", {})})
+    def _spec(self, image: str, env_class: type, task_sandbox: dict | None = None) -> SandboxSpec:
+        return sandbox_spec(self.sandbox, image, env_class, task_sandbox, self.client)
 
-    def _pool(self, image: str, env_class: type, warm: int) -> SandboxPool:
+    def _pool(self, image: str, env_class: type, warm: int, task_sandbox: dict | None = None) -> SandboxPool:
         if image not in self.pools:
             if image not in self.images:
                 raise ValueError(f"image {image!r} was not built by the driver (built: {', '.join(self.images)})")
             s = self.sandbox
-            self.pools[image] = SandboxPool(self._spec(self.images[image], env_class), self.run_id, size=warm,
-                                            client=self.client, max_live=s.max_live,
+            spec = self._spec(self.images[image], env_class, task_sandbox)
+            self.pools[image] = SandboxPool(spec, self.run_id, size=warm, client=self.client, max_live=s.max_live,
                                             max_creates_per_second=s.creates_per_second, labels=self.labels,
                                             stats=self.stats)
             self.slots[image] = asyncio.Semaphore(s.max_live)
@@ -108,7 +104,7 @@ class RolloutWorker:
 
     def _make_env(self, task: Task):
         # a task's own image (Harbor) keeps no warm sandboxes: that task may not come again for many steps
-        pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0)
+        pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0, task.setup.get("sandbox"))
         return self.env_classes[task.env](task, pool.spec, self.run_id, exec_timeout=self.sandbox.exec_timeout,
                                           pool=pool)
 
@@ -145,10 +141,13 @@ class RolloutWorker:
                 traj = Trajectory(task=task, group=group, failed=True, failure=f"env: {e}", finish_reason="error",
                                   policy_version=version, reward=Reward(0.0, False, reason=str(e)))
             else:
+                limits = limits or self.limits
+                timeout = task.setup.get("agent_timeout")  # a Harbor task's [agent] timeout_sec, unless the job's
+                if timeout and "episode_timeout" not in self.rollout.model_fields_set:
+                    limits = replace(limits, episode_timeout=float(timeout))
                 async with slot:  # backpressure: wait here for a sandbox while sandbox.max_live are in use
                     waited = time.monotonic() - waited
-                    traj = await run_episode(task, env, policy, self.chat, limits or self.limits, group, version,
-                                             session, seed=seed)
+                    traj = await run_episode(task, env, policy, self.chat, limits, group, version, session, seed=seed)
                 traj.metadata["seconds_sandbox_wait"] = waited
         traj.metadata["worker"] = self.worker_id
         return traj.to_dict()

@@ -57,6 +57,9 @@ class SandboxConfig(Section):
     warm_pool: int = Field(4, ge=0)  # started sandboxes each rollout worker keeps ready, per image
     max_live: int = Field(32, ge=1)  # containers one rollout worker may hold at once (ready + in use + starting)
     creates_per_second: float = Field(8.0, gt=0)  # per rollout worker, so the daemon is never flooded
+    # a Harbor task's FROM image that is neither here nor pullable -> the local base: {"debian:bookworm*": "base",
+    # "python:*": "base+python", ...}; null: environments/harbor/dockerfile.py DEFAULT_BASE_MAP, {}: map nothing
+    base_map: dict[str, Literal["base", "base+python"]] | None = None
 
 
     @model_validator(mode="after")
@@ -76,6 +79,11 @@ class EnvironmentConfig(Section):
     # Training tasks' checks that can give credit for a near miss (file_equals, sql, json_match) do so: a denser reward
     # for GRPO. Success, and so held-out success, still needs the exact answer.
     partial_credit: bool = False
+    # Harbor tasks: root runs the agent as the task's user (root by default, Harbor's contract); hardened as a non-root
+    # user given the WORKDIR, which cannot rewrite what test.sh runs (README "Harbor tasks": train in hardened)
+    harbor_mode: Literal["root", "hardened"] = "root"
+    # task files and folders: the fraction of tasks without a split of their own held out, by a stable hash of the name
+    heldout: float = Field(0.0, ge=0, le=1)
 
     @field_validator("tasks")
     @classmethod

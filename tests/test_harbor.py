@@ -38,19 +38,22 @@ def test_a_task_directory_becomes_a_task_with_its_solution_and_tests():
     task = load_task(TASKS / "hello-file")
     assert task.id == "harbor/hello-file" and task.env == "harbor" and task.family == "files"
     assert task.instruction == (TASKS / "hello-file" / "instruction.md").read_text().strip()
-    assert task.setup == {"image": "harbor/hello-file"}
+    assert task.setup == {"image": "harbor/hello-file", "sandbox": {"user": "root"}, "agent_timeout": 120.0,
+                          "harbor_dir": str(TASKS / "hello-file")}
     assert task.solution == [ToolCall("bash", {"command": (TASKS / "hello-file/solution/solve.sh").read_text()}),
                              ToolCall("submit")]
     (check,) = task.checks
-    assert check["verifier"] == "harbor_tests" and check["timeout"] == 30.0
+    assert check["verifier"] == "harbor_tests" and check["timeout"] == 30.0 and check["user"] == "root"
     assert check["files"] == {"test.sh": (TASKS / "hello-file/tests/test.sh").read_text()}
 
 
 def test_a_folder_of_tasks_loads_each_with_its_image_context():
     tasks, images = load_tasks(TASKS)
     assert [t.id for t in tasks] == ["harbor/count-lines", "harbor/hello-file"]
-    assert images == {"harbor/count-lines": TASKS / "count-lines" / "environment",
-                      "harbor/hello-file": TASKS / "hello-file" / "environment"}
+    assert {name: ctx.folder for name, ctx in images.items()} == {
+        "harbor/count-lines": TASKS / "count-lines" / "environment",
+        "harbor/hello-file": TASKS / "hello-file" / "environment"}
+    assert {ctx.user for ctx in images.values()} == {None}  # root mode: the agent is root, no user required
     assert set(tasks[0].checks[0]["files"]) == {"test.sh", "check_count.sh"}
 
 
@@ -178,5 +181,7 @@ def test_a_harbor_task_trains_for_one_step(tmp_path, harbor_images):
     assert len(rows) == 2 and len({r["task"]["id"] for r in rows}) == 1  # one task, two episodes
     assert rows[0]["task"]["id"] in {"harbor/hello-file", "harbor/count-lines"}
     assert all(not r["failed"] and r["reward"]["reason"].startswith("test.sh") for r in rows), rows[0]["failure"]
+    files = rows[0]["task"]["checks"][0]["files"]  # the tests by hash, not their text in every row
+    assert all(set(f) == {"sha256", "bytes"} for f in files.values()), files
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m.get("phase") == "rl"] == [0]

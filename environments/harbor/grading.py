@@ -3,7 +3,9 @@
 Harbor semantics, with what the policy could have planted taken away first: ``/tests`` and ``/logs`` are removed and
 made again, root-owned, before anything is copied or run, so a reward file or a doctored test.sh the policy left
 there (an image may even let it write those paths) is gone. The tests are never in the sandbox during the episode:
-they travel inside the task's check. test.sh runs in a fresh root shell (not the policy's session) with a timeout.
+they travel inside the task's check. test.sh runs in a fresh shell (not the policy's session) with a timeout, as
+the task's verifier user (root by default) in the image's WORKDIR (terminal-bench's test.sh refuses to run from /),
+with the task's ``[verifier] env``.
 """
 
 from __future__ import annotations
@@ -40,10 +42,15 @@ def _reward_from(text: str, where: str) -> float:
     return reward
 
 
-def harbor_tests(sandbox: Sandbox, files: dict, timeout: float) -> tuple[float, str]:
-    """Copy ``files`` (tests/ as plain data) to a fresh root-only /tests, run test.sh as root, read the reward."""
+def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "root", workdir: str | None = None,
+                 env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Copy ``files`` (tests/ as plain data) to a fresh root-owned /tests, run test.sh as ``user`` in ``workdir``
+    (default: the sandbox's) with ``env``, read the reward."""
     dirs = " ".join((TESTS_DIR, LOGS_DIR))
-    prepare = f"rm -rf {dirs} && install -d -m 0700 {TESTS_DIR} && install -d -m 0755 {LOGS_DIR} {REWARD_DIR}"
+    root = user in ("root", "0", "0:0")
+    owner = "" if root else f" -o {shlex.quote(user)}"
+    prepare = (f"rm -rf {dirs} && install -d -m {'0700' if root else '0755'} {TESTS_DIR} && "
+               f"install -d -m 0755 {LOGS_DIR} && install -d -m 0755{owner} {REWARD_DIR}")
     result = sandbox.exec(prepare, timeout=PREPARE_TIMEOUT, user="root", session=False)
     if result.exit_code != 0:
         raise RuntimeError(f"could not prepare {dirs} as root ({result.output.strip()[-200:]}); Harbor grading needs "
@@ -52,7 +59,9 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float) -> tuple[float, 
         data = base64.b64decode(content["base64"]) if isinstance(content, dict) else content.encode()
         mode = 0o755 if rel.endswith(".sh") else 0o644
         sandbox.put_file(f"{TESTS_DIR}/{rel}", data, user="root", mode=mode)
-    run = sandbox.exec(f"bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout, user="root", session=False)
+    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items() if k.isidentifier())
+    run = sandbox.exec(f"{exports}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout, user=user,
+                       workdir=workdir, session=False)
     tail = run.output.strip()[-300:]
     for name in ("reward.txt", "reward.json"):
         text = sandbox.read_file(f"{REWARD_DIR}/{name}", user="root")
@@ -65,8 +74,10 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float) -> tuple[float, 
 
 
 def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
-    """The ``harbor_tests`` check: ``{"verifier": "harbor_tests", "files": {path: text}, "timeout": seconds}``."""
-    unknown = set(args) - {"files", "timeout"}
+    """The ``harbor_tests`` check: ``{"verifier": "harbor_tests", "files": {path: text}, "timeout": seconds}``, and
+    optionally ``user``, ``workdir`` and ``env`` (a task.toml's ``[verifier]``)."""
+    unknown = set(args) - {"files", "timeout", "user", "workdir", "env"}
     if unknown or not isinstance(args.get("files"), dict) or "test.sh" not in args["files"]:
-        raise ValueError(f"harbor_tests takes files (with test.sh) and timeout; got {sorted(args)}")
-    return harbor_tests(sandbox, args["files"], float(args.get("timeout", 120.0)))
+        raise ValueError(f"harbor_tests takes files (with test.sh), timeout, user, workdir and env; got {sorted(args)}")
+    return harbor_tests(sandbox, args["files"], float(args.get("timeout", 600.0)), str(args.get("user", "root")),
+                        args.get("workdir"), args.get("env"))

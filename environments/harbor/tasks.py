@@ -3,29 +3,36 @@
 A task is a folder a person can read::
 
     <task>/instruction.md          what the policy is told
-    <task>/task.toml               metadata ([metadata] category -> family; [verifier] timeout_sec)
-    <task>/environment/Dockerfile  the task's image (ARG BASE=sandforge/base:bookworm / FROM ${BASE}: nothing is pulled)
-    <task>/tests/test.sh           run as root after the episode; writes /logs/verifier/reward.txt (or reward.json)
-    <task>/solution/solve.sh       the reference solution (optional), run through the policy's bash tool
+    <task>/task.toml               limits, timeouts, users (environments/harbor/settings.py says what is honoured)
+    <task>/environment/Dockerfile  the task's image, built unmodified or on the local base (environments/harbor/dockerfile.py)
+    <task>/tests/test.sh           run as root in the WORKDIR after the episode; writes /logs/verifier/reward.txt or .json
+    <task>/solution/solve.sh       the reference solution (optional): `sandforge harbor check` runs it as Harbor does
 
-The image must have a non-root ``sandbox`` user (the policy runs as it) and a /workspace folder, as sandforge's own
-images do. ``tests/`` travels inside the task's check (plain data), so it reaches the sandbox only at grading time
-and the grader never needs the host's copy. sandforge extension: ``[metadata] split = "heldout"`` puts a task in the
-held-out split (default: train).
+The agent runs as the task's user (root unless ``[agent] user``) in the image's WORKDIR, or, in ``hardened`` mode, as
+a non-root ``sandbox`` user the image build adds. ``tests/`` travels inside the task's check (plain data), so it
+reaches the sandbox only at grading time and the grader never needs the host's copy; logged trajectories keep only its
+files' hashes (``compact_checks``). Splits: ``[metadata] split = "heldout"`` (a sandforge extension), else a stable
+hash of the task's folder name puts the ``heldout`` fraction of tasks the job asks for in the held-out split. The warm
+start replays solve.sh's text through the bash tool (what a policy can learn to type); a solve.sh that needs its
+sibling files in /solution verifies only under `sandforge harbor check`.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 import tomllib
 from pathlib import Path
 
+from sandforge.environments.harbor.dockerfile import AGENT_USER, MODES, HarborBuild
+from sandforge.environments.sandbox.images import BuildContext
+from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings
 from sandforge.types import Task, ToolCall
 
 FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`environments[i].tasks` in the job)
 SPLITS = ("train", "heldout")
-DEFAULT_TEST_TIMEOUT = 120.0
+DEFAULT_TEST_TIMEOUT = VERIFIER_TIMEOUT  # Harbor's 600 s
 REQUIRED = ("instruction.md", "environment/Dockerfile", "tests/test.sh")
 
 
@@ -60,45 +67,70 @@ def _test_files(tests: Path) -> dict[str, str | dict]:
     return files
 
 
-def load_task(task_dir: Path) -> Task:
-    """One Harbor task directory as a Task; HarborTaskError names the file that is missing or malformed."""
+def heldout_by_hash(name: str, fraction: float) -> bool:
+    """A stable choice of the held-out ``fraction`` of tasks, by their folder names (the same on every machine)."""
+    digest = hashlib.sha256(name.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
+    """One Harbor task directory as a Task; HarborTaskError names the file that is missing or malformed. ``mode``:
+    ``root`` (Harbor's: the agent as the task's user) or ``hardened`` (a non-root agent); ``heldout``: the fraction of
+    tasks without a ``[metadata] split`` that go to the held-out split, by ``heldout_by_hash``."""
     task_dir = Path(task_dir).resolve()
     missing = [name for name in REQUIRED if not (task_dir / name).is_file()]
     if missing:
         raise HarborTaskError(f"{task_dir}: not a Harbor task, missing {', '.join(missing)} "
                               f"(a task needs {', '.join(REQUIRED)}; task.toml and solution/solve.sh are optional)")
     meta: dict = {}
-    if (task_dir / "task.toml").is_file():
+    toml = task_dir / "task.toml"
+    if toml.is_file():
         try:
-            meta = tomllib.loads((task_dir / "task.toml").read_text())
+            meta = tomllib.loads(toml.read_text())
         except tomllib.TOMLDecodeError as e:
-            raise HarborTaskError(f"{task_dir / 'task.toml'}: not valid TOML: {e}") from None
-    metadata, verifier = meta.get("metadata", {}), meta.get("verifier", {})
-    split = metadata.get("split", "train")
+            raise HarborTaskError(f"{toml}: not valid TOML: {e}") from None
+    try:
+        settings = read_settings(meta, toml)
+    except HarborSettingsError as e:
+        raise HarborTaskError(str(e)) from None
+    metadata = meta.get("metadata", {})
+    split = metadata.get("split") or ("heldout" if heldout_by_hash(task_dir.name, heldout) else "train")
     if split not in SPLITS:
-        raise HarborTaskError(f"{task_dir / 'task.toml'}: [metadata] split = {split!r}; use one of {', '.join(SPLITS)}")
-    timeout = verifier.get("timeout_sec", DEFAULT_TEST_TIMEOUT)
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise HarborTaskError(f"{task_dir / 'task.toml'}: [verifier] timeout_sec must be a positive number, "
-                              f"got {timeout!r}")
+        raise HarborTaskError(f"{toml}: [metadata] split = {split!r}; use one of {', '.join(SPLITS)}")
+    if mode not in MODES:
+        raise HarborTaskError(f"harbor mode {mode!r}: expected one of {', '.join(MODES)}")
     solve = task_dir / "solution" / "solve.sh"
     solution = [ToolCall("bash", {"command": solve.read_text()}), ToolCall("submit")] if solve.is_file() else []
+    sandbox = settings.sandbox() | ({"user": AGENT_USER} if mode == "hardened" else {})
+    check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
+             "timeout": settings.verifier_timeout, "user": settings.verifier_user}
+    if settings.verifier_env:
+        check["env"] = settings.verifier_env
+    if settings.workdir:
+        check["workdir"] = settings.workdir
+    setup = {"image": image_name(task_dir), "sandbox": sandbox, "harbor_dir": str(task_dir)}
+    if settings.agent_timeout:
+        setup["agent_timeout"] = settings.agent_timeout
+    if settings.not_honoured:
+        setup["not_honoured"] = settings.not_honoured
+    if settings.solution_env:
+        setup["solution_env"] = settings.solution_env
     return Task(
         id=f"harbor/{task_dir.name}",
         env="harbor",
         family=str(metadata.get("category") or "default"),
         seed=0,
         instruction=(task_dir / "instruction.md").read_text().strip(),
-        setup={"image": image_name(task_dir)},
-        checks=[{"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"), "timeout": float(timeout)}],
+        setup=setup,
+        checks=[check],
         solution=solution,
         split=split,
     )
 
 
-def load_tasks(path: Path) -> tuple[list[Task], dict[str, Path]]:
+def load_tasks(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[list[Task], dict[str, BuildContext]]:
     """The tasks at ``path`` (one task directory, or a folder whose subfolders are tasks) and the images they need:
-    image name -> the folder its Dockerfile is in."""
+    image name -> how to build it (its folder, the Dockerfile rewritten for this host and ``mode``)."""
     path = Path(path)
     if not path.is_dir():
         raise HarborTaskError(f"{path}: no such directory (expected a Harbor task directory or a folder of them)")
@@ -107,7 +139,24 @@ def load_tasks(path: Path) -> tuple[list[Task], dict[str, Path]]:
         raise HarborTaskError(f"{path}: no Harbor tasks here (a task folder holds instruction.md and task.toml)")
     tasks, images = [], {}
     for d in dirs:
-        task = load_task(d)
+        task = load_task(d, mode, heldout)
         tasks.append(task)
-        images[task.setup["image"]] = d.resolve() / "environment"
+        images[task.setup["image"]] = BuildContext(
+            d.resolve() / "environment", HarborBuild(task.id, str(d.resolve() / "environment" / "Dockerfile"), mode),
+            user=AGENT_USER if mode == "hardened" else None)
     return tasks, images
+
+
+def compact_checks(task: dict) -> dict:
+    """A task as a trajectory row keeps it: the Harbor tests' files by hash and size, not their contents (a
+    terminal-bench task's tests/ runs to hundreds of KB, every row)."""
+    checks = []
+    for check in task.get("checks") or []:
+        if check.get("verifier") == "harbor_tests" and isinstance(check.get("files"), dict):
+            files = {}
+            for rel, content in check["files"].items():
+                data = base64.b64decode(content["base64"]) if isinstance(content, dict) else str(content).encode()
+                files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            check = {**check, "files": files}
+        checks.append(check)
+    return {**task, "checks": checks}

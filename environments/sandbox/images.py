@@ -32,23 +32,31 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import docker
 import docker.errors
 
+from sandforge.environments.sandbox.base_image import (  # noqa: F401 - ImageError, BASE_TAG, ...: public here too
+    BASE_TAG,
+    DEFAULT_MIRROR,
+    ImageError,
+    Progress,
+    _image_id,
+    _noop,
+    _run_streaming,
+    ensure_base_image,
+)
 from sandforge.environments.sandbox.daemon import docker_client
 from sandforge.registry import SHARED_IMAGES
 
-BASE_TAG = "sandforge/base:bookworm"
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
 ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent  # the installed `sandforge.environments` folder
 _LOCK_PATH = Path(tempfile.gettempdir()) / "sandforge-images.lock"
 REQUIREMENTS = "requirements.txt"
@@ -59,24 +67,6 @@ WHEELS = "wheels"  # the wheelhouse's folder in the build context
 WHEEL_PYTHON = "3.11"
 WHEEL_PLATFORMS = tuple(f"manylinux_2_{v}_x86_64" for v in range(36, 16, -1)) + ("manylinux2014_x86_64",)
 
-Progress = Callable[[str], None]
-
-
-class ImageError(RuntimeError):
-    """An image could not be found, pulled, bootstrapped or built; the message says what to run."""
-
-
-def _noop(_: str) -> None:
-    pass
-
-
-def _image_id(client: docker.DockerClient, ref: str) -> str | None:
-    try:
-        return client.images.get(ref).id
-    except docker.errors.ImageNotFound:
-        return None
-
-
 @contextlib.contextmanager
 def _build_lock() -> Iterator[None]:
     # Several test workers or drivers may ask for the same image at once: build it once.
@@ -86,79 +76,6 @@ def _build_lock() -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-# --- base image -------------------------------------------------------------------------------------------------
-
-
-def ensure_base_image(
-    client: docker.DockerClient,
-    base_image: str | None = None,
-    mirror: str = DEFAULT_MIRROR,
-    progress: Progress | None = None,
-) -> str:
-    """Return a local base image tag: ``base_image`` if present or pullable, else a bootstrapped Debian bookworm."""
-    progress = progress or _noop
-    if base_image:
-        if _image_id(client, base_image):
-            return base_image
-        try:
-            progress(f"pulling {base_image}")
-            client.images.pull(base_image)
-            return base_image
-        except Exception as e:  # no registry here is the normal case: fall back to bootstrapping
-            progress(f"cannot pull {base_image} ({type(e).__name__}); bootstrapping {BASE_TAG} instead")
-    if _image_id(client, BASE_TAG):
-        return BASE_TAG
-    return _bootstrap_base(client, mirror, progress)
-
-
-def _bootstrap_base(client: docker.DockerClient, mirror: str, progress: Progress) -> str:
-    if shutil.which("debootstrap") is None:
-        raise ImageError(
-            f"no base image and debootstrap is not installed: `apt-get install debootstrap`, "
-            f"or pass a base image that is present locally (it becomes the base instead of {BASE_TAG})"
-        )
-    if os.geteuid() != 0:
-        raise ImageError("bootstrapping the base image runs debootstrap, which needs root: run this step as root")
-    with tempfile.TemporaryDirectory(prefix="sandforge-base-") as tmp:
-        rootfs, tar_path = Path(tmp) / "rootfs", Path(tmp) / "rootfs.tar"
-        _run_streaming(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), mirror], progress)
-        # Downloaded .debs and apt lists are dead weight in every image; env Dockerfiles run apt-get update anyway.
-        for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
-            for p in (rootfs / junk).glob("*"):
-                if p.is_file():
-                    p.unlink()
-        progress("packing the root filesystem")
-        _run_streaming(["tar", "--numeric-owner", "--xattrs", "-C", str(rootfs), "-cf", str(tar_path), "."], progress)
-        progress(f"importing {BASE_TAG}")
-        repo, tag = BASE_TAG.split(":")
-        client.api.import_image(
-            src=str(tar_path),
-            repository=repo,
-            tag=tag,
-            changes=[
-                "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                "ENV LANG=C.UTF-8",
-                'CMD ["bash"]',
-            ],
-        )
-    if not _image_id(client, BASE_TAG):
-        raise ImageError(f"docker import finished but {BASE_TAG} is not present; check `docker images`")
-    return BASE_TAG
-
-
-def _run_streaming(cmd: list[str], progress: Progress) -> None:
-    tail: deque[str] = deque(maxlen=20)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        line = line.rstrip()
-        if line:
-            tail.append(line)
-            progress(line)
-    if proc.wait() != 0:
-        raise ImageError(f"`{shlex.join(cmd)}` failed (exit {proc.returncode}):\n" + "\n".join(tail))
 
 
 # --- environment images -----------------------------------------------------------------------------------------
@@ -283,26 +200,48 @@ def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient, env
     return context_image_tag(env_build_context(env_name, envs_dir), env_name, base_tag, client)
 
 
-def context_image_tag(ctx: Path, name: str, base_tag: str, client: docker.DockerClient) -> str:
+@dataclass(frozen=True)
+class BuildContext:
+    """A folder to build an image from. ``prepare(client, base_tag)``, when given, returns the Dockerfile to build
+    instead of the folder's own and the lines to say about it (a Harbor task's, its base image mapped); ``user`` is the
+    user the image must have (None: any, as for a task whose agent is root)."""
+
+    folder: Path
+    prepare: Callable[[docker.DockerClient, str], tuple[str, list[str]]] | None = None
+    user: str | None = "sandbox"
+
+
+def context_image_tag(ctx: Path, name: str, base_tag: str, client: docker.DockerClient,
+                      dockerfile: str | None = None) -> str:
     """``sandforge/<name>:<12 hex>`` for the Dockerfile in any folder ``ctx`` (an env's, a Harbor task's
-    ``environment/``): the hash of its build inputs and the base image id."""
+    ``environment/``), or ``dockerfile`` built in that folder instead: the hash of its build inputs and the base image
+    id."""
     if not (ctx / "Dockerfile").is_file():
         raise ImageError(f"no Dockerfile at {ctx / 'Dockerfile'}")
     base_id = _image_id(client, base_tag)
     if base_id is None:
         raise ImageError(f"base image {base_tag} is not present: run `sandforge images build`")
     h = hashlib.sha256(base_id.encode())
+    if dockerfile is not None:
+        h.update(b"\0dockerfile\0" + dockerfile.encode())
     for f in _context_files(ctx):
         h.update(b"\0" + f.relative_to(ctx).as_posix().encode() + b"\0" + str(f.stat().st_mode & 0o111).encode())
         h.update(b"\0" + f.read_bytes())
     return f"sandforge/{name}:{h.hexdigest()[:12]}"
 
 
-def _context_tar(ctx: Path, wheels: Path | None = None) -> io.BytesIO:
+def _context_tar(ctx: Path, wheels: Path | None = None, dockerfile: str | None = None) -> io.BytesIO:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for f in _context_files(ctx):
+            if dockerfile is not None and f == ctx / "Dockerfile":
+                continue
             tar.add(f, arcname=f.relative_to(ctx).as_posix(), recursive=False)
+        if dockerfile is not None:
+            data = dockerfile.encode()
+            info = tarfile.TarInfo("Dockerfile")
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
         if wheels is not None:
             tar.add(wheels, arcname=WHEELS, recursive=False)
             for f in sorted(wheels.iterdir()):
@@ -328,16 +267,18 @@ def build_context_image(
     name: str,
     base_tag: str,
     progress: Progress | None = None,
+    dockerfile: str | None = None,
 ) -> str:
-    """Build ``ctx/Dockerfile`` on ``base_tag`` (build arg BASE) as ``sandforge/<name>:<hash>``; a no-op if the tag
-    exists. ``name`` must be a valid image repository name (lowercase letters, digits, ``.-_/``)."""
+    """Build ``ctx/Dockerfile`` (or ``dockerfile`` in ``ctx``) on ``base_tag`` (build arg BASE) as
+    ``sandforge/<name>:<hash>``; a no-op if the tag exists. ``name`` must be a valid image repository name (lowercase
+    letters, digits, ``.-_/``)."""
     progress = progress or _noop
-    tag = context_image_tag(ctx, name, base_tag, client)
+    tag = context_image_tag(ctx, name, base_tag, client, dockerfile)
     if _image_id(client, tag):
         return tag
     tail: deque[str] = deque(maxlen=30)
     stream = client.api.build(
-        fileobj=_context_tar(ctx, wheelhouse(ctx, progress)),
+        fileobj=_context_tar(ctx, wheelhouse(ctx, progress), dockerfile),
         custom_context=True,
         tag=tag,
         buildargs={"BASE": base_tag},
@@ -384,7 +325,7 @@ def build_images(
     show_progress: bool = True,
     envs_dir: Path | None = None,
     mirror: str = DEFAULT_MIRROR,
-    contexts: dict[str, Path] | None = None,
+    contexts: dict[str, Path | BuildContext] | None = None,
 ) -> dict[str, str]:
     """Ensure the base image and build the images of the requested envs (default: all); returns image name -> tag
     (slack's and notion's come back as ``apps``).
@@ -425,9 +366,14 @@ def build_images(
             report(env, existed, time.perf_counter() - t0)
         for name, ctx in (contexts or {}).items():
             t0 = time.perf_counter()
-            existed = _image_id(client, context_image_tag(ctx, name, base, client)) is not None
-            tags[name] = build_context_image(client, ctx, name, base, progress=stage(name))
-            require_sandbox_user(client, tags[name], ctx / "Dockerfile")
+            ctx = ctx if isinstance(ctx, BuildContext) else BuildContext(Path(ctx))
+            dockerfile, notes = ctx.prepare(client, base) if ctx.prepare else (None, [])
+            for note in notes:
+                console.print(note, highlight=False, markup=False, soft_wrap=True)
+            existed = _image_id(client, context_image_tag(ctx.folder, name, base, client, dockerfile)) is not None
+            tags[name] = build_context_image(client, ctx.folder, name, base, progress=stage(name), dockerfile=dockerfile)
+            if ctx.user:
+                require_sandbox_user(client, tags[name], ctx.folder / "Dockerfile", ctx.user)
             report(name, existed, time.perf_counter() - t0)
         if fresh:
             console.print(f"images up to date: {', '.join(fresh)}", highlight=False)

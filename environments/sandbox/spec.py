@@ -33,6 +33,10 @@ LABEL_PROBE = "sandforge.probe"  # a never-started container that reads an image
 # container's own user is root, so PID 1 (`sleep`) runs as root and every exec defaults to the unprivileged spec.user,
 # whose processes have no capabilities at all (non-root, and no-new-privileges blocks setuid and file capabilities).
 ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
+# A task whose agent is root (Harbor's contract) also needs what package managers and daemons do as root: drop to
+# their own users (apt's _apt), keep setgid bits, signal their children, bind low ports. Still no raw sockets, mknod,
+# chroot, ptrace or admin capabilities, and no-new-privileges stays.
+ROOT_AGENT_CAPS = ROOT_CAPS + ["FSETID", "KILL", "SETGID", "SETUID", "NET_BIND_SERVICE"]
 
 
 class SandboxError(RuntimeError):
@@ -61,6 +65,7 @@ class SandboxSpec:
     home: str | None = None  # HOME of every command; None: the workdir
     nofile: int = 4096  # open files per process
     max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ
+    root_caps: tuple[str, ...] = tuple(ROOT_CAPS)  # what root in the container may do (ROOT_AGENT_CAPS: a root agent)
 
 
 def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str]) -> dict:
@@ -92,7 +97,7 @@ def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: di
         nano_cpus=int(spec.cpus * 1e9),
         pids_limit=spec.pids_limit,
         cap_drop=["ALL"],
-        cap_add=ROOT_CAPS,
+        cap_add=list(spec.root_caps),
         security_opt=["no-new-privileges"],
         runtime=spec.runtime,
     )

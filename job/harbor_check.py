@@ -1,0 +1,163 @@
+"""``sandforge harbor check TASK_DIR...``: the first thing to run on a new Harbor task set. For each task: build its
+image here (its base mapped when needed), replay its oracle as Harbor does and a no-op, grade both, and print one row:
+image, oracle reward, no-op reward, seconds, and a one-line reason where something is off.
+
+The oracle runs as Harbor runs it: ``solution/`` uploaded to ``/solution``, ``solve.sh`` executed as a file by the
+task's agent user (root, or the non-root user of ``--mode hardened``) in the image's WORKDIR, with ``[solution] env``.
+The no-op grades a sandbox nobody touched. A task is fine when the oracle scores 1 and the no-op 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+NETWORK = re.compile(r"\b(curl|wget)\b|\bpip3?\s+install\b|\buv\s+(pip|sync|run|tool|add)\b|\bapt(-get)?\s+(install|"
+                     r"update)\b|\bnpm\s+(install|ci)\b")
+RUN_ID = "harbor-check"
+
+
+@dataclass
+class CheckRow:
+    task: str
+    image: str = "-"
+    oracle: float | None = None
+    noop: float | None = None
+    seconds: float = 0.0
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.oracle == 1.0 and self.noop == 0.0
+
+
+def needs_network(task_dir: Path) -> str | None:
+    """What in tests/test.sh reaches for the network at test time (the sandbox has none), or None."""
+    test = task_dir / "tests" / "test.sh"
+    m = NETWORK.search(test.read_text(errors="replace")) if test.is_file() else None
+    return m.group(0) if m else None
+
+
+def _tail(text: str, n: int = 160) -> str:
+    line = " | ".join(x.strip() for x in text.strip().splitlines()[-3:] if x.strip())
+    return line[-n:]
+
+
+def upload_solution(sandbox, solution: Path) -> None:
+    """``solution/`` into ``/solution`` as root, readable by every user, scripts executable."""
+    sandbox.exec("rm -rf /solution && install -d -m 0755 /solution", timeout=30, user="root", session=False)
+    for f in sorted(p for p in solution.rglob("*") if p.is_file()):
+        mode = 0o755 if f.suffix == ".sh" or f.stat().st_mode & 0o111 else 0o644
+        sandbox.put_file(f"/solution/{f.relative_to(solution).as_posix()}", f.read_bytes(), user="root", mode=mode)
+    sandbox.exec("chmod -R a+rX /solution", timeout=30, user="root", session=False)
+
+
+def run_oracle(sandbox, task, task_dir: Path, timeout: float) -> str:
+    """solve.sh as Harbor runs it; returns a one-line account of a failure ("" when it exited 0)."""
+    solution = task_dir / "solution"
+    if not (solution / "solve.sh").is_file():
+        return "no solution/solve.sh"
+    upload_solution(sandbox, solution)
+    env = task.setup.get("solution_env") or {}
+    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items() if k.isidentifier())
+    result = sandbox.exec(f"{exports}bash /solution/solve.sh", timeout=timeout, user=sandbox.spec.user,
+                          workdir=sandbox.spec.workdir, session=False)
+    if result.timed_out:
+        return f"solve.sh timed out after {timeout:g}s: {_tail(result.output)}"
+    if result.exit_code != 0:
+        return f"solve.sh exited {result.exit_code}: {_tail(result.output)}"
+    return ""
+
+
+def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> CheckRow:
+    from sandforge.environments.harbor.dockerfile import BaseImageError
+    from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.harbor.tasks import HarborTaskError, load_tasks
+    from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError
+    from sandforge.environments.sandbox.images import ImageError, build_images
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.verifiers.checks import score_task
+
+    row = CheckRow(task=task_dir.name)
+    start = time.monotonic()
+    try:
+        [task], images = load_tasks(task_dir, mode)
+        row.task = task.id
+        row.notes += [f"not honoured: {x}" for x in task.setup.get("not_honoured", [])]
+        net = needs_network(task_dir)
+        if net:
+            row.notes.append(f"test.sh needs the network ({net}); sandboxes have none")
+        (name, ctx), = images.items()
+        ctx = dataclasses.replace(ctx, prepare=dataclasses.replace(ctx.prepare, base_map=base_map))
+        tag = build_images([], client=client, show_progress=False, contexts={name: ctx})[name]
+        row.notes = ctx.prepare.notes + row.notes  # a FROM mapped to the local base, said in one line
+        row.image = tag
+        spec = sandbox_spec(sandbox_cfg, tag, HarborEnv, task.setup.get("sandbox"), client)
+        timeout = float(task.setup.get("agent_timeout") or 1800.0)
+        for which in ("oracle", "noop"):
+            sandbox = Sandbox.create(spec, RUN_ID, client=client)
+            try:
+                failure = run_oracle(sandbox, task, task_dir, timeout) if which == "oracle" else ""
+                reward = score_task(sandbox, task)
+            finally:
+                sandbox.close()
+            setattr(row, which, reward.value)
+            if which == "oracle" and reward.value != 1.0:
+                row.reason = failure or f"oracle scored {reward.value:g}: {_tail(reward.reason or '')}"
+            elif which == "noop" and reward.value != 0.0 and not row.reason:
+                row.reason = f"doing nothing scores {reward.value:g}: the tests do not check the work"
+    except (HarborTaskError, BaseImageError, ImageError, SandboxError) as e:
+        row.reason = str(e).strip().splitlines()[0]
+    except Exception as e:  # noqa: BLE001 - one task's trouble is its row, not the command's end
+        row.reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    row.seconds = time.monotonic() - start
+    return row
+
+
+def task_dirs(paths: list[Path]) -> list[Path]:
+    """Each path a task folder, or a folder of them."""
+    from sandforge.environments.harbor.tasks import is_task_dir
+
+    out = []
+    for p in paths:
+        out += [p] if is_task_dir(p) else sorted(d for d in p.iterdir() if d.is_dir() and is_task_dir(d))
+    return out
+
+
+def table(rows: list[CheckRow]) -> Table:
+    t = Table(title=f"Harbor tasks: {sum(r.ok for r in rows)}/{len(rows)} fine (oracle 1, no-op 0)")
+    for col in ("task", "image", "oracle", "no-op", "seconds", "reason / notes"):
+        t.add_column(col, overflow="fold")
+    fmt = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
+    for r in rows:
+        image = "built" if r.image != "-" else "failed"
+        said = "; ".join([r.reason] * bool(r.reason) + r.notes)
+        t.add_row(escape(r.task), image, fmt(r.oracle), fmt(r.noop), f"{r.seconds:.0f}", escape(said))
+    return t
+
+
+def check(paths: list[Path], mode: str = "root", sandbox_cfg=None) -> list[CheckRow]:
+    """Check every task under ``paths``, printing each row's task as it goes; the rows."""
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.sandbox.daemon import docker_client
+    from sandforge.environments.sandbox.lifecycle import remove_run_containers
+    from sandforge.job.console import console
+
+    sandbox_cfg = sandbox_cfg or SandboxConfig(warm_pool=0)
+    client = docker_client()
+    rows = []
+    try:
+        for d in task_dirs(paths):
+            console.print(f"checking {d.name} ...", highlight=False)
+            rows.append(check_task(d, mode, sandbox_cfg.base_map, sandbox_cfg, client))
+    finally:
+        remove_run_containers(RUN_ID)
+    return rows

@@ -1,0 +1,130 @@
+"""Harbor tasks as terminal-bench 2.x writes them, unmodified (tests/data/harbor_real): a digest-pinned registry FROM
+that cannot be pulled here (mapped to the local base), a PATH without /usr/sbin, WORKDIR /app with a root agent, a
+solve.sh that reads its sibling files from /solution and needs its [solution] env, task.toml limits, timeouts and
+[verifier] env, test.sh that refuses to run from / and writes reward.json. And a task whose base cannot be had."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandforge.environments.harbor.dockerfile import BaseImageError, rewrite, short_name
+from sandforge.environments.harbor.settings import read_settings
+from sandforge.environments.harbor.tasks import compact_checks, heldout_by_hash, load_task, load_tasks
+from sandforge.types import ToolCall
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL = ROOT / "tests" / "data" / "harbor_real"
+PINNED = REAL / "digest-pinned"
+SANDFORGE = Path(sys.executable).parent / "sandforge"
+
+
+# --- no Docker --------------------------------------------------------------------------------------------------------
+
+
+def test_task_toml_is_honoured_and_what_is_not_is_named():
+    task = load_task(PINNED)
+    assert task.setup["sandbox"] == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "768m"}
+    assert task.setup["agent_timeout"] == 120.0 and task.setup["solution_env"] == {"GREETING": "hello from the oracle"}
+    (check,) = task.checks
+    assert (check["timeout"], check["user"], check["env"], check["workdir"]) == (60.0, "root", {"EXPECTED_LINES": "4"},
+                                                                               "/app")
+    assert task.setup["not_honoured"] == ["[environment] storage_mb (no disk cap for the container here)"]
+    s = read_settings({"verifier": {}, "environment": {"allow_internet": True, "gpus": 1}, "agent": {"model": "x"},
+                       "extras": {"a": 1}}, "t.toml")
+    assert s.verifier_timeout == 600.0  # Harbor's default, not 120
+    assert s.not_honoured == ["[environment] allow_internet = true (sandboxes have no network)",
+                              "[environment] gpus (sandboxes get no GPU)", "[agent] model", "[extras]"]
+    assert load_task(PINNED, mode="hardened").setup["sandbox"]["user"] == "sandbox"
+
+
+def test_from_images_are_kept_mapped_or_refused_in_one_line():
+    assert short_name("public.ecr.aws/docker/library/debian:bookworm-slim@sha256:ab") == "debian:bookworm-slim"
+    assert short_name("python:3.12-slim") == "python:3.12-slim" and short_name("ghcr.io/o/img") == "o/img:latest"
+    text = ("FROM python:3.12-slim AS build\nWORKDIR /src\nRUN echo a \\\n FROM not-a-stage\n"
+            "FROM build\nFROM ubuntu:24.04\nARG BASE\nFROM ${BASE}\n")
+    out = rewrite(text, "harbor/t", "sandforge/base:bookworm", present=lambda ref: ref == "ubuntu:24.04")
+    lines = out.dockerfile.splitlines()
+    assert lines[0] == "FROM sandforge/base:bookworm AS build" and "python3-pip" in out.dockerfile
+    assert " FROM not-a-stage" in lines and "FROM build" in lines and "FROM ubuntu:24.04" in lines
+    assert "FROM ${BASE}" in lines and len(out.notes) == 1 and "python:3.12-slim -> base+python" in out.notes[0]
+    with pytest.raises(BaseImageError, match=r"^harbor/t: base image quay.io/x/y:1 is not on this host, cannot be "
+                                             r"pulled, and sandbox.base_map maps nothing to it$"):
+        rewrite("FROM quay.io/x/y:1\n", "harbor/t", "b", present=lambda ref: False)
+    with pytest.raises(BaseImageError):  # an empty map maps nothing
+        rewrite("FROM debian:bookworm\n", "harbor/t", "b", present=lambda ref: False, base_map={})
+    hardened = rewrite("FROM debian:bookworm\nWORKDIR /app\n", "harbor/t", "b", lambda ref: True, mode="hardened")
+    assert "/usr/sbin/useradd --uid 1000" in hardened.dockerfile and 'chown -R sandbox: "$PWD"' in hardened.dockerfile
+
+
+def test_held_out_split_by_a_stable_hash_and_compact_trajectory_rows():
+    names = [f"task-{i}" for i in range(400)]
+    held = [n for n in names if heldout_by_hash(n, 0.25)]
+    assert 70 <= len(held) <= 130 and held == [n for n in names if heldout_by_hash(n, 0.25)]
+    assert not any(heldout_by_hash(n, 0.0) for n in names)
+    tasks, _ = load_tasks(REAL / "digest-pinned", heldout=1.0)
+    assert tasks[0].split == "heldout"
+    row = compact_checks(json.loads(json.dumps(tasks[0].__dict__, default=lambda o: o.__dict__)))
+    files = row["checks"][0]["files"]
+    assert set(files["test.sh"]) == {"sha256", "bytes"} and len(json.dumps(row)) < 2000
+
+
+# --- in containers ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.docker
+def test_harbor_check_prints_one_row_per_task_with_the_failure_line():
+    """`sandforge harbor check` on the folder: the pinned task builds on the mapped base, its oracle scores 1 and
+    doing nothing 0; the task whose base cannot be had is one row saying so; the exit code says not all are fine."""
+    out = subprocess.run([str(SANDFORGE), "harbor", "check", str(REAL)], capture_output=True, text=True, timeout=900,
+                         env={**__import__("os").environ, "COLUMNS": "250"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    pinned = next(line for line in text.splitlines() if "harbor/digest-pinned" in line and "built" in line)
+    cells = [c.strip() for c in pinned.split("│")]
+    assert cells[2:6] == ["built", "1", "0", cells[5]], pinned
+    assert "built on sandforge/base:bookworm instead" in text and "storage_mb" in text
+    missing = next(line for line in text.splitlines() if "harbor/missing-base" in line and "failed" in line)
+    assert "quay.io/nowhere/custom-runtime:7 is not on this host" in missing
+
+
+@pytest.mark.docker
+def test_hardened_mode_runs_the_same_oracle_as_a_non_root_agent():
+    from sandforge.job.harbor_check import check
+
+    [row] = check([PINNED], mode="hardened")
+    assert (row.oracle, row.noop) == (1.0, 0.0), row
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("mode, uid", [("root", "0"), ("hardened", "1000")])
+def test_a_training_episode_runs_as_the_tasks_user_in_its_workdir(mode, uid, docker_client, run_id):
+    """The rollout worker's sandbox for the task (its spec from task.toml and the image): the policy's shell starts
+    in /app as root, or as uid 1000 in hardened mode, can do the work there, and the episode scores 1."""
+    from dataclasses import replace
+
+    from agent_fakes import CHAT, limits
+
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.rollout.agent import run_episode
+    from sandforge.rollout.policy_client import scripted_policy
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+
+    [task], images = load_tasks(PINNED, mode)
+    tags = build_images([], client=docker_client, show_progress=False, contexts=images)
+    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    assert (spec.workdir, spec.memory, spec.cpus) == ("/app", "768m", 1.0)
+    env = HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client)
+    work = "pwd; id -u; words > out/result.txt && echo 'hello from the oracle' >> out/result.txt"
+    scripted = replace(task, solution=[ToolCall("bash", {"command": work}), ToolCall("submit")])
+    traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3), "g"))
+    assert not traj.failed, traj.failure
+    assert traj.turns[0].observations[0].startswith(f"/app\n{uid}\n"), traj.turns[0].observations[0]
+    assert (traj.reward.value, traj.reward.success) == (1.0, True), traj.reward.reason
