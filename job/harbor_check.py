@@ -102,7 +102,10 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         row.image = tag
         spec = sandbox_spec(sandbox_cfg, tag, HarborEnv, task.setup.get("sandbox"), client)
         timeout = float(task.setup.get("agent_timeout") or 1800.0)
-        for which in ("oracle", "noop"):
+        has_oracle = (task_dir / "solution" / "solve.sh").is_file()
+        if not has_oracle:
+            row.reason = "no solution/solve.sh: the oracle cannot be checked"
+        for which in ("oracle", "noop") if has_oracle else ("noop",):
             sandbox = Sandbox.create(spec, RUN_ID, client=client)
             try:
                 failure = run_oracle(sandbox, task, task_dir, timeout) if which == "oracle" else ""
@@ -115,7 +118,8 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
             elif which == "noop" and reward.value != 0.0 and not row.reason:
                 row.reason = f"doing nothing scores {reward.value:g}: the tests do not check the work"
     except (HarborTaskError, BaseImageError, ImageError, SandboxError) as e:
-        row.reason = str(e).strip().splitlines()[0]
+        lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+        row.reason = lines[0] + (f" | {lines[-1][-200:]}" if len(lines) > 1 else "")  # a build's last output line
     except Exception as e:  # noqa: BLE001 - one task's trouble is its row, not the command's end
         row.reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     row.seconds = time.monotonic() - start
@@ -149,15 +153,16 @@ def check(paths: list[Path], mode: str = "root", sandbox_cfg=None) -> list[Check
     from sandforge.config import SandboxConfig
     from sandforge.environments.sandbox.daemon import docker_client
     from sandforge.environments.sandbox.lifecycle import remove_run_containers
-    from sandforge.job.console import console
+    from sandforge.job.console import console, phase
 
     sandbox_cfg = sandbox_cfg or SandboxConfig(warm_pool=0)
     client = docker_client()
     rows = []
     try:
         for d in task_dirs(paths):
-            console.print(f"checking {d.name} ...", highlight=False)
-            rows.append(check_task(d, mode, sandbox_cfg.base_map, sandbox_cfg, client))
+            console.print(f"checking {d.name} ...", highlight=False, markup=False)
+            with phase(f"checking {d.name}: image, oracle, no-op"):
+                rows.append(check_task(d, mode, sandbox_cfg.base_map, sandbox_cfg, client))
     finally:
         remove_run_containers(RUN_ID)
     return rows

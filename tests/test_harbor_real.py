@@ -62,6 +62,37 @@ def test_from_images_are_kept_mapped_or_refused_in_one_line():
     assert "/usr/sbin/useradd --uid 1000" in hardened.dockerfile and 'chown -R sandbox: "$PWD"' in hardened.dockerfile
 
 
+def test_pinned_pip_installs_of_run_lines_are_found():
+    """What the build will need as wheels (a build here reaches no package index): the specs of every pip install."""
+    from sandforge.environments.harbor.dockerfile import pip_requirements
+
+    text = ("RUN apt-get update && \\\n    apt-get install -y python3-pip\n"
+            "RUN pip3 install --no-cache-dir --break-system-packages pytest==8.4.1 pandas==2.3.2\n"
+            "RUN python3 -m venv /opt/v && /opt/v/bin/pip install --no-cache-dir \\\n"
+            "   pytest-json-ctrf==0.5.0 'requests[socks]>=2,<3' -r req.txt ./local https://x/y.whl -i http://idx\n"
+            "RUN uv pip install --system numpy; /usr/bin/python3 -m pip install pytest==8.4.1\n")
+    assert pip_requirements(text) == ["pytest==8.4.1", "pandas==2.3.2", "pytest-json-ctrf==0.5.0",
+                                      "requests[socks]>=2,<3", "numpy"]
+    from sandforge.environments.harbor.dockerfile import requirement_files
+
+    folder = Path(__file__).parent / "data" / "harbor_real"  # no requirements files: nothing
+    assert requirement_files(folder) == []
+    mapped = rewrite("FROM debian:bookworm\nRUN pip install six\n", "t", "b", lambda ref: False, wheels=True)
+    assert mapped.dockerfile.splitlines()[1:3] == ["COPY sandforge-wheels/ /opt/sandforge-wheels/",
+                                                   "ENV PIP_FIND_LINKS=/opt/sandforge-wheels PIP_NO_INDEX=1"]
+
+
+def test_a_hash_locked_requirements_file_is_read_without_its_hashes(tmp_path):
+    """terminal-bench's `pip install --require-hashes -r requirements.txt` (CRLF line ends, continuations): the
+    specs are fetched on the host, the hashes stay for the build's pip to check."""
+    from sandforge.environments.harbor.dockerfile import requirement_files
+
+    (tmp_path / "requirements.txt").write_bytes(
+        b"# pinned\r\niniconfig==2.3.0 \\\r\n    --hash=sha256:c763 \\\r\n    --hash=sha256:f631\r\n"
+        b"pytest==9.0.3 --hash=sha256:aa  # the runner\r\n--index-url https://x\r\n")
+    assert requirement_files(tmp_path) == ["iniconfig==2.3.0", "pytest==9.0.3"]
+
+
 def test_held_out_split_by_a_stable_hash_and_compact_trajectory_rows():
     names = [f"task-{i}" for i in range(400)]
     held = [n for n in names if heldout_by_hash(n, 0.25)]
@@ -128,3 +159,24 @@ def test_a_training_episode_runs_as_the_tasks_user_in_its_workdir(mode, uid, doc
     assert not traj.failed, traj.failure
     assert traj.turns[0].observations[0].startswith(f"/app\n{uid}\n"), traj.turns[0].observations[0]
     assert (traj.reward.value, traj.reward.success) == (1.0, True), traj.reward.reason
+
+
+@pytest.mark.docker
+def test_a_task_that_names_only_its_image_builds_from_it(tmp_path):
+    """`[environment] docker_image` instead of environment/Dockerfile (Harbor allows either): built FROM that image,
+    mapped here to the local base."""
+    from sandforge.job.harbor_check import check
+
+    task = tmp_path / "image-only"
+    (task / "tests").mkdir(parents=True)
+    (task / "solution").mkdir()
+    (task / "instruction.md").write_text("Create /tmp/done.\n")
+    (task / "task.toml").write_text('version = "2.0"\n[environment]\ndocker_image = "debian:bookworm-slim"\n'
+                                    'workdir = "/srv"\n')
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\n[ -f /srv/done ] && echo 1 > /logs/verifier/reward.txt "
+                                            "|| echo 0 > /logs/verifier/reward.txt\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\ntouch done\n")
+    assert load_task(task).setup["docker_image"] == "debian:bookworm-slim"
+    [row] = check([task])
+    assert (row.oracle, row.noop) == (1.0, 0.0), row
+    assert any("debian:bookworm-slim is not here" in note for note in row.notes), row.notes

@@ -6,6 +6,10 @@ to the locally bootstrapped Debian base: by default Debian bookworm and trixie, 
 mapping is said in one line; an image that is neither here nor mapped fails in one line naming the task and the image.
 ``FROM ${BASE}`` (sandforge's own task images) takes the base directly.
 
+A build here cannot reach a package index, so when a base was mapped, the pinned packages its ``RUN pip install`` lines
+name (``pip_requirements``) are downloaded on the host as wheels for the base's Python, said in one line, and the build
+installs them from there (``PIP_FIND_LINKS``, ``PIP_NO_INDEX``; the sandbox has no network either).
+
 Modes (``harbor.mode`` in the job's environment entry):
 
 - ``root`` (Harbor's contract): the agent runs as the task's user, root unless ``[agent] user`` says otherwise, in the
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shlex
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # image pattern (registry and digest stripped, "library/" dropped) -> "base" or "base+python"
 DEFAULT_BASE_MAP = {
@@ -30,8 +36,11 @@ DEFAULT_BASE_MAP = {
     "debian:stable*": "base",
     "ubuntu:*": "base",
     "python:*": "base+python",
+    "laude-institute/t-bench/ubuntu-*": "base",  # terminal-bench's own base images (ghcr.io)
+    "laude-institute/t-bench/python-*": "base+python",
 }
 MODES = ("root", "hardened")
+WHEELS_DIR = "sandforge-wheels"  # images.EXTRA_WHEELS: where the build context holds the downloaded wheels
 AGENT_USER = "sandbox"  # hardened mode's agent
 
 _FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.I)
@@ -86,9 +95,10 @@ def final_workdir(lines: list[str]) -> str:
 
 
 def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, str] | None = None,
-            mode: str = "root") -> Rewrite:
+            mode: str = "root", wheels: bool = False) -> Rewrite:
     """``text`` with every FROM image that is not ``present(ref)`` mapped to ``base_tag``, and in ``hardened`` mode the
-    agent user added. Raises BaseImageError for an image neither present nor mapped."""
+    agent user added. ``wheels``: a mapped stage installs pip packages from the context's wheelhouse. Raises
+    BaseImageError for an image neither present nor mapped."""
     if mode not in MODES:
         raise ValueError(f"harbor mode {mode!r}: expected one of {', '.join(MODES)}")
     base_map = DEFAULT_BASE_MAP if base_map is None else base_map
@@ -113,6 +123,9 @@ def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, st
             notes.append(f"{task}: FROM {ref} is not here; built on {base_tag} instead (sandbox.base_map: "
                          f"{short_name(ref)} -> {target})")
             out.append(f"{head}{base_tag}{rest}")
+            if wheels:
+                out.append(f"COPY {WHEELS_DIR}/ /opt/{WHEELS_DIR}/")
+                out.append(f"ENV PIP_FIND_LINKS=/opt/{WHEELS_DIR} PIP_NO_INDEX=1")
             if target == "base+python":
                 out.append("ENV PIP_BREAK_SYSTEM_PACKAGES=1")
                 out.append("RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip "
@@ -134,16 +147,33 @@ class HarborBuild:
     what the daemon has or can pull, and the job's ``sandbox.base_map`` (None: ``DEFAULT_BASE_MAP``)."""
 
     task: str
-    dockerfile: str  # path of the task's environment/Dockerfile
+    dockerfile: str | None  # path of the task's environment/Dockerfile; None: a task that names only its image
     mode: str = "root"
     base_map: dict[str, str] | None = None
     notes: list[str] = field(default_factory=list)  # the last build's lines about mapped bases
+    image: str | None = None  # [environment] docker_image, built FROM as it is when there is no Dockerfile
 
-    def __call__(self, client, base_tag: str) -> tuple[str, list[str]]:
-        text = open(self.dockerfile).read()
-        done = rewrite(text, self.task, base_tag, lambda ref: image_present(client, ref), self.base_map, self.mode)
+    def __call__(self, client, base_tag: str):
+        from sandforge.environments.sandbox.images import download_wheels
+
+        text = open(self.dockerfile).read() if self.dockerfile else f"FROM {self.image}\n"
+        present = {}  # ref -> bool: each FROM is looked up (or pulled) once
+
+        def here(ref: str) -> bool:
+            if ref not in present:
+                present[ref] = image_present(client, ref)
+            return present[ref]
+
+        done = rewrite(text, self.task, base_tag, here, self.base_map, self.mode)
+        pins = pip_requirements(text) + requirement_files(Path(self.dockerfile).parent if self.dockerfile else None)
+        wheels = None
+        if done.notes and pins:  # a mapped base: its pip installs come from wheels fetched here
+            done = rewrite(text, self.task, base_tag, here, self.base_map, self.mode, wheels=True)
+            wheels = download_wheels("\n".join(pins) + "\n", f"{self.task}'s RUN pip install lines")
+            done.notes.append(f"{self.task}: {len(pins)} pinned pip package(s) of its Dockerfile downloaded here as "
+                              f"wheels for the build ({', '.join(pins[:4])}{', ...' if len(pins) > 4 else ''})")
         self.notes = done.notes
-        return done.dockerfile, done.notes
+        return done.dockerfile, done.notes, wheels
 
 
 def image_present(client, ref: str) -> bool:
@@ -162,3 +192,67 @@ def image_present(client, ref: str) -> bool:
         return True
     except Exception:  # noqa: BLE001 - unreachable registry, unknown image, no credentials: not here
         return False
+
+
+_RUN = re.compile(r"^\s*RUN\s+(.*)$", re.I | re.S)
+_PIP = re.compile(r"(?:^|\s)(?:\S*/)?(?:python3?(?:\.\d+)?\s+-m\s+)?(?:uv\s+)?pip3?(?:\.\d+)?\s+install\s+(.*)$",
+                  re.S)
+_SPEC = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?(\s*[<>=!~]=?\s*[A-Za-z0-9.*+!_-]+"
+                   r"(\s*,\s*[<>=!~]=?\s*[A-Za-z0-9.*+!_-]+)*)?$")
+_VALUED = {"-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url", "-f", "--find-links",
+           "-t", "--target", "--prefix", "--root", "--platform", "--python-version", "--implementation", "--abi",
+           "--src", "--upgrade-strategy", "--progress-bar", "--cache-dir", "--python"}
+
+
+def requirement_files(folder: Path | None) -> list[str]:
+    """The requirements in the build context's requirements files (``requirements*.txt``, ``*.lock``, which RUN lines
+    install with ``pip install -r`` after a COPY), once each, without their hashes: those are the build's to check."""
+    if folder is None or not folder.is_dir():
+        return []
+    lines: list[str] = []
+    for f in sorted([*folder.glob("requirements*.txt"), *folder.glob("*requirements*.lock")]):
+        text = f.read_text(errors="replace").replace("\\\r\n", " ").replace("\\\n", " ").replace("\r", "")
+        for line in text.splitlines():
+            spec = line.split(" --", 1)[0].split("#", 1)[0].strip()  # hashes are checked by the build's own pip
+            if spec and not spec.startswith("-") and spec not in lines:
+                lines.append(spec)
+    return lines
+
+
+def pip_requirements(text: str) -> list[str]:
+    """The requirement specs (``pytest==8.4.1``, ``pandas>=2``) that the Dockerfile's ``RUN`` lines pip-install, in
+    order, once each; requirement files, paths and URLs are left to the build."""
+    runs, current = [], None
+    for line in text.splitlines():
+        if current is None:
+            m = _RUN.match(line)
+            if not m:
+                continue
+            current = m.group(1)
+        else:
+            current += " " + line.strip()
+        if current.rstrip().endswith("\\"):
+            current = current.rstrip()[:-1]
+            continue
+        runs.append(current)
+        current = None
+    found: list[str] = []
+    for run in runs:
+        for command in re.split(r"&&|\|\||;", run):
+            m = _PIP.search(command)
+            if not m:
+                continue
+            try:
+                words = shlex.split(m.group(1))
+            except ValueError:
+                continue
+            skip = False
+            for word in words:
+                if skip:
+                    skip = False
+                elif word in _VALUED:
+                    skip = True
+                elif not word.startswith("-") and _SPEC.match(word) and word not in found:
+                    found.append(word)
+    return found
+

@@ -78,10 +78,6 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     ``root`` (Harbor's: the agent as the task's user) or ``hardened`` (a non-root agent); ``heldout``: the fraction of
     tasks without a ``[metadata] split`` that go to the held-out split, by ``heldout_by_hash``."""
     task_dir = Path(task_dir).resolve()
-    missing = [name for name in REQUIRED if not (task_dir / name).is_file()]
-    if missing:
-        raise HarborTaskError(f"{task_dir}: not a Harbor task, missing {', '.join(missing)} "
-                              f"(a task needs {', '.join(REQUIRED)}; task.toml and solution/solve.sh are optional)")
     meta: dict = {}
     toml = task_dir / "task.toml"
     if toml.is_file():
@@ -93,6 +89,12 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         settings = read_settings(meta, toml)
     except HarborSettingsError as e:
         raise HarborTaskError(str(e)) from None
+    required = [n for n in REQUIRED if not (settings.docker_image and n == "environment/Dockerfile")]
+    missing = [name for name in required if not (task_dir / name).is_file()]
+    if missing:
+        raise HarborTaskError(f"{task_dir}: not a Harbor task, missing {', '.join(missing)} "
+                              f"(a task needs {', '.join(REQUIRED)}, or [environment] docker_image in task.toml "
+                              "instead of the Dockerfile; solution/solve.sh is optional)")
     metadata = meta.get("metadata", {})
     split = metadata.get("split") or ("heldout" if heldout_by_hash(task_dir.name, heldout) else "train")
     if split not in SPLITS:
@@ -115,6 +117,8 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         setup["not_honoured"] = settings.not_honoured
     if settings.solution_env:
         setup["solution_env"] = settings.solution_env
+    if settings.docker_image and not (task_dir / "environment" / "Dockerfile").is_file():
+        setup["docker_image"] = settings.docker_image
     return Task(
         id=f"harbor/{task_dir.name}",
         env="harbor",
@@ -141,9 +145,12 @@ def load_tasks(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[li
     for d in dirs:
         task = load_task(d, mode, heldout)
         tasks.append(task)
-        images[task.setup["image"]] = BuildContext(
-            d.resolve() / "environment", HarborBuild(task.id, str(d.resolve() / "environment" / "Dockerfile"), mode),
-            user=AGENT_USER if mode == "hardened" else None)
+        env_dir = d.resolve() / "environment"
+        dockerfile = env_dir / "Dockerfile"
+        build = HarborBuild(task.id, str(dockerfile) if dockerfile.is_file() else None, mode,
+                            image=task.setup.get("docker_image"))
+        images[task.setup["image"]] = BuildContext(env_dir if env_dir.is_dir() else d.resolve(), build,
+                                                   user=AGENT_USER if mode == "hardened" else None)
     return tasks, images
 
 

@@ -61,6 +61,7 @@ ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent  # the installed `sand
 _LOCK_PATH = Path(tempfile.gettempdir()) / "sandforge-images.lock"
 REQUIREMENTS = "requirements.txt"
 WHEELS = "wheels"  # the wheelhouse's folder in the build context
+EXTRA_WHEELS = "sandforge-wheels"  # a BuildContext's own wheelhouse (a Harbor task's pinned pip installs)
 # The interpreter wheels are fetched for: the python3 of the Debian release the base is bootstrapped from (bookworm:
 # CPython 3.11, glibc 2.36). pip does not widen manylinux_2_X to older glibcs itself, so every one is named; it does
 # widen manylinux2014 to manylinux2010 and manylinux1. Pure-Python wheels fit any platform.
@@ -135,6 +136,8 @@ def _context_files(ctx: Path) -> list[Path]:
     edit to env.py from rebuilding the image. With a requirements.txt, it counts whether COPY names it or not (it
     decides the wheelhouse), and ``wheels/`` is the generated wheelhouse, never a source.
     """
+    if not (ctx / "Dockerfile").is_file():
+        return []  # a Dockerfile given as text, with nothing to copy (a Harbor task that names only its image)
     files = {ctx / "Dockerfile"}
     has_wheelhouse = (ctx / REQUIREMENTS).is_file()
     if has_wheelhouse:
@@ -158,16 +161,17 @@ def _context_files(ctx: Path) -> list[Path]:
 
 
 def wheelhouse(ctx: Path, progress: Progress | None = None) -> Path | None:
-    """The wheels ``ctx/requirements.txt`` needs, downloaded once into a cache; None without a requirements.txt.
-
-    The cache key is the requirements' text plus the target Python and platform, so a second build (or an unchanged
-    image) never touches the network.
-    """
-    progress = progress or _noop
+    """The wheels ``ctx/requirements.txt`` needs, downloaded once into a cache; None without a requirements.txt."""
     req = ctx / REQUIREMENTS
-    if not req.is_file():
-        return None
-    key = hashlib.sha256(f"{WHEEL_PYTHON}\0{WHEEL_PLATFORMS}\0".encode() + req.read_bytes()).hexdigest()[:16]
+    return download_wheels(req.read_text(), str(req), progress) if req.is_file() else None
+
+
+def download_wheels(requirements: str, source: str, progress: Progress | None = None) -> Path:
+    """The wheels ``requirements`` (a requirements file's text) need for the images' Python, downloaded on the host
+    once into a cache (images cannot reach a package index here). The cache key is the requirements' text plus the
+    target Python and platform, so a second build (or an unchanged image) never touches the network."""
+    progress = progress or _noop
+    key = hashlib.sha256(f"{WHEEL_PYTHON}\0{WHEEL_PLATFORMS}\0".encode() + requirements.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SANDFORGE_CACHE") or Path.home() / ".cache" / "sandforge") / "wheelhouse"
     dest = cache / key
     if dest.is_dir():
@@ -178,14 +182,17 @@ def wheelhouse(ctx: Path, progress: Progress | None = None) -> Path | None:
     cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:"]
     cmd += ["--python-version", WHEEL_PYTHON, "--implementation", "cp"]
     cmd += [arg for platform in WHEEL_PLATFORMS for arg in ("--platform", platform)]
+    req = tmp / "requirements.txt"
+    req.write_text(requirements)
     cmd += ["--dest", str(tmp), "-r", str(req)]
     try:
-        progress(f"downloading wheels for {req}")
+        progress(f"downloading wheels for {source}")
         _run_streaming(cmd, progress)
+        req.unlink()
     except ImageError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ImageError(
-            f"could not build the wheelhouse for {req}: every requirement needs a wheel for CPython {WHEEL_PYTHON} "
+            f"could not build the wheelhouse for {source}: every requirement needs a wheel for CPython {WHEEL_PYTHON} "
             f"on manylinux x86_64 (glibc <= 2.36) or a pure-Python one (sdists are not built for images)\n{e}"
         ) from e
     try:
@@ -203,11 +210,12 @@ def env_image_tag(env_name: str, base_tag: str, client: docker.DockerClient, env
 @dataclass(frozen=True)
 class BuildContext:
     """A folder to build an image from. ``prepare(client, base_tag)``, when given, returns the Dockerfile to build
-    instead of the folder's own and the lines to say about it (a Harbor task's, its base image mapped); ``user`` is the
-    user the image must have (None: any, as for a task whose agent is root)."""
+    instead of the folder's own, the lines to say about it and a wheelhouse to add to the context (a Harbor task's:
+    its base image mapped, its pinned pip installs downloaded); ``user`` is the user the image must have (None: any, as
+    for a task whose agent is root)."""
 
     folder: Path
-    prepare: Callable[[docker.DockerClient, str], tuple[str, list[str]]] | None = None
+    prepare: Callable[[docker.DockerClient, str], tuple[str, list[str], Path | None]] | None = None
     user: str | None = "sandbox"
 
 
@@ -216,7 +224,7 @@ def context_image_tag(ctx: Path, name: str, base_tag: str, client: docker.Docker
     """``sandforge/<name>:<12 hex>`` for the Dockerfile in any folder ``ctx`` (an env's, a Harbor task's
     ``environment/``), or ``dockerfile`` built in that folder instead: the hash of its build inputs and the base image
     id."""
-    if not (ctx / "Dockerfile").is_file():
+    if dockerfile is None and not (ctx / "Dockerfile").is_file():
         raise ImageError(f"no Dockerfile at {ctx / 'Dockerfile'}")
     base_id = _image_id(client, base_tag)
     if base_id is None:
@@ -230,7 +238,8 @@ def context_image_tag(ctx: Path, name: str, base_tag: str, client: docker.Docker
     return f"sandforge/{name}:{h.hexdigest()[:12]}"
 
 
-def _context_tar(ctx: Path, wheels: Path | None = None, dockerfile: str | None = None) -> io.BytesIO:
+def _context_tar(ctx: Path, wheels: Path | None = None, dockerfile: str | None = None,
+                 extra_wheels: Path | None = None) -> io.BytesIO:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for f in _context_files(ctx):
@@ -242,10 +251,11 @@ def _context_tar(ctx: Path, wheels: Path | None = None, dockerfile: str | None =
             info = tarfile.TarInfo("Dockerfile")
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
-        if wheels is not None:
-            tar.add(wheels, arcname=WHEELS, recursive=False)
-            for f in sorted(wheels.iterdir()):
-                tar.add(f, arcname=f"{WHEELS}/{f.name}", recursive=False)
+        for folder, arcname in ((wheels, WHEELS), (extra_wheels, EXTRA_WHEELS)):
+            if folder is not None:
+                tar.add(folder, arcname=arcname, recursive=False)
+                for f in sorted(folder.iterdir()):
+                    tar.add(f, arcname=f"{arcname}/{f.name}", recursive=False)
     buf.seek(0)
     return buf
 
@@ -268,17 +278,20 @@ def build_context_image(
     base_tag: str,
     progress: Progress | None = None,
     dockerfile: str | None = None,
+    extra_wheels: Path | None = None,
 ) -> str:
     """Build ``ctx/Dockerfile`` (or ``dockerfile`` in ``ctx``) on ``base_tag`` (build arg BASE) as
     ``sandforge/<name>:<hash>``; a no-op if the tag exists. ``name`` must be a valid image repository name (lowercase
-    letters, digits, ``.-_/``)."""
+    letters, digits, ``.-_/``). ``extra_wheels``: a wheelhouse the build context gets as ``EXTRA_WHEELS/`` (a Harbor
+    task's pinned pip installs)."""
     progress = progress or _noop
-    tag = context_image_tag(ctx, name, base_tag, client, dockerfile)
+    key = dockerfile if extra_wheels is None else f"{dockerfile}\0{extra_wheels.name}"
+    tag = context_image_tag(ctx, name, base_tag, client, key)
     if _image_id(client, tag):
         return tag
     tail: deque[str] = deque(maxlen=30)
     stream = client.api.build(
-        fileobj=_context_tar(ctx, wheelhouse(ctx, progress), dockerfile),
+        fileobj=_context_tar(ctx, wheelhouse(ctx, progress), dockerfile, extra_wheels),
         custom_context=True,
         tag=tag,
         buildargs={"BASE": base_tag},
@@ -367,11 +380,13 @@ def build_images(
         for name, ctx in (contexts or {}).items():
             t0 = time.perf_counter()
             ctx = ctx if isinstance(ctx, BuildContext) else BuildContext(Path(ctx))
-            dockerfile, notes = ctx.prepare(client, base) if ctx.prepare else (None, [])
+            dockerfile, notes, wheels = ctx.prepare(client, base) if ctx.prepare else (None, [], None)
             for note in notes:
                 console.print(note, highlight=False, markup=False, soft_wrap=True)
-            existed = _image_id(client, context_image_tag(ctx.folder, name, base, client, dockerfile)) is not None
-            tags[name] = build_context_image(client, ctx.folder, name, base, progress=stage(name), dockerfile=dockerfile)
+            key = dockerfile if wheels is None else f"{dockerfile}\0{wheels.name}"
+            existed = _image_id(client, context_image_tag(ctx.folder, name, base, client, key)) is not None
+            tags[name] = build_context_image(client, ctx.folder, name, base, progress=stage(name), dockerfile=dockerfile,
+                                             extra_wheels=wheels)
             if ctx.user:
                 require_sandbox_user(client, tags[name], ctx.folder / "Dockerfile", ctx.user)
             report(name, existed, time.perf_counter() - t0)
