@@ -55,8 +55,9 @@ def episode_table(episodes: list[dict], last: int = 40) -> Table:
         if ep.get("failed"):
             finish.append(" (failed)", style="red")
         task = ep.get("task") or {}
-        table.add_row(str(i), str(ep.get("step", "")), str(ep.get("phase", "")), str(task.get("id", "?")),
-                      fmt_reward(ep.get("reward") or {}), str(len(ep.get("turns") or [])), finish)
+        table.add_row(str(i), Text(str(ep.get("step", ""))), Text(str(ep.get("phase", ""))),
+                      Text(str(task.get("id", "?"))), fmt_reward(ep.get("reward") or {}),
+                      str(len(ep.get("turns") or [])), finish)
     return table
 
 
@@ -80,14 +81,14 @@ def assistant(message: dict, turn: dict) -> RenderableType:
     title = f"assistant · turn {turn.get('index', '?')}"
     if turn:
         title += f" · {turn.get('generated_tokens', '?')} tokens · {turn.get('finish_reason', '?')}"
-    return Panel(Group(*parts), title=title, title_align="left", border_style="blue")
+    return Panel(Group(*parts), title=Text(title), title_align="left", border_style="blue")
 
 
 def observation(message: dict) -> RenderableType:
     name = message.get("name") or "?"
     style = "red" if name == "error" else "white"
     text = clip_observation(message.get("content", "")) or "(no output)"
-    return Panel(Text(text), title=f"tool · {name}", title_align="left", border_style=style)
+    return Panel(Text(text), title=Text(f"tool · {name}"), title_align="left", border_style=style)
 
 
 def reward_panel(ep: dict) -> RenderableType:
@@ -98,7 +99,7 @@ def reward_panel(ep: dict) -> RenderableType:
     if reward.get("breakdown"):
         table = Table("check", "score", box=None, padding=(0, 2))
         for check, score in reward["breakdown"].items():
-            table.add_row(str(check), fmt_reward({"value": score}))
+            table.add_row(Text(str(check)), fmt_reward({"value": score}))
         parts.append(table)
     if reward.get("reason"):
         parts.append(Text(str(reward["reason"]), style="dim"))
@@ -132,7 +133,7 @@ def render_episode(ep: dict) -> RenderableType:
         elif role == "tool":
             parts.append(observation(m))
         else:
-            parts.append(Panel(Text(str(m.get("content", ""))), title=str(role or "?"), title_align="left",
+            parts.append(Panel(Text(str(m.get("content", ""))), title=Text(str(role or "?")), title_align="left",
                                border_style="green" if role == "user" else "white"))
     parts.append(reward_panel(ep))
     if meta.get("screenshots"):

@@ -65,6 +65,7 @@ class ChatFormat:
         self.think, self.think_end = sp("<think>"), sp("</think>")
         self.call, self.call_end = sp("<tool_call>"), sp("</tool_call>")
         self.stop_ids: list[int] = [self.end, self.eos]
+        self.end_of_turn = self.end  # what closes an assistant turn (eos also stops generation)
 
     # ---------------------------------------------------------------- rendering
     def render_prompt(self, tools: list[dict], messages: list[Message]) -> list[int]:

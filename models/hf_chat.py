@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any, Callable
 
 from sandforge.types import Message, ToolCall
@@ -162,6 +163,33 @@ def _message_dict(m: Message) -> dict:
     return d
 
 
+def plain_text(text: str) -> str:
+    """``text`` as valid UTF-8 (a lone surrogate, which no tokenizer takes, becomes U+FFFD)."""
+    return text.encode("utf-8", "replace").decode("utf-8") if isinstance(text, str) else str(text)
+
+
+def neutralised(text: str, tokenizer: Any) -> str:
+    """``text`` with every special token's spelling broken by a zero-width space, for templates that alter what they
+    are given (the placeholder path cannot be used there)."""
+    for token in sorted(tokenizer.all_special_tokens + [t.content for t in tokenizer.added_tokens_decoder.values()
+                                                        if getattr(t, "special", False)], key=len, reverse=True):
+        if len(token) > 1:
+            text = text.replace(token, token[0] + "\u200b" + token[1:])
+    return text
+
+
+def substituted(messages: list[dict], values: dict[str, str]) -> list[dict]:
+    """``messages`` with each placeholder in their string fields replaced by its value."""
+    def sub(v):
+        if isinstance(v, str):
+            for key, text in values.items():
+                v = v.replace(key, text)
+            return v
+        return v
+
+    return [{k: sub(v) for k, v in m.items()} for m in messages]
+
+
 class HFChatFormat:
     """``ChatFormat``'s methods for a Hugging Face tokenizer and its chat template.
 
@@ -198,12 +226,30 @@ class HFChatFormat:
         eos = tokenizer.eos_token_id
         self.stop_ids: list[int] = list(dict.fromkeys([self.end_of_turn] + ([eos] if eos is not None else [])))
 
-    def _render(self, messages: list[dict], tools: list[dict] | None = None, gen: bool = False) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=gen, tokenize=True, **self.template_kwargs
+    def _render(self, messages: list[dict], tools: list[dict] | None = None, gen: bool = False,
+                untrusted: dict[str, str] | None = None) -> list[int]:
+        """The template's tokens for ``messages``. ``untrusted``: placeholder -> text that stands in the messages for
+        what a sandbox or the policy wrote (tool output, tool names); that text is tokenized as plain text, with
+        special-token parsing off, so ``<|im_end|>`` in a tool's output is never the control token."""
+        if not untrusted:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=gen, tokenize=True, **self.template_kwargs
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=gen, tokenize=False, **self.template_kwargs
         )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
-            ids = ids["input_ids"]
+        if not all(text.count(p) == 1 for p in untrusted):  # a template that rewrote them: neutralise the text instead
+            plain = {p: neutralised(t, self.tokenizer) for p, t in untrusted.items()}
+            return self._render(substituted(messages, plain), tools, gen)
+        ids: list[int] = []
+        for part in re.split(f"({'|'.join(map(re.escape, untrusted))})", text):
+            if part in untrusted:
+                ids += self.tokenizer.encode(untrusted[part], add_special_tokens=False, split_special_tokens=True)
+            elif part:
+                ids += self.tokenizer.encode(part, add_special_tokens=False)
         return [int(i) for i in ids]
 
     def _template_shows_tools(self) -> bool:
@@ -268,12 +314,22 @@ class HFChatFormat:
         """
         base = self._assistant(_BASE_REPLY)
         prefix = self._render([_BASE_USER, base])
+        untrusted: dict[str, str] = {}  # placeholder -> tool output or name, tokenized as plain text
+
+        def hold(text: str | None) -> str | None:
+            if text is None:
+                return None
+            key = f"SANDFORGEUNTRUSTED{len(untrusted)}X{uuid.uuid4().hex[:8]}"
+            untrusted[key] = plain_text(text)
+            return key
+
+        held = [Message(role="tool", content=hold(r.content), name=hold(r.name), tool_call_id=hold(r.tool_call_id))
+                for r in results]
         if self.declares_tools:
-            tools = [results_message(results)]
+            tools = [results_message(held)]
         else:
-            tools = [_message_dict(Message(role="tool", content=r.content, name=r.name, tool_call_id=r.tool_call_id))
-                     for r in results]
-        full = self._render([_BASE_USER, base, *tools], gen=True)
+            tools = [_message_dict(m) for m in held]
+        full = self._render([_BASE_USER, base, *tools], gen=True, untrusted=untrusted)
         cut = self._cut(prefix)
         delta = self._extension(prefix[:cut], full, "tool results follow an assistant turn")
         return delta if closed else [self.end_of_turn, *delta]

@@ -226,7 +226,8 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         left = _left(deadline)
         if left is not None and left <= 0:
             return "timeout"
-        appended = chat.render_observations(outcome.results, closed=bool(ids) and ids[-1] in chat.stop_ids)
+        # closed only by the end-of-turn token itself: a reply stopped at a different eos still needs its turn closed
+        appended = chat.render_observations(outcome.results, closed=bool(ids) and ids[-1] == chat.end_of_turn)
         if len(traj.token_ids) + len(appended) >= limits.max_context:
             return "context"  # the policy could not answer them: appending would only add dead tokens
         _extend(traj, appended)

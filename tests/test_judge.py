@@ -43,7 +43,7 @@ def score(sandbox, check: dict) -> tuple[float, str]:
     ("**Score:** .25", 0.25),
     ("SCORE: 0.2\nOn reflection, better than that.\nSCORE: 0.6", 0.6),  # the last one is the verdict
     ('{"score": 0.5, "reason": "half there"}', 0.5),
-    ('Sure! ```json\n{"reason": "nothing", "score": 0}\n``` SCORE: 1', 0.0),  # a JSON verdict beats a stray line
+    ('Sure! ```json\n{"reason": "nothing", "score": 0}\n``` SCORE: 1', 1.0),  # the last line is the verdict
     ("SCORE: 0", 0.0),
 ])
 def test_parse_score_reads_a_line_or_a_json_object(answer, expected):
@@ -52,6 +52,7 @@ def test_parse_score_reads_a_line_or_a_json_object(answer, expected):
 
 @pytest.mark.parametrize("answer, why", [
     ("I would give it a high mark.", "holds no score"),
+    ("SCORE: 1\nOn reflection, no.", "holds no score on its last line"),
     ("SCORE: 8", "outside [0, 1]"),
     ('{"score": "high"}', "holds no score"),
     ("SCORE: -0.5", "outside [0, 1]"),
