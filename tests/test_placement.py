@@ -83,21 +83,18 @@ def test_cpu_only_describes_itself():
     assert describe(p, ["cpu", "cpu"], "cpu", "float32") == "trainer: 2 ranks on cpu (fp32, gloo) · engine: cpu (float32)"
 
 
-def test_config_refuses_colocation_that_cannot_work(tmp_path):
+@pytest.mark.parametrize("yaml, words", [
+    ("engine: {colocate: true}\ntrainer: {device: cpu}\n", "engine.colocate.*trainer.device"),
+    ("engine: {colocate: true}\ntrainer: {mode: async}\n", "engine.colocate.*async"),
+    ("trainer: {weight_sync: colocated}\n", "weight_sync.*colocate"),
+    ("trainer: {device: gpu}\n", "trainer.device"),
+])
+def test_config_refuses_devices_and_colocation_that_cannot_work(tmp_path, yaml, words):
     from sandforge.config import ConfigError, load_config
 
     path = tmp_path / "job.yaml"
-    path.write_text("engine: {colocate: true}\ntrainer: {device: cpu}\n")
-    with pytest.raises(ConfigError, match="engine.colocate.*trainer.device"):
-        load_config(path)
-    path.write_text("engine: {colocate: true}\ntrainer: {mode: async}\n")
-    with pytest.raises(ConfigError, match="engine.colocate.*async"):
-        load_config(path)
-    path.write_text("trainer: {weight_sync: colocated}\n")
-    with pytest.raises(ConfigError, match="weight_sync.*colocate"):
-        load_config(path)
-    path.write_text("trainer: {device: gpu}\n")
-    with pytest.raises(ConfigError, match="trainer.device"):
+    path.write_text(yaml)
+    with pytest.raises(ConfigError, match=words):
         load_config(path)
 
 
