@@ -23,10 +23,10 @@ from sandforge.models.lora import AdapterSnapshot
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_objective, sft_objective
 from sandforge.trainer.batches import DUMMY_ROW, forward_scores, pad_right, split_micro_batches, token_batch
+from sandforge.trainer.rank_state import ADAPTERS_FILE, extra_state, load_reference, restore_extra_state
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, routed_ids
 
 
-ADAPTERS_FILE = "adapters.safetensors"  # a LoRA checkpoint's adapters, beside its merged policy/
 
 
 @dataclass(frozen=True)
@@ -398,14 +398,7 @@ class TrainerRank:
 
             save_file(self.get_weights(), str(Path(directory) / tag / ADAPTERS_FILE))
         self.save_policy(str(policy_dir))
-        # what DeepSpeed does not keep: this rank's RNG, its step counts (the lr schedule's too), the value head (outside DeepSpeed)
-        torch.save({"torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-                    "steps": self.steps,
-                    "rl_updates": self.rl_updates,
-                    "value_head": self.value_head.state_dict() if self.value_head is not None else None,
-                    "value_optimizer": self.value_optimizer.state_dict() if self.value_optimizer else None},
-                   Path(directory) / tag / f"trainer_rank_{self.rank}.pt")
+        torch.save(extra_state(self), Path(directory) / tag / f"trainer_rank_{self.rank}.pt")
         return str(policy_dir)
 
     def save_policy(self, directory: str) -> str:
@@ -431,35 +424,7 @@ class TrainerRank:
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
         extra = torch.load(Path(directory) / tag / f"trainer_rank_{self.rank}.pt", weights_only=False)
-        torch.set_rng_state(extra["torch_rng"])
-        if extra["cuda_rng"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(extra["cuda_rng"])
-        self.steps = extra["steps"]
-        self.rl_updates = extra.get("rl_updates", 0)
-        if self.value_head is not None and extra["value_head"] is not None:
-            self.value_head.load_state_dict(extra["value_head"])
-            self.value_optimizer.load_state_dict(extra["value_optimizer"])
+        restore_extra_state(self, extra)
         if reference:
-            self._load_reference(reference)
+            load_reference(self, reference)
         return client_state or {}
-
-    def _load_reference(self, reference: str) -> None:
-        """The KL reference from the policy directory ``reference`` (LoRA: from the adapters saved beside it)."""
-        from sandforge.models.build import load_policy
-
-        if self.lora:
-            adapters = Path(reference).parent / ADAPTERS_FILE
-            if not adapters.is_file():
-                raise FileNotFoundError(f"no {adapters}: the KL reference of a model.lora run is the adapters saved "
-                                        "beside its step-0 policy; that checkpoint was not written with model.lora")
-            from safetensors.torch import load_file
-
-            self.reference.load_state_dict(load_file(str(adapters)))
-            return
-        ref = load_policy(reference)
-        if self.expert_parallel > 1:  # keep this rank's experts, as the live reference does
-            from sandforge.trainer.expert_parallel import shard_model
-
-            shard_model(ref, self.expert_parallel)
-        device = next(self.reference.parameters()).device
-        self.reference.load_state_dict({k: v.to(device) for k, v in ref.state_dict().items()})
