@@ -187,6 +187,11 @@ class Sandbox(Protocol):
         """The working directory: where relative paths and one-off commands start."""
         ...
 
+    def stop_policy(self) -> int:
+        """Kill every process the policy's user left running and confirm none remains; how many there were.
+        ``score_task`` calls it before any check (a sandbox without it is graded as it is)."""
+        ...
+
     def exec(self, command: str, timeout: float = 10.0, user: str | None = None, workdir: str | None = None,
              session: bool = True) -> ExecResult:
         """Run ``command`` with bash; killed inside the sandbox after ``timeout`` seconds (``timed_out``).

@@ -23,8 +23,8 @@ def test_no_network_route_and_no_privileges(sandbox):
     assert sandbox.exec("tail -n +2 /proc/net/route | wc -l").output.strip() == "0"  # no route, not even a default
     assert sandbox.exec("id -u; id -g").output.split() == ["1000", "1000"]
     assert "CapEff:\t0000000000000000" in sandbox.exec("grep CapEff /proc/self/status").output
-    # root in the sandbox keeps only CHOWN, DAC_OVERRIDE and FOWNER (bits 0, 1, 3), for verifiers and setup
-    assert "CapEff:\t000000000000000b" in sandbox.exec("grep CapEff /proc/self/status", user="root").output
+    # root in the sandbox keeps only CHOWN, DAC_OVERRIDE, FOWNER and KILL (bits 0, 1, 3, 5), for verifiers and setup
+    assert "CapEff:\t000000000000002b" in sandbox.exec("grep CapEff /proc/self/status", user="root").output
 
 
 def test_root_filesystem_is_read_only_and_writable_places_are_capped(terminal_image, run_id, docker_client):

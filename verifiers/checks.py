@@ -232,6 +232,12 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
     """
     if not task.checks:
         raise VerifierError(f"task {task.id} has no checks: nothing can score it")
+    stop = getattr(sandbox, "stop_policy", None)
+    if stop is not None:  # before any check runs the policy is gone: nothing it started can race or read a grader
+        try:
+            stop()
+        except Exception as e:  # a dead sandbox, or processes that would not die: no sound grading is possible
+            raise VerifierError(f"task {task.id}: {e}") from e
     scores: dict[str, float] = {}
     parts: dict[str, float] = {}
     reasons: list[str] = []

@@ -166,6 +166,18 @@ class Sandbox:
             response, note = self._one_off(user, request, deadline, workdir or self.spec.workdir)
         return _result(response, note, time.monotonic() - start)
 
+    def stop_policy(self) -> int:
+        """Kill every process the policy's user left running and confirm none remains (graders call it before any
+        check: environments/sandbox/policy_stop.py); how many there were."""
+        from sandforge.environments.sandbox.policy_stop import stop_policy
+
+        killed = stop_policy(self)
+        with self._shells_lock:  # its dispatcher went too: the next command as that user starts a fresh one
+            shell = self._shells.pop(self.spec.user, None)
+        if shell is not None:
+            shell.stream.close()
+        return killed
+
     def start_session(self, user: str | None = None) -> None:
         """Start ``user``'s session shell now (one docker exec), so that the first ``exec`` costs no more than the
         rest; a pool can call it on sandboxes it keeps warm. ``exec`` starts it on first use otherwise."""
