@@ -80,7 +80,7 @@ def job_images(cfg: JobConfig) -> dict[str, Any]:
     from sandforge.job.tasks import TaskSampler
     from sandforge.registry import environment
 
-    import dataclasses
+    from sandforge.environments.harbor.tasks import with_base_map
 
     contexts = {}
     for env in cfg.environments:
@@ -88,10 +88,7 @@ def job_images(cfg: JobConfig) -> dict[str, Any]:
         if entry.image_name is not None:
             contexts[entry.image_name] = entry.image_context()
     for name, ctx in TaskSampler(cfg.environments, cfg.run.seed).images().items():
-        prepare = getattr(ctx, "prepare", None)
-        if prepare is not None and hasattr(prepare, "base_map"):  # a Harbor task's: the job's sandbox.base_map
-            ctx = dataclasses.replace(ctx, prepare=dataclasses.replace(prepare, base_map=cfg.sandbox.base_map))
-        contexts[name] = ctx
+        contexts[name] = with_base_map(ctx, cfg.sandbox.base_map)  # a Harbor task's FROM images, mapped as configured
     return contexts
 
 

@@ -9,7 +9,6 @@ The no-op grades a sandbox nobody touched. A task is fine when the oracle scores
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shlex
 import time
@@ -80,7 +79,7 @@ def run_oracle(sandbox, task, task_dir: Path, timeout: float) -> str:
 def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> CheckRow:
     from sandforge.environments.harbor.dockerfile import BaseImageError
     from sandforge.environments.harbor.env import HarborEnv
-    from sandforge.environments.harbor.tasks import HarborTaskError, load_tasks
+    from sandforge.environments.harbor.tasks import HarborTaskError, load_tasks, with_base_map
     from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError
     from sandforge.environments.sandbox.images import ImageError, build_images
     from sandforge.environments.sandbox.job_spec import sandbox_spec
@@ -96,7 +95,7 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         if net:
             row.notes.append(f"test.sh needs the network ({net}); sandboxes have none")
         (name, ctx), = images.items()
-        ctx = dataclasses.replace(ctx, prepare=dataclasses.replace(ctx.prepare, base_map=base_map))
+        ctx = with_base_map(ctx, base_map)
         tag = build_images([], client=client, show_progress=False, contexts={name: ctx})[name]
         row.notes = ctx.prepare.notes + row.notes  # a FROM mapped to the local base, said in one line
         row.image = tag

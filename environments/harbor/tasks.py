@@ -167,3 +167,14 @@ def compact_checks(task: dict) -> dict:
             check = {**check, "files": files}
         checks.append(check)
     return {**task, "checks": checks}
+
+
+def with_base_map(ctx, base_map: dict[str, str] | None):
+    """``ctx`` (an image's build context) with the job's ``sandbox.base_map`` when it is a Harbor task's; others as
+    they are."""
+    import dataclasses
+
+    if not isinstance(getattr(ctx, "prepare", None), HarborBuild):
+        return ctx
+    return dataclasses.replace(ctx, prepare=dataclasses.replace(ctx.prepare, base_map=base_map))
+
