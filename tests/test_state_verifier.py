@@ -83,10 +83,8 @@ def test_checks_never_write_the_database(app_sandbox):
 
 
 def test_a_query_that_cannot_run_fails_the_episode(app_sandbox):
-    with pytest.raises(VerifierError, match="no such table"):
-        score_task(app_sandbox, check(query="SELECT * FROM nope", expect=[]))
-    with pytest.raises(VerifierError, match="unable to open"):
-        sql_check(app_sandbox, "/tmp/app/missing.db", "SELECT 1", [[1]])
+    with pytest.raises(VerifierError, match="syntax error"):
+        score_task(app_sandbox, check(query="SELEC * FROM t", expect=[]))
     with pytest.raises(VerifierError, match="absolute path"):
         sql_check(app_sandbox, "app.db", "SELECT 1", [[1]])
     with pytest.raises(VerifierError, match="sql takes db, query, expect"):
@@ -95,10 +93,21 @@ def test_a_query_that_cannot_run_fails_the_episode(app_sandbox):
         score_task(app_sandbox, check(query="SELECT 1", expect=[1]))
 
 
+def test_state_the_policy_could_have_left_scores_zero(app_sandbox):
+    """A missing or corrupt database, or a missing table, is a verdict: the policy may have made it so."""
+    assert sql_check(app_sandbox, "/tmp/app/missing.db", "SELECT 1", [[1]]) == (
+        0.0, "/tmp/app/missing.db: no database (FileNotFoundError: No such file or directory)")
+    score, reason = sql_check(app_sandbox, DB, "SELECT * FROM nope", [])
+    assert score == 0.0 and "no such table" in reason
+    assert app_sandbox.exec("head -c 4096 /dev/urandom > /tmp/junk.db", user="root", session=False).exit_code == 0
+    score, reason = sql_check(app_sandbox, "/tmp/junk.db", "SELECT * FROM t", [[1]])
+    assert score == 0.0 and "not a database" in reason
+
+
 def test_a_runaway_query_is_stopped_by_its_timeout(app_sandbox):
     forever = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
     start = time.monotonic()
-    with pytest.raises(VerifierError, match=r"killed after 1.0 s, the check's timeout"):
-        score_task(app_sandbox, check(query=forever, expect=[[0]], timeout=1))
+    reward = score_task(app_sandbox, check(query=forever, expect=[[0]], timeout=1))
+    assert reward.value == 0.0 and "killed after 1.0 s, the check's timeout" in reward.reason
     assert time.monotonic() - start < 8
     assert query_rows(app_sandbox, DB, "SELECT 1") == [[1]]  # the sandbox still answers

@@ -8,11 +8,16 @@ check can never change what it grades, and the policy's processes and permission
 Check: ``{"verifier": "sql", "db": "/abs/app.db", "query": "SELECT ...", "expect": [[...], ...]}``; optional
 ``"ordered": true`` (rows must come in this order; default: any order, as a multiset), ``"partial": true`` (rows that
 are not exactly right score their closeness, see verifiers/partial.py; success still needs the exact rows) and
-``"timeout"`` (seconds; the query is killed inside the container when the check's time is up, and the episode fails).
+``"timeout"`` (seconds; the query is killed inside the container when the check's time is up).
+
+What the policy left decides the score, never whether the episode counts: a database that is missing, corrupt or
+lacks the table, and a query still running at the check's timeout, score 0 with the reason. Only a query that cannot
+run on a sound database (bad SQL, a write) fails the episode: that is the task's fault.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import shlex
 from collections import Counter
@@ -23,18 +28,42 @@ from sandforge.verifiers.partial import near_miss, rows_similarity
 
 _SHOW = 120  # characters of expected/got in a reason
 
-# Runs inside the sandbox: argv = db path, query. Prints one JSON line: {"rows": [...]} or {"error": "..."}.
+# Runs inside the sandbox as ``python3 -I`` from / (no user site, no environment, no cwd on sys.path: no module the
+# policy planted is imported). Its input is one base64 line of JSON on stdin, {"db": path, "query": sql}, never argv,
+# which any process that can read /proc would see. Prints one JSON line: {"rows": [...]}, {"missing": why} (no
+# database file: the policy may have deleted it) or {"error": "...", "fault": "task" | "state"}.
 _QUERY_SCRIPT = r"""
-import json, sqlite3, sys, urllib.parse
-db, query = sys.argv[1], sys.argv[2]
+import base64, json, os, sqlite3, stat, sys, urllib.parse
+job = json.loads(base64.b64decode(sys.stdin.readline()))
+db, query = job["db"], job["query"]
+try:
+    mode = os.stat(db).st_mode
+except OSError as e:
+    print(json.dumps({"missing": f"{type(e).__name__}: {e.strerror}"}))
+    sys.exit(0)
+if not stat.S_ISREG(mode):
+    print(json.dumps({"missing": "not a regular file"}))
+    sys.exit(0)
 try:
     con = sqlite3.connect("file:" + urllib.parse.quote(db) + "?mode=ro", uri=True)
     con.execute("PRAGMA query_only = ON")
     rows = [list(r) for r in con.execute(query).fetchall()]
     print(json.dumps({"rows": rows}, default=str))
 except sqlite3.Error as e:
-    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+    text = str(e)
+    task = isinstance(e, sqlite3.ProgrammingError) or any(
+        words in text for words in ("syntax error", "incomplete input", "readonly", "attempt to write"))
+    print(json.dumps({"error": f"{type(e).__name__}: {text}", "fault": "task" if task else "state"}))
 """
+
+
+class StateGone(Exception):
+    """What the query reads is not there (the database missing, corrupt, a table dropped): the policy's doing, which
+    scores 0 with ``reason``; a query that cannot run on a sound database (bad SQL) is the task's and fails."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _short(value) -> str:
@@ -50,24 +79,29 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = No
     """The rows ``query`` returns from the SQLite file ``db`` in the sandbox, read-only, as root in a fresh exec that
     is killed after ``timeout`` seconds (default: what the running check has left).
 
-    Raises VerifierError when the query cannot run (no database, bad SQL, timeout): that is the task's or the
-    sandbox's fault, not the policy's, so the episode is failed rather than scored.
+    Raises StateGone when the database is missing or unreadable as a database, or the query runs out of time (the
+    policy left that state: score 0), and VerifierError when the query cannot run on a sound database (bad SQL, no
+    python3 in the image: the task's fault, so the episode is failed rather than scored).
     """
     if not db.startswith("/"):
         raise VerifierError(f"sql: 'db' must be an absolute path inside the sandbox, got {db!r}")
-    command = f"python3 -c {shlex.quote(_QUERY_SCRIPT)} {shlex.quote(db)} {shlex.quote(query)}"
+    payload = base64.b64encode(json.dumps({"db": db, "query": query}).encode()).decode()
+    command = f"python3 -I -c {shlex.quote(_QUERY_SCRIPT)} <<'SFEOF'\n{payload}\nSFEOF"
     timeout = time_left() if timeout is None else timeout
-    result = sandbox.exec(command, timeout=timeout, user="root", session=False)
+    result = sandbox.exec(command, timeout=timeout, user="root", workdir="/", session=False)
     if result.timed_out:
-        raise VerifierError(f"sql: the query on {db} was killed after {timeout:.1f} s, the check's timeout (give the "
-                            "check a larger `timeout` if it needs longer)")
+        raise StateGone(f"sql: the query on {db} was killed after {timeout:.1f} s, the check's timeout")
     last = result.output.strip().splitlines()[-1:] or [""]
     try:
         answer = json.loads(last[0])
     except json.JSONDecodeError:
         raise VerifierError(f"sql: could not run the query on {db} (exit {result.exit_code}): "
                             f"{result.output.strip()[-300:]} (does the image have python3?)") from None
+    if "missing" in answer:
+        raise StateGone(f"{db}: no database ({answer['missing']})")
     if "error" in answer:
+        if answer.get("fault") == "state":
+            raise StateGone(f"{db}: {answer['error']}")
         raise VerifierError(f"sql: query on {db} failed: {answer['error']}; query: {query[:200]}")
     return answer["rows"]
 
@@ -76,7 +110,10 @@ def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool
               partial: bool = False) -> tuple[float, str]:
     """1.0 iff ``query`` returns exactly the rows ``expect`` (any order unless ``ordered``), else 0 or, with
     ``partial``, a near miss's credit (below 1); the reason shows both."""
-    got = query_rows(sandbox, db, query)
+    try:
+        got = query_rows(sandbox, db, query)
+    except StateGone as e:
+        return 0.0, e.reason
     # JSON normalises both sides (tuples -> lists, 1 vs 1.0 stay distinct only if SQLite stored them so)
     want = json.loads(json.dumps(expect))
     if ordered:

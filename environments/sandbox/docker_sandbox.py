@@ -20,6 +20,7 @@ import docker
 import docker.errors
 import requests
 
+from sandforge.environments.sandbox.clean_context import one_off_environment
 from sandforge.environments.sandbox.daemon import docker_client, force_remove
 from sandforge.environments.sandbox.labels import (
     DRIVER_LABELS,
@@ -205,6 +206,7 @@ class Sandbox:
 
     def _one_off(self, user: str, request: Request, deadline: float, workdir: str) -> tuple[Response, str]:
         argv, environment = dispatcher_exec_args(user)
+        environment = {**environment, **one_off_environment(user)}  # root: nothing the policy wrote runs (see module)
         stream = self._start_exec(argv, user, workdir, environment, stdin=True)
         try:
             stream.send(request.encode(), deadline)

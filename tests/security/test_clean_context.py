@@ -1,0 +1,119 @@
+"""Checks run in a clean context (issue #23, item 2) and no grader's secret is in a process's argv (item 3).
+
+Before the fix, root's one-off execs had the policy's workspace as HOME, so what the policy planted there ran as root
+while it was graded: a shadow ``json.py`` in the cwd of the ``sql`` check's python, a user-site ``.pth`` file, a
+``~/.gitconfig`` that trusts every repository and names a ``core.fsmonitor`` command. Each attack goes through
+run_episode, the real verifiers and a real container (the repo image: python3 and git).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from agent_fakes import CHAT, limits
+
+from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
+from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.terminal.env import TerminalEnv
+from sandforge.environments.terminal.tasks import make_task
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.policy_client import scripted_policy
+from sandforge.types import ToolCall
+from sandforge.verifiers.checks import score_task
+
+pytestmark = pytest.mark.docker
+
+SITE = "/workspace/.local/lib/python3.11/site-packages"  # the policy's user site: its HOME is the workspace
+
+
+@pytest.fixture(scope="module")
+def repo_spec(docker_client) -> SandboxSpec:
+    return SandboxSpec(image=build_images(["repo"], client=docker_client, show_progress=False)["repo"])
+
+
+def episode(commands: list[str], checks: list[dict], spec, run_id, client):
+    calls = [ToolCall("bash", {"command": c}) for c in commands] + [ToolCall("submit")]
+    task = replace(make_task("write_file", 3), checks=checks, solution=calls)
+    env = TerminalEnv(task, spec, run_id, client=client)
+    traj = asyncio.run(run_episode(task, env, scripted_policy(task, CHAT), CHAT, limits(max_turns=6), "g"))
+    assert not traj.failed, traj.failure
+    return traj
+
+
+def test_a_shadow_json_module_does_not_answer_the_sql_check(repo_spec, run_id, docker_client):
+    """A `json.py` in the workspace printed the expected rows when the sql check's python imported it: reward 1 with
+    no database at all. The check's python runs isolated (-I) from /: the database is missing, score 0."""
+    shadow = "import sys\nprint('{\"rows\": [[42]]}')\nsys.exit(0)\n"
+    plant = f"printf %s {_q(shadow)} > /workspace/json.py && echo planted"
+    check = {"verifier": "sql", "db": "/workspace/app.db", "query": "SELECT answer FROM t", "expect": [[42]]}
+    traj = episode([plant], [check], repo_spec, run_id, docker_client)
+    assert traj.turns[0].observations[0].startswith("planted")
+    assert traj.reward.value == 0.0, traj.reward.reason
+    assert "no database" in traj.reward.reason
+
+
+def test_a_user_site_pth_file_does_not_run_in_a_root_check(repo_spec, run_id, docker_client):
+    """A `.pth` file in the policy's user site (its HOME is the workspace) ran as root in every python3 a check
+    started, and printed the check's answer. Root's checks have root's HOME and no user site: score 0."""
+    pth = "import os, sys; print('True'); sys.stdout.flush(); os._exit(0)\n"
+    plant = f"mkdir -p {SITE} && printf %s {_q(pth)} > {SITE}/zz.pth && python3 -c pass | head -1"
+    check = {"verifier": "command", "command": "python3 -c \"print(open('/workspace/answer.txt').read() == '42')\"",
+             "pattern": "^True$"}
+    traj = episode([plant], [check], repo_spec, run_id, docker_client)
+    assert traj.turns[0].observations[0].startswith("True")  # it works on the policy's own python
+    assert traj.reward.value == 0.0, traj.reward.reason
+
+
+def test_a_planted_gitconfig_never_runs_as_root(repo_spec, run_id, docker_client):
+    """`~/.gitconfig` in the workspace trusts every repository and names a core.fsmonitor command; a root check
+    running `git status` ran it. Root's git reads no global or system config, so it never runs."""
+    plant = ("git init -q /workspace/proj && echo x > /workspace/proj/f && "
+             "git config --global safe.directory '*' && "
+             "git config --global core.fsmonitor 'id -u > /tmp/fsmonitor-ran; true' && "
+             "git -C /workspace/proj status --porcelain && cat /tmp/fsmonitor-ran && rm /tmp/fsmonitor-ran")
+    check = {"verifier": "command", "command": "git -C /workspace/proj status --porcelain >/dev/null 2>&1; "
+             "cat /tmp/fsmonitor-ran 2>/dev/null || echo never", "pattern": "^never$"}
+    traj = episode([plant], [check], repo_spec, run_id, docker_client)
+    assert "1000" in traj.turns[0].observations[0]  # the hook runs for the policy's own git
+    assert traj.reward.success, traj.reward.reason
+
+
+def test_a_check_as_root_gets_roots_home_and_a_clean_environment(repo_spec, run_id, docker_client):
+    """What a root check sees: root's HOME, no user site, git without global or system config."""
+    probe = ("echo HOME=$HOME; python3 -c 'import site, sys; print(\"usersite\", site.ENABLE_USER_SITE)'; "
+             "echo git=$GIT_CONFIG_GLOBAL,$GIT_CONFIG_NOSYSTEM")
+    with Sandbox.create(repo_spec, run_id, client=docker_client) as sb:
+        out = sb.exec(probe, user="root", session=False).output
+        assert "HOME=/root" in out and "usersite False" in out and "git=/dev/null,1" in out, out
+        mine = sb.exec("echo HOME=$HOME", session=False).output  # the policy's own commands are unchanged
+        assert "HOME=/workspace" in mine
+
+
+def test_no_grader_secret_is_in_argv(repo_spec, run_id, docker_client):
+    """A process that can read /proc (a root agent, which Harbor's root mode does not stop) saw the sql check's query,
+    expected value and all, in python's argv. The query travels on stdin now."""
+    secret = "s3cret-7f3a"
+    snoop = ("nohup bash -c 'while :; do for f in /proc/[0-9]*/cmdline; do tr \"\\0\" \" \" < $f; echo; done; done "
+             ">> /run/sandforge-root/argv' >/dev/null 2>&1 & echo started")
+    # slow enough (about a second) that the snooping loop sees the query's process at least once
+    query = (f"WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 2000000) "
+             f"SELECT '{secret}', count(*) FROM c")
+    task = replace(make_task("write_file", 3), checks=[
+        {"verifier": "sql", "db": "/tmp/app.db", "query": query, "expect": [[secret, 2000000]]}])
+    with Sandbox.create(repo_spec, run_id, client=docker_client) as sb:
+        made = sb.exec("python3 -c \"import sqlite3; sqlite3.connect('/tmp/app.db').execute('create table t(x)')\"",
+                       user="root", session=False)
+        assert made.exit_code == 0, made.output
+        assert sb.exec(snoop, user="root").output.startswith("started")
+        reward = score_task(sb, task)
+        assert reward.success, reward.reason
+        seen = sb.exec("grep -c python3 /run/sandforge-root/argv; grep -c " + secret + " /run/sandforge-root/argv",
+                       user="root", session=False).output.split()
+        assert int(seen[0]) > 0  # the snooper saw the query's python
+        assert seen[1] == "0", "the query's secret was in a process's argv"
+
+
+def _q(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
