@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from statistics import fmean
 
-from sandforge.types import Trajectory
+from sandforge.types import ZERO_CAUSES, Trajectory
 
 EPISODE_ENDS = ("submit", "text", "max_turns", "context", "timeout", "error")
 TURN_ENDS = ("stop", "length", "context", "timeout")
@@ -54,6 +54,9 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, floa
         m |= {"reward/mean": 0.0, "success/rate": 0.0}
         return {prefix + k: v for k, v in m.items()}
     m["reward/mean"] = fmean(t.reward.value for t in ok)
+    zeroed = Counter(cause for t in ok for cause in t.reward.zero_causes)
+    for cause in ZERO_CAUSES:  # graded 0 for what the policy left (a FIFO, a link out...): verdicts, not failures
+        m[f"reward/zero_{cause}"] = zeroed[cause]
     m["success/rate"] = fmean(float(t.reward.success) for t in ok)
     m["response/length_mean"] = fmean(t.response_tokens for t in ok)
     m["sequence/length_mean"] = fmean(len(t.token_ids) for t in ok)

@@ -48,6 +48,12 @@ class Reward:
     success: bool
     breakdown: dict[str, float] = field(default_factory=dict)
     reason: str = ""
+    zero_causes: list[str] = field(default_factory=list)  # ZERO_CAUSES of the checks the policy's leavings zeroed
+
+
+# Why a check scored 0 without judging an answer, because of what the policy left: ``reward/zero_<cause>`` counts
+# them (a failed episode is infrastructure's fault, ``episodes/failed_<kind>``; these are verdicts).
+ZERO_CAUSES = ("missing", "not_a_file", "link", "too_large", "malformed", "timeout", "state")
 
 
 @dataclass

@@ -10,7 +10,7 @@ import pytest
 from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.types import Task
-from sandforge.verifiers.checks import VerifierError, known_verifiers, score_task
+from sandforge.verifiers.checks import VerifierError, ZeroScore, known_verifiers, score_task
 from sandforge.verifiers.state import query_rows, sql_check
 
 pytestmark = pytest.mark.docker
@@ -95,13 +95,14 @@ def test_a_query_that_cannot_run_fails_the_episode(app_sandbox):
 
 def test_state_the_policy_could_have_left_scores_zero(app_sandbox):
     """A missing or corrupt database, or a missing table, is a verdict: the policy may have made it so."""
-    assert sql_check(app_sandbox, "/tmp/app/missing.db", "SELECT 1", [[1]]) == (
-        0.0, "/tmp/app/missing.db: no database (FileNotFoundError: No such file or directory)")
-    score, reason = sql_check(app_sandbox, DB, "SELECT * FROM nope", [])
-    assert score == 0.0 and "no such table" in reason
+    with pytest.raises(ZeroScore, match="no database .FileNotFoundError") as e:
+        sql_check(app_sandbox, "/tmp/app/missing.db", "SELECT 1", [[1]])
+    assert e.value.cause == "missing"
+    reward = score_task(app_sandbox, check(query="SELECT * FROM nope", expect=[]))
+    assert reward.value == 0.0 and "no such table" in reward.reason and reward.zero_causes == ["state"]
     assert app_sandbox.exec("head -c 4096 /dev/urandom > /tmp/junk.db", user="root", session=False).exit_code == 0
-    score, reason = sql_check(app_sandbox, "/tmp/junk.db", "SELECT * FROM t", [[1]])
-    assert score == 0.0 and "not a database" in reason
+    with pytest.raises(ZeroScore, match="not a database"):
+        sql_check(app_sandbox, "/tmp/junk.db", "SELECT * FROM t", [[1]])
 
 
 def test_a_runaway_query_is_stopped_by_its_timeout(app_sandbox):
@@ -109,5 +110,6 @@ def test_a_runaway_query_is_stopped_by_its_timeout(app_sandbox):
     start = time.monotonic()
     reward = score_task(app_sandbox, check(query=forever, expect=[[0]], timeout=1))
     assert reward.value == 0.0 and "killed after 1.0 s, the check's timeout" in reward.reason
+    assert reward.zero_causes == ["timeout"]
     assert time.monotonic() - start < 8
     assert query_rows(app_sandbox, DB, "SELECT 1") == [[1]]  # the sandbox still answers

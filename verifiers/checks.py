@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from sandforge.registry import BUILTIN_VERIFIERS, find_verifier
-from sandforge.types import Reward, Sandbox, Task
+from sandforge.types import ZERO_CAUSES, Reward, Sandbox, Task
 
 DEFAULT_TIMEOUT = 60.0  # seconds per check
 # What a check may take beyond its timeout before it counts as hung: a command killed at the deadline (TERM, then KILL
@@ -47,6 +47,7 @@ class CheckResult:
     score: float
     reason: str
     breakdown: dict[str, float] = field(default_factory=dict)
+    cause: str = ""  # one of ZERO_CAUSES when what the policy left made the check unanswerable (score 0)
 
 
 Verifier = Callable[[Sandbox, dict], Union[tuple[float, str], tuple[float, str, dict]]]
@@ -57,6 +58,19 @@ class VerifierError(RuntimeError):
     """A check could not be run (unknown verifier, bad arguments, broken sandbox, timeout): the episode has failed."""
 
     located = False  # the message already says which check (set by this module), so callers add no prefix
+
+
+class ZeroScore(Exception):
+    """What the policy left makes the check unanswerable: a missing or malformed answer, a FIFO or a device where a
+    file should be, a link out of the workspace, a file too large, a read or command that ran out of the check's time.
+    A verifier raises it (or returns 0 itself); the check scores 0 with ``reason``, never fails the episode, and
+    ``cause`` (one of ``ZERO_CAUSES``) is counted in ``reward/zero_<cause>``."""
+
+    def __init__(self, cause: str, reason: str):
+        if cause not in ZERO_CAUSES:
+            raise ValueError(f"unknown zero cause {cause!r} (known: {', '.join(ZERO_CAUSES)})")
+        super().__init__(reason)
+        self.cause, self.reason = cause, reason
 
 
 def _located(message: str) -> VerifierError:
@@ -186,7 +200,7 @@ def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
         raise _located(f"{where} did not finish within its {timeout:g} s timeout (set the check's `timeout` if it "
                        "needs longer)")
     outcome = box[0]
-    if isinstance(outcome, BaseException):
+    if isinstance(outcome, BaseException) and not isinstance(outcome, ZeroScore):
         raise outcome
     return _validated(outcome, where)
 
@@ -204,6 +218,8 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
     _local.deadline, _local.where = deadline, where
     try:
         return verifier(sandbox, args)
+    except ZeroScore as e:  # a verdict, not an error
+        return e
     except VerifierError as e:
         if e.located:
             raise
@@ -215,6 +231,8 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
 
 
 def _validated(outcome, where: str) -> CheckResult:
+    if isinstance(outcome, ZeroScore):
+        return CheckResult(0.0, outcome.reason, cause=outcome.cause)
     shape_ok = isinstance(outcome, tuple) and (len(outcome) == 2 or len(outcome) == 3 and isinstance(outcome[2], dict))
     if not shape_ok:
         raise _located(f"{where} returned {outcome!r}, expected (score, reason) or (score, reason, parts)")
@@ -241,6 +259,7 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
     scores: dict[str, float] = {}
     parts: dict[str, float] = {}
     reasons: list[str] = []
+    causes: set[str] = set()
     for i, check in enumerate(task.checks):
         result = run_check(sandbox, check, f"task {task.id}, check {i}")
         key = f"{check.get('verifier')}:{check.get('path', i)}"
@@ -248,11 +267,13 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
         scores[key] = result.score
         parts.update({f"{key}/{part}": s for part, s in result.breakdown.items()})
         reasons.append(result.reason)
+        causes |= {result.cause} - {""}
     value = sum(scores.values()) / len(scores)
     return Reward(
         value=value,
         success=all(s == 1.0 for s in scores.values()),
         breakdown={**scores, **parts},
         reason="; ".join(reasons),
+        zero_causes=sorted(causes),
     )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from sandforge.types import Sandbox
-from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
+from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
 
 _TRUNCATED = re.compile(r"\n\[\.\.\. truncated \d+ bytes\]\n")  # the sandbox's marker where it cut long output
 
@@ -34,7 +34,7 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
     result = sandbox.exec(command, timeout=time_left(), user=user, workdir=workdir, session=False)
     shown = f"`{command if len(command) <= 60 else command[:57] + '...'}`"
     if result.timed_out:
-        return 0.0, f"{shown} timed out after {result.seconds:.0f} s (killed)"
+        raise ZeroScore("timeout", f"{shown} timed out after {result.seconds:.0f} s (killed)")
     if exit_code is not None and result.exit_code != exit_code:
         return 0.0, f"{shown} exited {result.exit_code}, expected {exit_code}; output {_tail(result.output)}"
     if pattern is None:

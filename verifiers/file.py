@@ -1,7 +1,9 @@
 """Checks on files the policy left in the sandbox: exact content, a substring or regex, a sha256, a JSON match.
 
 Files are read by a fresh exec as root, so their permissions and whatever the policy left running do not matter;
-everything else (matching, hashing, parsing) happens here, outside the sandbox, so a sandbox image needs no tools.
+``answer_bytes`` first looks at what is there, within the check's time: no answer (nothing, a FIFO, a device, a link
+to nothing or one the policy made pointing out of the workspace, a file over ``MAX_BYTES``) scores 0 with the reason
+and its cause (``ZeroScore``), never a failed episode and never a read of what a link points to outside. Everything else (matching, hashing, parsing) happens here, outside the sandbox, so a sandbox image needs no tools.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import json
 import re
 import shlex
 
-from sandforge.types import Sandbox
-from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
+from sandforge.types import ZERO_CAUSES, Sandbox
+from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, text_similarity
 
 MAX_BYTES = 64 << 20  # larger files are not the answer anyone asked for: score 0 instead of reading them
@@ -22,23 +24,64 @@ def _show(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
-def read_answer(sandbox: Sandbox, path: str) -> tuple[bytes | None, str]:
-    """The file's bytes, or None and why it cannot be the answer (missing, a directory, a FIFO, too large).
+# Run as root from the workdir: $1 the path, $2 the workdir, $3 the size limit. Prints one verdict line: `ok <resolved>`,
+# or a cause (ZERO_CAUSES) and why. Links resolve inside the sandbox; one the policy made (not root's) is never followed
+# out of the workspace. Only a regular file is read: a FIFO or device would block the read.
+_EXAMINE = r"""p=$1 ws=$2 max=$3
+[[ -e $p || -L $p ]] || { echo "missing missing"; exit 0; }
+r=$(realpath -e -- "$p" 2>/dev/null) || { echo "link a link to nothing"; exit 0; }
+[[ $r == *$'\n'* ]] && { echo "malformed a name with a line break"; exit 0; }
+n=$(realpath -s -m -- "$p")
+if [[ $r != "$n" && $r != "$ws" && $r != "$ws"/* ]]; then
+  q=; IFS=/ read -ra parts <<< "${n#/}"
+  for c in "${parts[@]}"; do
+    q=$q/$c
+    [[ -L $q && $(stat -c %u -- "$q") != 0 ]] && { echo "link a link out of $ws"; exit 0; }
+  done
+fi
+[[ -f $r ]] || { echo "not_a_file not a regular file ($(stat -c %F -- "$r"))"; exit 0; }
+s=$(stat -c %s -- "$r")
+(( s <= max )) || { echo "too_large larger than $max bytes ($s)"; exit 0; }
+printf 'ok %s\n' "$r"
+"""
 
-    A FIFO or device would block the read until the file timeout, so the file's kind is checked first, within the
-    check's budget: a policy that leaves a FIFO as its answer scores 0, it does not make grading hang.
-    """
-    kind = sandbox.exec(f"[ ! -e {shlex.quote(path)} ] || stat -L -c %F -- {shlex.quote(path)}", user="root",
-                        session=False, timeout=time_left())
-    if kind.timed_out or kind.exit_code != 0:
-        return None, f"{path}: unreadable ({kind.output.strip() or 'stat timed out'})"
-    if kind.output.strip() not in ("", "regular file", "regular empty file"):
-        return None, f"{path}: not a regular file ({kind.output.strip()})"
+
+def answer_bytes(sandbox: Sandbox, path: str, max_bytes: int = MAX_BYTES) -> bytes:
+    """The bytes of the answer file at ``path``, read as root within the check's time. Raises ZeroScore when the
+    policy left no answer there: nothing, a link to nothing or out of the workspace, a FIFO, a device, a directory, a
+    file over ``max_bytes``, or a check out of time."""
+    _check_path(path)
+    seen = sandbox.exec(f"bash -c {shlex.quote(_EXAMINE)} examine {shlex.quote(path)} "
+                        f"{shlex.quote(sandbox.workdir)} {max_bytes}", user="root", session=False,
+                        timeout=time_left(), workdir=sandbox.workdir)
+    line = seen.output.strip().splitlines()[-1:] or [""]
+    verdict, _, detail = line[0].partition(" ")
+    if seen.timed_out:
+        raise ZeroScore("timeout", f"{path}: looking at it timed out")
+    if verdict != "ok" or seen.exit_code != 0:
+        if verdict not in ZERO_CAUSES:
+            raise VerifierError(f"cannot examine {path}: {seen.output.strip()[-200:]}")
+        raise ZeroScore(verdict, f"{path}: {detail}")
     try:
-        data = sandbox.get_file(path, user="root", max_bytes=MAX_BYTES)
-    except OSError as e:  # a file swapped under us, one larger than MAX_BYTES
-        return None, f"{path}: unreadable ({e})"
-    return (None, f"{path}: missing") if data is None else (data, "")
+        data = sandbox.get_file(detail, user="root", max_bytes=max_bytes)
+    except OSError as e:  # e.g. timed out on a slow disk
+        raise ZeroScore("timeout", f"{path}: unreadable ({e})") from None
+    if data is None:
+        raise ZeroScore("missing", f"{path}: missing")
+    return data
+
+
+def read_answer(sandbox: Sandbox, path: str) -> tuple[bytes | None, str]:
+    """``answer_bytes``, or None and why the policy left no answer (for verifiers that phrase a verdict of their own)."""
+    try:
+        return answer_bytes(sandbox, path), ""
+    except ZeroScore as e:
+        return None, e.reason
+
+
+def _check_path(path: object) -> None:
+    if not isinstance(path, str) or not path or "\0" in path or "\n" in path:
+        raise VerifierError(f"path must be a file path, got {path!r}")
 
 
 def _takes(name: str, args: dict, required: set[str], optional: set[str]) -> None:
@@ -55,12 +98,7 @@ def file_equals(sandbox: Sandbox, path: str, content: str, strip: bool = True,
                 partial: bool = False) -> tuple[float, str]:
     """1.0 if the file at ``path`` holds exactly ``content`` (both stripped of surrounding whitespace if ``strip``);
     with ``partial``, a file that differs scores its closeness to ``content`` as a near miss (below 1)."""
-    try:
-        actual = sandbox.read_file(path, user="root")
-    except OSError as e:  # a directory, a FIFO the policy made, ...: the answer is not a readable file
-        return 0.0, f"{path}: unreadable ({e})"
-    if actual is None:
-        return 0.0, f"{path}: missing"
+    actual = answer_bytes(sandbox, path).decode(errors="replace")
     got, want = (actual.strip(), content.strip()) if strip else (actual, content)
     if got == want:
         return 1.0, f"{path}: matches"
@@ -87,9 +125,7 @@ def file_contains(sandbox: Sandbox, path: str, text: str | None = None, pattern:
     """1.0 if the file holds ``text`` (a substring) or matches ``pattern`` (a Python regex, multiline: ``^`` and ``$``
     match at line ends); with ``absent``, 1.0 if it does not. A missing file scores 0 either way: "no TODO left" in a
     file that was deleted is not an answer."""
-    data, why = read_answer(sandbox, path)
-    if data is None:
-        return 0.0, why
+    data = answer_bytes(sandbox, path)
     content = data.decode(errors="replace")
     if pattern is not None:
         found, what = re.search(pattern, content, re.MULTILINE) is not None, f"pattern {_show(pattern)}"
@@ -120,9 +156,7 @@ def file_contains_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
 
 def file_hash(sandbox: Sandbox, path: str, sha256: str) -> tuple[float, str]:
     """1.0 if the sha256 of the file's exact bytes is ``sha256`` (hex): binary outputs, byte-exact copies."""
-    data, why = read_answer(sandbox, path)
-    if data is None:
-        return 0.0, why
+    data = answer_bytes(sandbox, path)
     digest = hashlib.sha256(data).hexdigest()
     if digest == sha256.lower():
         return 1.0, f"{path}: sha256 matches"
@@ -150,13 +184,13 @@ def json_match(sandbox: Sandbox, path: str, expected, at: str | list = "", exact
     are not numbers. With ``partial`` the score is the fraction of expected values found (dense reward); otherwise
     1.0 only if all are.
     """
-    data, why = read_answer(sandbox, path)
-    if data is None:
-        return 0.0, why
+    data = answer_bytes(sandbox, path)
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return 0.0, f"{path}: not JSON ({e})"
+        raise ZeroScore("malformed", f"{path}: not JSON ({e})") from None
+    except RecursionError:  # absurd nesting: no answer anyone asked for
+        raise ZeroScore("malformed", f"{path}: JSON nested too deeply to read") from None
     keys = at if isinstance(at, list) else [k for k in at.split(".") if k != ""]
     for depth, key in enumerate(keys):
         here = ".".join(str(k) for k in keys[:depth]) or "the top level"

@@ -23,7 +23,7 @@ import shlex
 from collections import Counter
 
 from sandforge.types import Sandbox
-from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
+from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, rows_similarity
 
 _SHOW = 120  # characters of expected/got in a reason
@@ -57,15 +57,6 @@ except sqlite3.Error as e:
 """
 
 
-class StateGone(Exception):
-    """What the query reads is not there (the database missing, corrupt, a table dropped): the policy's doing, which
-    scores 0 with ``reason``; a query that cannot run on a sound database (bad SQL) is the task's and fails."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
 def _short(value) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= _SHOW else text[:_SHOW] + "..."
@@ -79,7 +70,7 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = No
     """The rows ``query`` returns from the SQLite file ``db`` in the sandbox, read-only, as root in a fresh exec that
     is killed after ``timeout`` seconds (default: what the running check has left).
 
-    Raises StateGone when the database is missing or unreadable as a database, or the query runs out of time (the
+    Raises ZeroScore when the database is missing or unreadable as a database, or the query runs out of time (the
     policy left that state: score 0), and VerifierError when the query cannot run on a sound database (bad SQL, no
     python3 in the image: the task's fault, so the episode is failed rather than scored).
     """
@@ -90,7 +81,7 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = No
     timeout = time_left() if timeout is None else timeout
     result = sandbox.exec(command, timeout=timeout, user="root", workdir="/", session=False)
     if result.timed_out:
-        raise StateGone(f"sql: the query on {db} was killed after {timeout:.1f} s, the check's timeout")
+        raise ZeroScore("timeout", f"sql: the query on {db} was killed after {timeout:.1f} s, the check's timeout")
     last = result.output.strip().splitlines()[-1:] or [""]
     try:
         answer = json.loads(last[0])
@@ -98,10 +89,10 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = No
         raise VerifierError(f"sql: could not run the query on {db} (exit {result.exit_code}): "
                             f"{result.output.strip()[-300:]} (does the image have python3?)") from None
     if "missing" in answer:
-        raise StateGone(f"{db}: no database ({answer['missing']})")
+        raise ZeroScore("missing", f"{db}: no database ({answer['missing']})")
     if "error" in answer:
         if answer.get("fault") == "state":
-            raise StateGone(f"{db}: {answer['error']}")
+            raise ZeroScore("state", f"{db}: {answer['error']}")
         raise VerifierError(f"sql: query on {db} failed: {answer['error']}; query: {query[:200]}")
     return answer["rows"]
 
@@ -110,10 +101,7 @@ def sql_check(sandbox: Sandbox, db: str, query: str, expect: list, ordered: bool
               partial: bool = False) -> tuple[float, str]:
     """1.0 iff ``query`` returns exactly the rows ``expect`` (any order unless ``ordered``), else 0 or, with
     ``partial``, a near miss's credit (below 1); the reason shows both."""
-    try:
-        got = query_rows(sandbox, db, query)
-    except StateGone as e:
-        return 0.0, e.reason
+    got = query_rows(sandbox, db, query)
     # JSON normalises both sides (tuples -> lists, 1 vs 1.0 stay distinct only if SQLite stored them so)
     want = json.loads(json.dumps(expect))
     if ordered:

@@ -179,6 +179,14 @@ class Sandbox:
             shell.stream.close()
         return killed
 
+    def signal_guard(self) -> None:
+        """Ask the sandbox's main process to stop the policy's processes itself (policy_stop.py: when no exec can
+        start because the policy holds every pid)."""
+        try:
+            self._container.kill(signal="SIGUSR1")
+        except (docker.errors.DockerException, requests.RequestException) as e:
+            raise self._broken(e) from e
+
     def start_session(self, user: str | None = None) -> None:
         """Start ``user``'s session shell now (one docker exec), so that the first ``exec`` costs no more than the
         rest; a pool can call it on sandboxes it keeps warm. ``exec`` starts it on first use otherwise."""

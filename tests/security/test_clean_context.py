@@ -14,8 +14,7 @@ from dataclasses import replace
 import pytest
 from agent_fakes import CHAT, limits
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
-from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.docker_sandbox import Sandbox
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.rollout.agent import run_episode
@@ -26,11 +25,6 @@ from sandforge.verifiers.checks import score_task
 pytestmark = pytest.mark.docker
 
 SITE = "/workspace/.local/lib/python3.11/site-packages"  # the policy's user site: its HOME is the workspace
-
-
-@pytest.fixture(scope="module")
-def repo_spec(docker_client) -> SandboxSpec:
-    return SandboxSpec(image=build_images(["repo"], client=docker_client, show_progress=False)["repo"])
 
 
 def episode(commands: list[str], checks: list[dict], spec, run_id, client):

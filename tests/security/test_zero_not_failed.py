@@ -1,0 +1,132 @@
+""""Failed" means infrastructure failed (issue #23, item 4). A failed episode is dropped from the gradient, so a policy
+that could turn its losing episodes into failed ones would never be penalised for them. Whatever the policy left
+scores 0 with a reason and a cause (``reward/zero_<cause>``). Attacks through run_episode, the real verifiers and a
+real terminal sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+
+import pytest
+from agent_fakes import CHAT, limits
+
+from sandforge.environments.terminal.env import TerminalEnv
+from sandforge.environments.terminal.tasks import make_task
+from sandforge.job.rollout_metrics import rollout_metrics
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.policy_client import scripted_policy
+from sandforge.types import ToolCall
+
+pytestmark = pytest.mark.docker
+
+ANSWER = "/workspace/answer.txt"
+
+
+def episode(commands: list[str], checks: list[dict], spec, run_id, client):
+    calls = [ToolCall("bash", {"command": c}) for c in commands] + [ToolCall("submit")]
+    task = replace(make_task("write_file", 3), checks=checks, solution=calls)
+    env = TerminalEnv(task, spec, run_id, client=client)
+    return asyncio.run(run_episode(task, env, scripted_policy(task, CHAT), CHAT, limits(max_turns=6), "g"))
+
+
+def zero(traj, cause: str) -> str:
+    """The episode was graded (not failed), scored 0 for ``cause``; its reason."""
+    assert not traj.failed, traj.failure
+    assert traj.reward.value == 0.0 and traj.reward.zero_causes == [cause], traj.reward
+    return traj.reward.reason
+
+
+def test_a_fifo_as_the_answer_scores_zero_at_once(terminal_spec, run_id, docker_client):
+    """The read of a FIFO blocked past the check's timeout, so the episode failed. It is not a regular file: 0."""
+    check = {"verifier": "file_equals", "path": ANSWER, "content": "42", "timeout": 5}
+    started = time.monotonic()
+    traj = episode([f"mkfifo {ANSWER}"], [check], terminal_spec, run_id, docker_client)
+    assert "not a regular file (fifo)" in zero(traj, "not_a_file")
+    assert time.monotonic() - started < 30  # it did not wait for a writer
+
+
+def test_absurdly_nested_json_scores_zero(terminal_spec, run_id, docker_client):
+    """200,000 nested `[` raised RecursionError in the parser, which failed the episode; it is malformed: 0."""
+    check = {"verifier": "json_match", "path": "/workspace/out.json", "expected": {"ok": True}}
+    traj = episode(["head -c 200000 /dev/zero | tr '\\0' '[' > /workspace/out.json"], [check], terminal_spec,
+                   run_id, docker_client)
+    assert "nested too deeply" in zero(traj, "malformed")
+
+
+def test_a_deleted_database_scores_zero(repo_spec, run_id, docker_client):
+    """The sql check's database deleted by the policy failed the episode; it is state the policy left: 0."""
+    check = {"verifier": "sql", "db": "/workspace/app.db", "query": "SELECT 1", "expect": [[1]]}
+    made = "python3 -c \"import sqlite3; sqlite3.connect('/workspace/app.db').execute('create table t(x)')\""
+    traj = episode([made, "rm /workspace/app.db"], [check], repo_spec, run_id, docker_client)
+    assert "no database" in zero(traj, "missing")
+
+
+def test_a_link_out_of_the_workspace_is_never_followed(terminal_spec, run_id, docker_client):
+    """The answer as a link to /etc/shadow: the reward was 0, but the reason quoted shadow's first bytes, and from
+    there they went into trajectories.jsonl. The link is refused unread, by any file check, and through a linked
+    folder too."""
+    checks = [{"verifier": "file_equals", "path": ANSWER, "content": "42"},
+              {"verifier": "file_contains", "path": "/workspace/etc/shadow", "text": "root"}]
+    plant = f"ln -s /etc/shadow {ANSWER} && ln -s /etc /workspace/etc && echo linked"
+    traj = episode([plant], checks, terminal_spec, run_id, docker_client)
+    reason = zero(traj, "link")
+    assert "root:" not in reason and "a link out of /workspace" in reason
+    assert traj.reward.breakdown == {f"file_equals:{ANSWER}": 0.0, "file_contains:/workspace/etc/shadow": 0.0}
+
+
+def test_links_inside_the_workspace_are_followed(terminal_spec, run_id, docker_client):
+    """A link that stays in the workspace is an answer like any other."""
+    check = {"verifier": "file_equals", "path": ANSWER, "content": "42"}
+    traj = episode([f"mkdir -p /workspace/out && echo 42 > /workspace/out/a && ln -s out/a {ANSWER}"], [check],
+                   terminal_spec, run_id, docker_client)
+    assert traj.reward.success, traj.reward.reason
+
+
+BOMBS = {
+    "forking": "b() { b | b & }; b",  # forks as fast as it can
+    "holding": "while :; do sleep 100000 & done",  # takes every pid and keeps them: no exec can start
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BOMBS))
+def test_a_fork_bomb_left_running_scores_zero(kind, terminal_spec, run_id, docker_client):
+    """A detached fork bomb holding the sandbox's pids limit at submit: before the fix no exec could start or fork,
+    so grading failed. The policy's processes are stopped first (by the sandbox's guard when no exec starts), and
+    the missing answer scores 0."""
+    bomb = f"setsid nohup bash -c '{BOMBS[kind]}' >/dev/null 2>&1 & sleep 2; echo left"
+    check = {"verifier": "file_equals", "path": ANSWER, "content": "42"}
+    traj = episode([bomb], [check], terminal_spec, run_id, docker_client)
+    assert "missing" in zero(traj, "missing")
+
+
+def test_zero_causes_are_counted_apart_from_failures(terminal_spec, run_id, docker_client):
+    """`reward/zero_<cause>` counts graded episodes by what the policy left; `episodes/failed_<kind>` stays for
+    infrastructure."""
+    check = {"verifier": "file_equals", "path": ANSWER, "content": "42"}
+    missing = episode([], [check], terminal_spec, run_id, docker_client)
+    fifo = episode([f"mkfifo {ANSWER}"], [check], terminal_spec, run_id, docker_client)
+    right = episode([f"echo 42 > {ANSWER}"], [check], terminal_spec, run_id, docker_client)
+    m = rollout_metrics([missing, fifo, right])
+    assert m["episodes/failed"] == 0 and m["reward/mean"] == pytest.approx(1 / 3)
+    assert m["reward/zero_missing"] == 1 and m["reward/zero_not_a_file"] == 1 and m["reward/zero_link"] == 0
+
+
+def test_the_guard_stops_the_policy_without_an_exec(sandbox):
+    """When the policy holds every pid, no exec can start; the sandbox's main process stops the policy's processes
+    on SIGUSR1, with no fork. Seen from the host (`docker top`), nothing of the policy's is left."""
+    held = sandbox.exec("setsid nohup bash -c 'while :; do sleep 100000 & done' >/dev/null 2>&1 & sleep 2; echo left")
+    assert held.output.startswith("left")
+
+    def policy_pids() -> list[str]:
+        rows = sandbox._container.top(ps_args="-eo uid,pid,stat")["Processes"] or []
+        return [pid for uid, pid, stat in rows if uid == "1000" and not stat.startswith("Z")]
+
+    assert len(policy_pids()) > 200  # the pids limit is 256
+    sandbox.signal_guard()
+    deadline = time.monotonic() + 60
+    while policy_pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert policy_pids() == []
+    assert sandbox.exec("echo graded", user="root", session=False).output == "graded\n"
