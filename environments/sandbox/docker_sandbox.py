@@ -391,9 +391,9 @@ class _Shell:
         self.lock = threading.Lock()
 
     def take_stderr(self) -> str:
-        text = _text(self.stream.err)
-        self.stream.err.clear()
-        return text
+        """The dispatcher's complaints since the last command: a capped head and tail, and what was dropped, last
+        (``Stream.err``; ``_result`` keeps the note's end)."""
+        return _text(self.stream.take_err())
 
 
 # --- helpers ------------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Background threads keep ``size`` sandboxes started and ready. ``acquire()`` hands out a ready one after a cheap state
 check (an inspect, not an exec) and creates one on the spot only when none is ready. ``release()`` removes the
 container: a sandbox never serves two episodes. Two limits protect the daemon: at most ``max_live`` containers exist at
-once (ready, handed out and being created, together) and at most ``max_creates_per_second`` are created.
+once (ready, handed out and being created, together) and at most ``max_creates_per_second`` are created. A grader's
+second container (``fresh()`` of a handed-out sandbox: the repo grader's) comes from the pool too and counts.
 
 Daemon faults are retried with backoff (``lifecycle.retry_daemon``); when they persist, that ``acquire`` raises
 SandboxError and only its episode fails. Each creation attempt carries its own label, so a container a failed attempt
@@ -73,6 +74,7 @@ class SandboxPool:
         self._cond = threading.Condition()
         self._warm: deque[Sandbox] = deque()
         self._out: dict[str, Sandbox] = {}  # handed out, by container id
+        self._graders_waiting = 0  # fresh() calls waiting for a slot: they go before new episodes and the warm set
         self._live = 0  # containers this pool answers for: warm + handed out + being created
         self._filling = 0  # creations in flight for the warm set
         self._orphans: list[str] = []  # containers whose removal failed; close() tries again
@@ -115,6 +117,57 @@ class SandboxPool:
             raise SandboxError("the sandbox pool was closed while a sandbox was being acquired")
         self.stats.record_acquire(time.monotonic() - start)
         return sandbox
+
+    def grader(self, parent: Sandbox) -> Sandbox:
+        """A fresh sandbox of this pool's spec for grading ``parent``'s episode (what ``parent.fresh()`` returns): it
+        takes a max_live slot like an episode's, and closing it gives the slot back.
+
+        It waits for a slot, before new episodes and the warm set. When every live container is a handed-out one whose
+        episode is itself waiting for its grader, no slot would ever come free: it goes one over (counted as the
+        failure ``over_max_live``) rather than hang or fail the episode; max_live above the episodes a worker runs at
+        once avoids that.
+        """
+        while True:
+            with self._cond:
+                self._graders_waiting += 1
+                try:
+                    sandbox, cold = self._grader_slot()
+                finally:
+                    self._graders_waiting -= 1
+                    self._cond.notify_all()  # episodes and refills held back for it
+            if cold:
+                try:
+                    sandbox = self._create()
+                except SandboxError:
+                    self._forget(1)
+                    raise
+            elif not sandbox.alive():
+                self.stats.failure("dead")
+                self._discard(sandbox)
+                continue
+            sandbox.grader = True
+            return sandbox
+
+    def _grader_slot(self) -> tuple[Sandbox | None, bool]:
+        """Under the lock: a warm sandbox (False), or a slot reserved to create one in (True)."""
+        while True:
+            if self._closed:
+                raise SandboxError("the sandbox pool is closed")
+            if self._warm:
+                self.stats.add_gauge("warm", -1)
+                self._cond.notify_all()
+                return self._warm.popleft(), False
+            stuck = self._live == len(self._out) and self._graders_waiting >= len(self._out)
+            if self._live < self.max_live or stuck:
+                if self._live >= self.max_live:
+                    self.stats.failure("over_max_live")
+                    log.warning("sandbox pool: a grader's container goes over max_live=%d: every live sandbox's "
+                                "episode waits for its grader (raise sandbox.max_live above the episodes a worker "
+                                "runs at once)", self.max_live)
+                self._live += 1
+                self.stats.add_gauge("live", 1)
+                return None, True
+            self._cond.wait()
 
     def release(self, sandbox: Sandbox) -> None:
         """Remove the episode's container (never reused); the pool refills in the background. Never raises."""
@@ -187,7 +240,7 @@ class SandboxPool:
                     self.stats.add_gauge("warm", -1)
                     self._cond.notify_all()  # a refill thread: the warm set has room again
                     return self._warm.popleft(), False
-                if self._live < self.max_live:
+                if self._live < self.max_live and not self._graders_waiting:
                     self._live += 1
                     self.stats.add_gauge("live", 1)
                     return None, True
@@ -240,7 +293,9 @@ class SandboxPool:
             tag = uuid.uuid4().hex
             try:
                 labels = {**self._labels, LABEL_ATTEMPT: tag}
-                return Sandbox.create(self.spec, self.run_id, client=self._client, labels=labels)
+                sandbox = PooledSandbox.create(self.spec, self.run_id, client=self._client, labels=labels)
+                sandbox.pool = self
+                return sandbox
             except SandboxError:
                 left = self._sweep(tag)
                 self.stats.failure("start" if left else "create")
@@ -283,7 +338,8 @@ class SandboxPool:
             with self._cond:
                 self._cond.wait_for(
                     lambda: self._closed
-                    or (len(self._warm) + self._filling < self.size and self._live < self.max_live)
+                    or (len(self._warm) + self._filling < self.size and self._live < self.max_live
+                        and not self._graders_waiting)
                 )
                 if self._closed:
                     return
@@ -311,3 +367,20 @@ class SandboxPool:
                     self._cond.notify_all()
                     continue
             self._discard(sandbox)
+
+
+class PooledSandbox(Sandbox):
+    """A sandbox of a pool: its ``fresh()`` container, for a grader, comes from the same pool (``SandboxPool.grader``)
+    and counts against max_live; closing that one gives its slot back."""
+
+    pool: SandboxPool | None = None
+    grader: bool = False  # a grader's container: closing it frees its slot
+
+    def fresh(self) -> Sandbox:
+        return self.pool.grader(self) if self.pool is not None else super().fresh()
+
+    def close(self) -> None:
+        first = not self._closed
+        super().close()
+        if first and self.grader and self.pool is not None:
+            self.pool._forget(1)

@@ -37,6 +37,10 @@ from dataclasses import dataclass
 SESSION_DIR = "/run/sandforge"  # tmpfs, mode 1777: one private (0700) folder per user id, holding state and spool
 ROOT_SESSION_DIR = "/run/sandforge-root"  # tmpfs, mode 0700: root's (verifiers'), which the policy cannot fill up
 KILL_AFTER = 2.0  # seconds between TERM and KILL when a command outlives its timeout
+# What the host keeps of an exec stream's bytes that the policy can write without bound (it can reach the dispatcher's
+# own stdout and stderr through /proc/<pid>/fd): stderr's head and tail, and stdout past what an answer can hold.
+ERR_HEAD, ERR_TAIL, ERR_SLACK = 4096, 16384, 65536
+STRAY_OUT = 65536
 
 # Sourced by the command's fresh bash (top level, so restored declarations stay global). $1 this file, $2 the command
 # file, $3 workdir ("" keeps the session's), $4 keep. Ends true: the caller runs `. pre && eval "$__sf_c"`.
@@ -194,8 +198,38 @@ class Stream:
         self._sock = getattr(sock, "_sock", sock)
         self._frames = bytearray()
         self.out = bytearray()
-        self.err = bytearray()
+        self._err = bytearray()  # a head and a tail of the exec's stderr; ``err`` adds what was dropped
+        self.err_dropped = 0  # stderr bytes read and not kept
+        self.out_dropped = 0  # stdout bytes read that could not be part of an answer (read_response), not kept
         self.eof = False
+
+    @property
+    def err(self) -> bytes:
+        """The exec's stderr as kept: all of it, or its first ERR_HEAD and last ERR_TAIL bytes, then a line saying how
+        many bytes were dropped (of stderr, and of stray stdout), last, so that a reader keeping a tail still sees it."""
+        kept = bytes(self._err)
+        if self.err_dropped:
+            kept = kept[:ERR_HEAD] + b"\n[...]\n" + kept[ERR_HEAD:]
+        notes = [f"[... {n} bytes of {what} dropped]" for n, what in
+                 ((self.err_dropped, "shell stderr"), (self.out_dropped, "stray shell stdout")) if n]
+        return kept + ("\n" + "\n".join(notes)).encode() if notes else kept
+
+    def take_err(self) -> bytes:
+        """``err``, and forget it (a session's stream reports what came since the last command)."""
+        err = self.err
+        self._err.clear()
+        self.err_dropped = self.out_dropped = 0
+        return err
+
+    def _keep_err(self, data: bytes | bytearray) -> None:
+        # The socket is drained whatever comes (a blocked writer would stall the container); only a head and a tail
+        # stay on the host. Compacting once the slack is used keeps it cheap per chunk.
+        err = self._err
+        err += data
+        if len(err) > ERR_HEAD + ERR_TAIL + ERR_SLACK:
+            cut = len(err) - ERR_TAIL
+            self.err_dropped += cut - ERR_HEAD
+            del err[ERR_HEAD:cut]
 
     def send(self, data: bytes, deadline: float) -> None:
         self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -223,7 +257,10 @@ class Stream:
             size = int.from_bytes(frames[4:8], "big")
             if len(frames) < 8 + size:
                 break
-            (self.err if frames[0] == 2 else self.out).extend(frames[8 : 8 + size])
+            if frames[0] == 2:
+                self._keep_err(frames[8 : 8 + size])
+            else:
+                self.out += frames[8 : 8 + size]
             del frames[: 8 + size]
         return True
 
@@ -246,6 +283,8 @@ class Stream:
 def read_ready(stream: Stream, deadline: float) -> int:
     """Wait for the dispatcher's ``SFREADY <pid>`` line; returns its pid (in the container's pid namespace)."""
     while b"\n" not in stream.out:
+        if len(stream.out) > STRAY_OUT:
+            raise ShellLost(f"the sandbox shell said {bytes(stream.out[:200])!r}... instead of SFREADY", sent=False)
         if stream.eof or not stream.read_some(deadline):
             why = stream.err.decode(errors="replace").strip() or ("it exited" if stream.eof else "no answer")
             raise ShellLost(f"the sandbox shell did not start: {why}", sent=False, timed_out=not stream.eof)
@@ -261,19 +300,31 @@ def read_response(stream: Stream, request: Request, deadline: float) -> Response
     start = b"SFR " + request.id.encode() + b" "
     end = b"\0SFEND " + request.id.encode() + b"\n"
     scanned = 0
+    body_max = request.head + request.tail + STRAY_OUT  # more after a header is stray bytes inside the answer
     while True:
-        header_at = stream.out.find(start)
+        out = stream.out
+        header_at = out.find(start)
+        if header_at < 0 and len(out) > STRAY_OUT:  # stray bytes with no answer in them: keep a possible header's start
+            stream.out_dropped += len(out) - len(start)
+            del out[: len(out) - len(start)]
         if header_at >= 0:
-            header_end = stream.out.find(b"\n", header_at)
+            header_end = out.find(b"\n", header_at)
+            if header_end < 0 and len(out) - header_at > STRAY_OUT:
+                raise ShellLost("the sandbox shell's answer has no end to its header", sent=True)
             if header_end >= 0:
-                end_at = stream.out.find(end, max(header_end + 1, scanned - len(end)))
+                end_at = out.find(end, max(header_end + 1, scanned - len(end)))
                 if end_at >= 0:
-                    fields = bytes(stream.out[header_at:header_end]).split()
-                    body = bytes(stream.out[header_end + 1 : end_at])
-                    del stream.out[: end_at + len(end)]
+                    fields = bytes(out[header_at:header_end]).split()
+                    body = bytes(out[header_end + 1 : end_at])
+                    del out[: end_at + len(end)]
                     rc, timed_out, oom, dropped, head_len = (int(f) for f in fields[2:7])
                     return Response(rc, body, bool(timed_out), bool(oom), max(dropped, 0), head_len)
-                scanned = len(stream.out)
+                if len(out) - header_end - 1 > body_max:  # keep the body's room, and enough to find the end marker
+                    keep_to = header_end + 1 + request.head + request.tail
+                    cut = len(out) - len(end)
+                    stream.out_dropped += cut - keep_to
+                    del out[keep_to:cut]
+                scanned = len(out)
         if stream.eof:
             raise ShellLost("the sandbox shell exited before answering", sent=True)
         if not stream.read_some(deadline):
