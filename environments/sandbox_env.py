@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 
 import docker
 
+from sandforge import shadows
 from sandforge.environments.base import ObservationText, ToolEnv
 from sandforge.environments.sandbox.daemon import docker_client
 from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
@@ -28,6 +29,8 @@ from sandforge.environments.sandbox.labels import driver_labels
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.types import ExecResult, Reward, Task
+
+RUN_IN_WORKDIR = ("command", "harbor_tests")  # checks that run commands in the workdir: shadow modules set aside
 
 
 class SandboxEnv(ToolEnv):
@@ -99,6 +102,12 @@ class SandboxEnv(ToolEnv):
                 self.close()
                 raise SandboxError(f"task {self.task.id}: setup command {command!r} exited {result.exit_code}: "
                                    f"{result.output[-200:]}")
+        if any(isinstance(c, dict) and c.get("verifier") in RUN_IN_WORKDIR for c in self.task.checks):
+            try:  # what the task put in the workdir, before the policy acts: sandforge/shadows.py
+                shadows.mark_start(self._sandbox)
+            except OSError as e:
+                self.close()
+                raise SandboxError(f"task {self.task.id}: {e}") from e
         return self.task.instruction, {"task_id": self.task.id, "sandbox": self._sandbox.name}
 
     def episode_reward(self, info: dict) -> float:

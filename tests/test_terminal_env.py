@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import FAMILIES, make_task
-from sandforge.types import Task, ToolCall
+from sandforge.types import ExecResult, Task, ToolCall
 from sandforge.verifiers.checks import VerifierError, score_task
 
 
@@ -52,11 +54,19 @@ def test_count_words_setup_holds_the_counted_words():
 
 
 class FakeSandbox:
+    """Regular files only: the file checks' look before reading (verifiers/file.py) finds each or finds nothing."""
+
+    workdir = "/"
+
     def __init__(self, files: dict[str, str]):
         self.files = files
 
-    def read_file(self, path, user=None):
-        return self.files.get(path)
+    def exec(self, command, timeout=10.0, user=None, workdir=None, session=True) -> ExecResult:
+        path = shlex.split(command)[4]
+        return ExecResult(0, f"ok {path}\n" if path in self.files else "missing missing\n", False, 0.0)
+
+    def get_file(self, path, user=None, max_bytes=None):
+        return self.files[path].encode() if path in self.files else None
 
 
 def _task(checks) -> Task:
@@ -91,12 +101,12 @@ def test_score_task_raises_verifier_error_when_a_check_cannot_run():
     with pytest.raises(VerifierError, match="file_equals takes path, content"):
         score_task(FakeSandbox({}), _task([{"verifier": "file_equals", "path": "/a"}]))
 
-    class Broken:
-        def read_file(self, path, user=None):
+    class Broken(FakeSandbox):
+        def exec(self, *args, **kwargs):
             raise SandboxError("container gone")
 
     with pytest.raises(VerifierError, match="container gone"):
-        score_task(Broken(), _task([{"verifier": "file_equals", "path": "/a", "content": "x"}]))
+        score_task(Broken({}), _task([{"verifier": "file_equals", "path": "/a", "content": "x"}]))
     with pytest.raises(VerifierError, match="no checks"):
         score_task(FakeSandbox({}), _task([]))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from sandforge import shadows
 from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
 
@@ -29,8 +30,21 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
     ``pattern`` (a Python regex, multiline) - or, with ``absent``, does not match it. Both must hold.
 
     Output longer than the sandbox's ``max_output_bytes`` keeps only its head and tail, so a pattern's absence cannot
-    be proven from it: such a check scores 0 and says so (pipe the output through ``tail`` or ``grep -c``).
+    be proven from it: such a check scores 0 and says so (pipe the output through ``tail`` or ``grep -c``). Modules
+    the policy planted to shadow what the command's Python imports are set aside first (sandforge/shadows.py).
     """
+    moved = []
+    if workdir in (None, sandbox.workdir):
+        try:
+            moved = shadows.set_aside(sandbox, workdir, timeout=min(30.0, time_left()))
+        except OSError as e:
+            raise VerifierError(f"command: {e}") from None
+    score, reason = _judge(sandbox, command, exit_code, pattern, absent, user, workdir)
+    return score, reason + shadows.note(moved)
+
+
+def _judge(sandbox: Sandbox, command: str, exit_code: int | None, pattern: str | None, absent: bool, user: str,
+           workdir: str | None) -> tuple[float, str]:
     result = sandbox.exec(command, timeout=time_left(), user=user, workdir=workdir, session=False)
     shown = f"`{command if len(command) <= 60 else command[:57] + '...'}`"
     if result.timed_out:

@@ -5,7 +5,9 @@ made again, root-owned, before anything is copied or run, so a reward file or a 
 there (an image may even let it write those paths) is gone. The tests are never in the sandbox during the episode:
 they travel inside the task's check. test.sh runs in a fresh shell (not the policy's session) with a timeout, as
 the task's verifier user (root by default) in the image's WORKDIR (terminal-bench's test.sh refuses to run from /),
-with the task's ``[verifier] env``.
+with the task's ``[verifier] env``, and with root's own HOME and no Python user site (one-off root commands:
+environments/sandbox/clean_context.py). Modules the policy planted in the WORKDIR under names test.sh's Python would
+import (``pytest.py``) are set aside first (sandforge/shadows.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import base64
 import json
 import shlex
 
+from sandforge import shadows
 from sandforge.types import Sandbox
 
 TESTS_DIR = "/tests"
@@ -59,6 +62,9 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
         data = base64.b64decode(content["base64"]) if isinstance(content, dict) else content.encode()
         mode = 0o755 if rel.endswith(".sh") else 0o644
         sandbox.put_file(f"{TESTS_DIR}/{rel}", data, user="root", mode=mode)
+    moved = []
+    if workdir in (None, sandbox.workdir):  # the policy's new shadow modules go first (sandforge/shadows.py)
+        moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT)
     exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items() if k.isidentifier())
     run = sandbox.exec(f"{exports}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout, user=user,
                        workdir=workdir, session=False)
@@ -67,10 +73,10 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
         text = sandbox.read_file(f"{REWARD_DIR}/{name}", user="root")
         if text is not None:
             reward = _reward_from(text, f"{REWARD_DIR}/{name}")
-            return reward, f"test.sh: reward {reward:g} (exit {run.exit_code})"
+            return reward, f"test.sh: reward {reward:g} (exit {run.exit_code})" + shadows.note(moved)
     if run.timed_out:
-        return 0.0, f"test.sh timed out after {timeout:g}s without a reward"
-    return 0.0, f"test.sh wrote no reward to {REWARD_DIR} (exit {run.exit_code}): {tail}"
+        return 0.0, f"test.sh timed out after {timeout:g}s without a reward" + shadows.note(moved)
+    return 0.0, f"test.sh wrote no reward to {REWARD_DIR} (exit {run.exit_code}): {tail}" + shadows.note(moved)
 
 
 def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:

@@ -111,3 +111,58 @@ def test_no_grader_secret_is_in_argv(repo_spec, run_id, docker_client):
 
 def _q(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
+
+
+def test_a_shadow_module_in_the_workspace_is_set_aside_before_a_command_check(repo_spec, run_id, docker_client):
+    """`python3 -c` puts its working directory (the workspace) first on sys.path, so the check's `import json` ran
+    the policy's json.py, which printed the answer. New top-level modules named like ones the grader's Python
+    imports are set aside first, and the reason says so; the policy's other files stay."""
+    shadow = "import sys\nprint('true')\nsys.exit(0)\n"
+    plant = f"printf %s {_q(shadow)} > json.py && echo 'x = 1' > mine.py && echo planted"
+    check = {"verifier": "command", "pattern": "^true$",
+             "command": "python3 -c \"import json; print(json.dumps(open('answer.txt').read().strip() == '42'))\""}
+    traj = episode([plant], [check], repo_spec, run_id, docker_client)
+    assert traj.turns[0].observations[0].startswith("planted")
+    assert traj.reward.value == 0.0, traj.reward.reason
+    assert "set aside before the check: json.py" in traj.reward.reason and "mine.py" not in traj.reward.reason
+
+
+def test_a_planted_pytest_does_not_grade_a_harbor_task(repo_spec, run_id, docker_client, tmp_path):
+    """A terminal-bench test.sh runs `python3 -m pytest` in the WORKDIR; a `pytest.py` the policy (hardened mode, a
+    non-root user) left there exited 0 in pytest's place: reward 1. It is set aside; the task's oracle still
+    scores 1."""
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.harbor.tasks import load_tasks
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+
+    task_dir = tmp_path / "pytest-task"
+    (task_dir / "tests").mkdir(parents=True)
+    (task_dir / "solution").mkdir()
+    (task_dir / "instruction.md").write_text("Write done into /workspace/done.txt.\n")
+    (task_dir / "task.toml").write_text(f'version = "2.0"\n[environment]\ndocker_image = "{repo_spec.image}"\n'
+                                        '[verifier]\ntimeout_sec = 60\n')
+    (task_dir / "solution" / "solve.sh").write_text("echo done > /workspace/done.txt\n")
+    (task_dir / "tests" / "test_outputs.py").write_text(
+        "def test_done():\n    assert open('/workspace/done.txt').read().strip() == 'done'\n")
+    (task_dir / "tests" / "test.sh").write_text(
+        "cd /workspace\nif python3 -m pytest -q -p no:cacheprovider /tests/test_outputs.py; then r=1; else r=0; fi\n"
+        "echo $r > /logs/verifier/reward.txt\n")
+    [task], images = load_tasks(task_dir, "hardened")
+    tags = build_images([], client=docker_client, show_progress=False, contexts=images)
+    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+
+    def run(calls):
+        env = HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client)
+        scripted = replace(task, solution=calls + [ToolCall("submit")])
+        traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3), "g"))
+        assert not traj.failed, traj.failure
+        return traj
+
+    planted = run([ToolCall("bash", {"command": "id -u; printf 'import sys\\nsys.exit(0)\\n' > /workspace/pytest.py"})])
+    assert planted.turns[0].observations[0].startswith("1000\n[exit code 0]"), planted.turns[0].observations[0]
+    assert planted.reward.value == 0.0, planted.reward.reason
+    assert "set aside before the check: pytest.py" in planted.reward.reason
+    solved = run(task.solution[:-1])
+    assert solved.reward.value == 1.0, solved.reward.reason
