@@ -99,9 +99,9 @@ def build_job_images(cfg: JobConfig) -> dict[str, str]:
     from sandforge.environments.sandbox.lifecycle import reap_dead_runs
 
     client = docker_client()
-    reaped = reap_dead_runs(client)  # containers of drivers that died on this host (crash, SIGKILL)
-    if reaped:
-        console.print(f"reaped {sum(reaped.values())} container(s) of dead run(s): {', '.join(sorted(reaped))}")
+    # containers of drivers that died on this host (crash, SIGKILL); each run named on a line of its own, unwrapped
+    for run, n in sorted(reap_dead_runs(client).items()):
+        console.print(f"reaped {n} container(s) of dead run {run}", soft_wrap=True, markup=False, highlight=False)
     return build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
                         contexts=job_images(cfg))
 

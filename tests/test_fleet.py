@@ -80,6 +80,22 @@ def test_fleet_actors_run_at_the_drivers_priority(tiny_policy):
     assert proc.stdout.split()[-4:] == ["driver", "3", "worker", "3"], proc.stdout
 
 
+def test_each_dead_run_reaped_at_start_up_is_named_on_a_line_of_its_own(monkeypatch, capsys):
+    """Off a terminal the console is 80 columns wide: one line listing several reaped runs wrapped mid-list, so the
+    line that starts "reaped" did not name the run a reader (or a chaos test) looked for."""
+    from sandforge.config import load_config
+    from sandforge.environments.sandbox import daemon, images, lifecycle
+    from sandforge.job import fleet
+
+    dead = {"terminal-20261201-213527-ffe6d3": 1, "terminal-20261201-230108-509307": 2}
+    monkeypatch.setattr(daemon, "docker_client", lambda: None)
+    monkeypatch.setattr(lifecycle, "reap_dead_runs", lambda client: dead)
+    monkeypatch.setattr(images, "build_images", lambda *args, **kwargs: {})
+    fleet.build_job_images(load_config(ROOT / "configs/terminal.yaml", []))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("reaped")]
+    assert lines == [f"reaped {n} container(s) of dead run {run}" for run, n in dead.items()]
+
+
 def _eval(config: str, policy: Path, out: Path, *overrides: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "eval", config, *overrides, "eval.samples=2",
                            "--checkpoint", str(policy), "--out", str(out)],

@@ -7,11 +7,14 @@ Two kinds of running job:
 - ``live_job``: an RLJob in this process (real Ray actors: trainer rank, engine, rollout workers; real containers), for
   faults aimed at one episode. Its episodes replay scripted tool calls (``scripted``), so a test knows which
   episode is inside which command when it strikes; its verifiers include the broken ones in chaos_verifiers.py.
+
+Waits on a ``start_train`` run follow its progress, not the clock (``wait_for``): the machine may be busy.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,13 +50,11 @@ def start_train(out: Path, *overrides: str, resume: bool = False) -> subprocess.
     return subprocess.Popen(sandforge(*args), cwd=ROOT, stdout=log, stderr=log, text=True, start_new_session=True)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 600) -> int:
-    """The exit status of a ``start_train`` run; on a timeout everything it started is killed and the test fails."""
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc)
-        pytest.fail(f"the run did not end within {timeout:.0f} s")
+def finish(proc: subprocess.Popen, out: Path) -> int:
+    """The exit status of a ``start_train`` run into ``out``; a run that stops making progress (``wait_for``) is
+    killed, with everything it started, and the test fails."""
+    wait_for(lambda: proc.poll() is not None, "end of the run", out=out, kill=proc)
+    return proc.returncode
 
 
 def run_log(out: Path) -> str:
@@ -77,21 +78,63 @@ def kill_session(proc: subprocess.Popen) -> None:
                 pass
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = 300,
-             proc: subprocess.Popen | None = None, out: Path | None = None) -> object:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` (with the run's log) otherwise."""
-    deadline = time.monotonic() + timeout
+STALL_S = 300  # how long a run may show no progress at all before a wait on it fails
+CEILING_S = 1800  # a run that keeps making progress may take this long in all (a busy machine)
+
+
+def run_progress(out: Path) -> frozenset[str]:
+    """What a ``start_train`` run has visibly done: the distinct lines of its log, and each file it wrote with its size.
+    A heartbeat's clock and durations are left out, so a heartbeat that only says time passed is no progress; a new
+    phase, a bar's count moving, a row or a checkpoint shard written are."""
+    log = Path(f"{out}.log")
+    text = log.read_text(errors="replace") if log.exists() else ""
+    seen = {re.sub(r"^\[\d\d:\d\d:\d\d\] |\(\d+(m\d\d)?s\)", "", line) for line in text.splitlines()}
+    for path in out.rglob("*") if out.exists() else ():
+        try:
+            seen.add(f"{path} {path.stat().st_size}")
+        except OSError:  # written or removed as we look
+            continue
+    return frozenset(seen)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = STALL_S,
+             proc: subprocess.Popen | None = None, out: Path | None = None,
+             kill: subprocess.Popen | None = None) -> object:
+    """Poll ``condition`` until it returns something truthy; fail naming ``what`` (with the run's log) otherwise.
+
+    Given a run (``out``), the wait follows its progress, not the clock: it fails only after ``timeout`` seconds in
+    which ``run_progress`` saw nothing new (or after CEILING_S in all), so a run slowed by a busy machine still
+    passes, and a stuck one still fails. Without one it fails after ``timeout`` seconds. ``proc`` ending first fails
+    the wait; ``kill`` (default ``proc``) is killed with its session when the wait fails.
+    """
+    kill = kill or proc
+    start = moved = time.monotonic()
+    seen = run_progress(out) if out is not None else frozenset()
     while True:
         value = condition()
         if value:
             return value
         if proc is not None and proc.poll() is not None:
+            value = condition()  # what it did just before it ended
+            if value:
+                return value
             pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{run_log(out)[-4000:] if out else ''}")
-        if time.monotonic() > deadline:
-            if proc is not None:
-                kill_session(proc)
-            pytest.fail(f"no {what} within {timeout:.0f} s")
-        time.sleep(0.2)
+        now = time.monotonic()
+        if out is not None:
+            latest = run_progress(out)
+            if not latest <= seen:  # something new (a file being rewritten may read short: that is not progress)
+                seen, moved = seen | latest, now
+        if now - moved > timeout or now - start > CEILING_S:
+            if kill is not None:
+                kill_session(kill)
+            if now - start > CEILING_S:
+                why = f"within {CEILING_S:.0f} s, though the run kept making progress"
+            elif out is not None:
+                why = f"and no progress from the run for {timeout:.0f} s"
+            else:
+                why = f"within {timeout:.0f} s"
+            pytest.fail(f"no {what} {why}" + (f":\n{run_log(out)[-4000:]}" if out is not None else ""))
+        time.sleep(0.5 if out is not None else 0.2)
 
 
 def run_containers(client, run_id: str) -> list:

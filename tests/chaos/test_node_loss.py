@@ -23,7 +23,10 @@ RUN = ["trainer.steps=3", "trainer.checkpoint_every=1", "rollout.workers=2", "ro
 def cluster():
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    # workers at the driver's priority, as sandforge's local Ray has them (job/fleet.py start_ray): at Ray's default
+    # nice 15 a busy machine starves the trainer rank for minutes
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                      "_system_config": {"worker_niceness": 0}})
     yield c
     c.shutdown()
 
@@ -60,14 +63,14 @@ def test_a_lost_node_costs_its_episodes_not_the_run(tmp_path, cluster, terminal_
     wait_for(lambda: run_containers(docker_client, run_id), "sandbox of step 2", proc=proc, out=out)
     cluster.remove_node(second, allow_graceful=False)
 
-    code = finish(proc)
+    code = finish(proc, out)
     log = run_log(out)
     if code != 0:  # stopped cleanly: one line, then --resume on the node that is left finishes the run
         errors = [line for line in log.splitlines() if line.startswith("error:")]
         assert code == 1 and len(errors) == 1 and "--resume" in errors[0], log[-4000:]
         cluster.wait_for_nodes(timeout=120)  # the cluster knows the node is gone (else the resumed run may be placed on it)
         resumed = start_train(out, f"ray.address={address}", *RUN, resume=True)
-        assert finish(resumed) == 0, run_log(out)[-4000:]
+        assert finish(resumed, out) == 0, run_log(out)[-4000:]
 
     rows = metric_rows(out)
     assert sorted(r["step"] for r in rows) == [0, 1, 2], rows
