@@ -29,12 +29,13 @@ SANDFORGE = Path(sys.executable).parent / "sandforge"
 
 def test_task_toml_is_honoured_and_what_is_not_is_named():
     task = load_task(PINNED)
-    assert task.setup["sandbox"] == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "768m"}
+    assert task.setup["sandbox"] == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "768m",
+                                     "workspace_size": "1024m"}
     assert task.setup["agent_timeout"] == 120.0 and task.setup["solution_env"] == {"GREETING": "hello from the oracle"}
     (check,) = task.checks
     assert (check["timeout"], check["user"], check["env"], check["workdir"]) == (60.0, "root", {"EXPECTED_LINES": "4"},
                                                                                "/app")
-    assert task.setup["not_honoured"] == ["[environment] storage_mb (no disk cap for the container here)"]
+    assert "not_honoured" not in task.setup  # storage_mb included: everything in it is honoured
     s = read_settings({"verifier": {}, "environment": {"allow_internet": True, "gpus": 1}, "agent": {"model": "x"},
                        "extras": {"a": 1}}, "t.toml")
     assert s.verifier_timeout == 600.0  # Harbor's default, not 120
@@ -119,7 +120,7 @@ def test_harbor_check_prints_one_row_per_task_with_the_failure_line():
     pinned = next(line for line in text.splitlines() if "harbor/digest-pinned" in line and "built" in line)
     cells = [c.strip() for c in pinned.split("│")]
     assert cells[2:6] == ["built", "1", "0", cells[5]], pinned
-    assert "built on sandforge/base:bookworm instead" in text and "storage_mb" in text
+    assert "built on sandforge/base:bookworm instead" in text
     missing = next(line for line in text.splitlines() if "harbor/missing-base" in line and "failed" in line)
     assert "quay.io/nowhere/custom-runtime:7 is not on this host" in missing
 

@@ -18,5 +18,9 @@ class HarborEnv(TerminalEnv):
     whatever the task's image put there.
     """
 
-    sandbox_defaults: ClassVar[dict[str, Any]] = {"read_only": False, "workspace_size": None}
+    # The image's WORKDIR becomes a size-capped tmpfs filled from the image (environments/sandbox/seed.py): what the
+    # policy writes there stays off the host's disk; [environment] storage_mb sets the cap. The root filesystem stays
+    # writable: a root agent installs packages, and test.sh often writes outside the WORKDIR.
+    sandbox_defaults: ClassVar[dict[str, Any]] = {"read_only": False, "workspace_size": "1g",
+                                                  "workspace_from_image": True}
     workdir_from_image: ClassVar[bool] = True

@@ -3,10 +3,10 @@ not (never ignored silently).
 
 Honoured: ``[agent] timeout_sec`` (the episode's time limit) and ``user``; ``[verifier] timeout_sec`` (Harbor's
 default 600 s) and ``env`` (test.sh's environment); ``[solution] env`` (solve.sh's); ``[environment] cpus``,
-``memory_mb`` and ``workdir``; ``[metadata] category`` (the family) and sandforge's ``split``. Job settings win over
-the task's where the job gives them explicitly (``sandbox.cpus``, ``sandbox.memory``, ``rollout.episode_timeout``).
-Not honoured, and so warned about: ``allow_internet = true`` (sandboxes have no network), ``storage_mb`` (Docker
-cannot cap a container's disk here), and any key sandforge does not know.
+``memory_mb``, ``storage_mb`` (the cap of the WORKDIR, a tmpfs filled from the image) and ``workdir``; ``[metadata]
+category`` (the family) and sandforge's ``split``. Job settings win over the task's where the job gives them
+explicitly (``sandbox.cpus``, ``sandbox.memory``, ``rollout.episode_timeout``). Not honoured, and so warned about:
+``allow_internet = true`` (sandboxes have no network), and any key sandforge does not know.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class HarborSettings:
     solution_env: dict[str, str] = field(default_factory=dict)
     cpus: float | None = None
     memory_mb: int | None = None
+    storage_mb: int | None = None
     workdir: str | None = None
     docker_image: str | None = None
     not_honoured: list[str] = field(default_factory=list)  # "[environment] allow_internet = true (...)", unknown keys
@@ -55,6 +56,8 @@ class HarborSettings:
             out["cpus"] = float(self.cpus)
         if self.memory_mb:
             out["memory"] = f"{int(self.memory_mb)}m"
+        if self.storage_mb:  # the workspace's cap (a tmpfs: it counts towards memory too)
+            out["workspace_size"] = f"{int(self.storage_mb)}m"
         return out
 
 
@@ -98,7 +101,7 @@ def read_settings(meta: dict, where: Path | str) -> HarborSettings:
     if env.get("allow_internet"):
         s.not_honoured.append("[environment] allow_internet = true (sandboxes have no network)")
     if "storage_mb" in env:
-        s.not_honoured.append("[environment] storage_mb (no disk cap for the container here)")
+        s.storage_mb = int(_number(env["storage_mb"], where, "[environment] storage_mb"))
     if env.get("gpus"):
         s.not_honoured.append("[environment] gpus (sandboxes get no GPU)")
     for section, value in meta.items():

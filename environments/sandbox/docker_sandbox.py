@@ -29,6 +29,7 @@ from sandforge.environments.sandbox.labels import (
     LABEL_RUN,
     driver_labels,
 )
+from sandforge.environments.sandbox.seed import workdir_archive
 from sandforge.environments.sandbox.shell import (
     KILL_AFTER,
     Request,
@@ -111,7 +112,15 @@ class Sandbox:
         except (docker.errors.DockerException, requests.RequestException) as e:
             force_remove(client, name)  # created but failed to start (bad runtime, limits the host refuses)
             raise SandboxError(f"could not start a sandbox from {spec.image}: {e}") from e
-        return cls(container, spec, run_id, client)
+        sandbox = cls(container, spec, run_id, client)
+        if spec.workspace_from_image and spec.workspace_size is not None:
+            try:  # the capped tmpfs starts with what the image has there (seed.py)
+                sandbox._unpack(workdir_archive(client, spec.image, spec.workdir, spec.workspace_size, ours),
+                                posixpath.dirname(spec.workdir.rstrip("/")) or "/")
+            except (SandboxError, OSError) as e:
+                sandbox.close()
+                raise SandboxError(f"could not fill the workspace of a sandbox from {spec.image}: {e}") from e
+        return sandbox
 
     def fresh(self) -> Sandbox:
         """A new sandbox from this one's image and spec, with none of its state, owned like it (its run and driver
@@ -265,6 +274,26 @@ class Sandbox:
             raise self._broken(e) from e
 
     # --- files ----------------------------------------------------------------------------------------------------
+
+    def _unpack(self, archive: bytes, parent: str) -> None:
+        """Unpack a tar ``archive`` into ``parent`` as root, keeping its owners and modes (seed.py)."""
+        if not archive:
+            return
+        deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE
+        argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", 'tar -x -f - -C "$1" -p; printf \'\\0SFRC %d\\n\' "$?"',
+                                         "sandforge-unpack", parent]
+        stream = self._start_exec(argv, "root", "/", None, stdin=True)
+        try:
+            try:
+                stream.send(archive, deadline)
+                stream.close_stdin()
+            except OSError:
+                pass  # tar stopped reading: its message says why
+            finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
+        finally:
+            stream.close()
+        if _exit_code(stream.out) != 0 or not finished:
+            raise OSError(f"tar into {parent}: {_text(stream.err)[-300:] or 'timed out'}")
 
     def put_file(self, path: str, data: bytes, user: str | None = None, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` as ``user`` (default spec.user, who then owns it), creating parent folders.

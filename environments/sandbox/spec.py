@@ -64,6 +64,7 @@ class SandboxSpec:
     workspace_size: str | None = "256m"  # tmpfs at workdir; None: a disk volume, image content copied in, no cap
     tmp_size: str = "128m"  # tmpfs at /tmp
     home: str | None = None  # HOME of every command; None: the workdir
+    workspace_from_image: bool = False  # the capped workspace starts with the image's workdir content (seed.py)
     nofile: int = 4096  # open files per process
     max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ
     root_caps: tuple[str, ...] = tuple(ROOT_CAPS)  # what root in the container may do (ROOT_AGENT_CAPS: a root agent)

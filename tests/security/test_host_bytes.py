@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import tracemalloc
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from agent_fakes import CHAT, limits
@@ -20,6 +21,8 @@ from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 
 pytestmark = pytest.mark.docker
+
+ROOT = Path(__file__).resolve().parents[2]
 
 HOST_CAP = 8 << 20  # what one episode may make the rollout process hold, at most, whatever the policy writes
 # writes N bytes into file descriptor FD of this user's session dispatcher (its exec stream to the host)
@@ -110,3 +113,43 @@ def test_a_grader_waits_for_a_free_slot_and_never_deadlocks(terminal_spec, run_i
         assert pool.live == 1
         pool.release(sandbox)
         assert pool.live == 0
+
+
+@pytest.mark.parametrize("mode", ["root", "hardened"])
+def test_a_harbor_workspace_is_capped_and_starts_with_the_images_files(mode, tmp_path, run_id, docker_client):
+    """Harbor's WORKDIR was a disk volume without a cap: 2.1 GB reached the host's Docker disk in 5.6 s. It is a tmpfs
+    of `[environment] storage_mb` (64 here), filled from the image as the sandbox starts: the task's files are there
+    (and the agent's in hardened mode), and a write past the cap fails inside the sandbox."""
+    import shutil
+
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.harbor.tasks import load_tasks
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+
+    task_dir = tmp_path / "capped"
+    shutil.copytree(ROOT / "tests" / "data" / "harbor_real" / "digest-pinned", task_dir)
+    toml = task_dir / "task.toml"
+    toml.write_text(toml.read_text().replace("storage_mb = 1024", "storage_mb = 64"))
+    [task], images = load_tasks(task_dir, mode)
+    tags = build_images([], client=docker_client, show_progress=False, contexts=images)
+    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    env = HarborEnv(task, spec, run_id, exec_timeout=60, client=docker_client)
+    fill = ("stat -c '%U %n' data/words.txt out; head -c 200m /dev/zero > /app/fill; df -k /app | tail -1; "
+            "words | wc -l")
+    scripted = replace(task, solution=[ToolCall("bash", {"command": fill}), ToolCall("submit")])
+    traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3), "g"))
+    assert not traj.failed, traj.failure
+    out = traj.turns[0].observations[0]
+    owner = "root" if mode == "root" else "sandbox"
+    assert f"{owner} data/words.txt" in out and f"{owner} out" in out, out  # the image's files, its owners
+    assert "No space left on device" in out, out
+    device, size_kb = _df(out)
+    assert device == "tmpfs" and int(size_kb) <= 64 * 1024, out
+    assert traj.reward.value == 0.0
+
+
+def _df(out: str) -> tuple[str, str]:
+    line = next(line for line in out.splitlines() if line.startswith(("tmpfs", "/dev", "overlay")))
+    return line.split()[0], line.split()[1]
