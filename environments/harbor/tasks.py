@@ -104,6 +104,8 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     solve = task_dir / "solution" / "solve.sh"
     solution = [ToolCall("bash", {"command": solve.read_text()}), ToolCall("submit")] if solve.is_file() else []
     sandbox = settings.sandbox() | ({"user": AGENT_USER} if mode == "hardened" else {})
+    if sandbox["user"] not in ("root", "0"):  # where else a non-root agent can write on the root filesystem: capped
+        sandbox["scratch"] = ("/var/tmp", "/run/lock", f"/home/{sandbox['user'].split(':')[0]}")
     check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
              "timeout": settings.verifier_timeout, "user": settings.verifier_user}
     if settings.verifier_env:

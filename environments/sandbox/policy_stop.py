@@ -62,8 +62,11 @@ __sf_stop "$REPLY" || { echo "processes of uid $REPLY still running after ROUNDS
 echo "$TOTAL"
 """.replace("ROUNDS", str(ROUNDS))
 
-# The sandbox's main process (under tini). $1: the policy's user. Root, or a user it cannot find: it only sleeps.
-GUARD_SCRIPT = _FUNCTIONS + r"""uid=; __sf_uid "$1" && [[ $REPLY != 0 ]] && uid=$REPLY
+# The sandbox's main process (under tini). $1: the policy's user. Root, or a user it cannot find: it only sleeps. It
+# comes in the container's environment (GUARD_VARIABLE), so that `ps` shows a short command line; every shell sandforge
+# starts drops that variable (shell.py), so the policy's commands never see it.
+GUARD_VARIABLE = "SANDFORGE_GUARD"
+GUARD_SCRIPT = "builtin unset -v " + GUARD_VARIABLE + "\n" + _FUNCTIONS + r"""uid=; __sf_uid "$1" && [[ $REPLY != 0 ]] && uid=$REPLY
 trap '[[ -n $uid ]] && __sf_stop "$uid"' USR1
 trap 'exit 0' TERM
 p=
@@ -75,8 +78,9 @@ done
 
 
 def guard_command(user: str) -> list[str]:
-    """The main command of a sandbox whose policy runs as ``user`` (see the module docstring)."""
-    return ["bash", "-c", GUARD_SCRIPT, "sandforge-guard", user.split(":")[0]]
+    """The main command of a sandbox whose policy runs as ``user`` (see the module docstring); the container's
+    environment must hold ``GUARD_VARIABLE=GUARD_SCRIPT``."""
+    return ["bash", "-c", f'eval "${GUARD_VARIABLE}"', "sandforge-guard", user.split(":")[0]]
 
 
 def stop_policy(sandbox) -> int:

@@ -81,7 +81,7 @@ builtin shopt -s expand_aliases
 # environment; serves requests from stdin until EOF. All reading and counting is bytewise (LC_ALL=C, local to the
 # function, so commands still get the container's locale).
 DISPATCHER_SCRIPT = r"""
-__sf_pre=$SANDFORGE_PRE; builtin unset -v SANDFORGE_SHELL SANDFORGE_PRE
+__sf_pre=$SANDFORGE_PRE; builtin unset -v SANDFORGE_SHELL SANDFORGE_PRE SANDFORGE_GUARD
 __sf_oom() {  # the memory cgroup's count of OOM kills (v1, then v2), 0 if neither can be read
   local f k v; __sf_o=0
   for f in /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events; do

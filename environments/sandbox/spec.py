@@ -23,7 +23,7 @@ import docker.errors
 import requests
 from docker.types import DriverConfig, Mount, Ulimit
 
-from sandforge.environments.sandbox.policy_stop import guard_command
+from sandforge.environments.sandbox.policy_stop import GUARD_SCRIPT, GUARD_VARIABLE, guard_command
 from sandforge.environments.sandbox.shell import ROOT_SESSION_DIR, SESSION_DIR
 
 SPOOL_SIZE = "64m"  # tmpfs for session state and command output: a command printing more gets "No space left"
@@ -65,6 +65,7 @@ class SandboxSpec:
     tmp_size: str = "128m"  # tmpfs at /tmp
     home: str | None = None  # HOME of every command; None: the workdir
     workspace_from_image: bool = False  # the capped workspace starts with the image's workdir content (seed.py)
+    scratch: tuple[str, ...] = ()  # more tmpfs folders (tmp_size each) over the image's: 1777, or the user's home
     nofile: int = 4096  # open files per process
     max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ
     root_caps: tuple[str, ...] = tuple(ROOT_CAPS)  # what root in the container may do (ROOT_AGENT_CAPS: a root agent)
@@ -82,13 +83,14 @@ def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: di
         network_mode=_network_mode(client, spec.network),
         user="root",  # see ROOT_CAPS; the policy's commands run as spec.user
         working_dir=spec.workdir,
-        environment={"HOME": spec.home or spec.workdir},
+        environment={"HOME": spec.home or spec.workdir, GUARD_VARIABLE: GUARD_SCRIPT},
         read_only=spec.read_only,
         mounts=[_workspace_mount(client, spec, labels)],
         tmpfs={
             "/tmp": f"size={spec.tmp_size},mode=1777",
             SESSION_DIR: f"size={SPOOL_SIZE},mode=1777",
             ROOT_SESSION_DIR: f"size={SPOOL_SIZE},mode=0700",  # verifiers' spool: the policy cannot fill it
+            **{path: _scratch_options(client, spec, path, labels) for path in spec.scratch},
         },
         ulimits=[
             Ulimit(name="nofile", soft=spec.nofile, hard=spec.nofile),
@@ -103,6 +105,14 @@ def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: di
         security_opt=["no-new-privileges"],
         runtime=spec.runtime,
     )
+
+
+def _scratch_options(client: docker.DockerClient, spec: SandboxSpec, path: str, labels: dict[str, str]) -> str:
+    """A scratch tmpfs: shared like /tmp (1777), or, at /home/<user>, the policy user's own."""
+    if path.rstrip("/") == f"/home/{spec.user.split(':')[0]}":
+        uid, gid = _ids_of(client, spec.image, spec.user, labels)
+        return f"size={spec.tmp_size},mode=0755,uid={uid},gid={gid}"
+    return f"size={spec.tmp_size},mode=1777"
 
 
 def _network_mode(client: docker.DockerClient, network: str | bool | None) -> str:

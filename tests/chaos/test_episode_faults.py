@@ -195,7 +195,7 @@ def test_the_policy_reaches_nothing_outside_its_sandbox(live_job):
         users = {line.split()[1] for line in procs.splitlines() if line.split()[0].isdigit()}
         assert users <= {"root", "sandbox"} and len(users) > 0, procs  # its own init and shell, nothing of the host's
         assert not any(name in procs for name in ("python", "raylet", "dockerd", "containerd", "pytest")), procs
-        assert "sleep infinity" in files  # PID 1 is this sandbox's own
+        assert "sandforge-guard" in files  # PID 1 is this sandbox's own (tini, and the guard it runs)
         assert "denied" in sudo and "uid=0" not in sudo
         everything = "\n".join(obs) + t.task.instruction
         assert secret not in everything.replace(f"{secret}-{i}-mine", "")  # the verifier's secret never shows

@@ -137,14 +137,15 @@ def test_a_harbor_workspace_is_capped_and_starts_with_the_images_files(mode, tmp
     spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
     env = HarborEnv(task, spec, run_id, exec_timeout=60, client=docker_client)
     fill = ("stat -c '%U %n' data/words.txt out; head -c 200m /dev/zero > /app/fill; df -k /app | tail -1; "
-            "words | wc -l")
+            "for d in /var/tmp /run/lock /home/sandbox; do head -c 200m /dev/zero > $d/fill; done; words | wc -l")
     scripted = replace(task, solution=[ToolCall("bash", {"command": fill}), ToolCall("submit")])
     traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3), "g"))
     assert not traj.failed, traj.failure
     out = traj.turns[0].observations[0]
     owner = "root" if mode == "root" else "sandbox"
     assert f"{owner} data/words.txt" in out and f"{owner} out" in out, out  # the image's files, its owners
-    assert "No space left on device" in out, out
+    # hardened: a non-root agent's other writable places on the root filesystem are capped tmpfs too
+    assert out.count("No space left on device") == (4 if mode == "hardened" else 1), out
     device, size_kb = _df(out)
     assert device == "tmpfs" and int(size_kb) <= 64 * 1024, out
     assert traj.reward.value == 0.0

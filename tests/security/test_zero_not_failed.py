@@ -116,6 +116,7 @@ def test_zero_causes_are_counted_apart_from_failures(terminal_spec, run_id, dock
 def test_the_guard_stops_the_policy_without_an_exec(sandbox):
     """When the policy holds every pid, no exec can start; the sandbox's main process stops the policy's processes
     on SIGUSR1, with no fork. Seen from the host (`docker top`), nothing of the policy's is left."""
+    assert sandbox.exec("env | grep -c ^SANDFORGE_").output == "0\n"  # the guard's script stays out of its shell
     held = sandbox.exec("setsid nohup bash -c 'while :; do sleep 100000 & done' >/dev/null 2>&1 & sleep 2; echo left")
     assert held.output.startswith("left")
 
