@@ -20,6 +20,7 @@ import docker
 import docker.errors
 import requests
 
+from sandforge.environments.sandbox import replies
 from sandforge.environments.sandbox.clean_context import one_off_environment
 from sandforge.environments.sandbox.daemon import docker_client, force_remove
 from sandforge.environments.sandbox.labels import (
@@ -42,11 +43,9 @@ from sandforge.environments.sandbox.shell import (
 )
 from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxError, SandboxSpec, ROOT_CAPS: public here too
     ROOT_CAPS,
-    SPOOL_SIZE,
     SandboxError,
     SandboxSpec,
     container_options,
-    parse_size,
 )
 from sandforge.types import ExecResult
 
@@ -54,12 +53,6 @@ CLIENT_GRACE = 10.0  # extra seconds the client waits beyond the in-container ti
 FILE_TIMEOUT = 60.0  # put_file / get_file / read_file / write_file
 MAX_READ_BYTES = 64 << 20  # read_file
 
-# $1 path. Exit code on stderr's last line, so no exec_inspect round trip is needed; 3 means "no such file".
-_GET_SCRIPT = r"""[ -e "$1" ] || { printf '\0SFRC 3\n' >&2; exit 3; }; cat -- "$1"; printf '\0SFRC %d\n' "$?" >&2"""
-# A one-member tar archive on stdin; -p keeps its mode exactly, -m stamps the current time, and the file is owned by
-# whoever runs this. -U: an existing file (or symlink) at the path is unlinked and replaced, never written through.
-_PUT_SCRIPT = r"""tar -x -f - -C / -p -m -U --no-same-owner; printf '\0SFRC %d\n' "$?" """
-_RC = re.compile(rb"\0SFRC (\d+)\n")
 
 
 class Sandbox:
@@ -174,7 +167,7 @@ class Sandbox:
             response, note = self._session_call(user, request, deadline)
         else:
             response, note = self._one_off(user, request, deadline, workdir or self.spec.workdir)
-        return _result(response, note, time.monotonic() - start)
+        return replies.exec_result(response, note, time.monotonic() - start)
 
     def stop_policy(self) -> int:
         """Kill every process the policy's user left running and confirm none remains (graders call it before any
@@ -218,7 +211,7 @@ class Sandbox:
             if not self.alive():
                 raise self._broken(lost)
             if lost.sent or attempt == 1:
-                return _lost(lost), stderr
+                return replies.lost_reply(lost), stderr
         raise AssertionError("unreachable")
 
     def _one_off(self, user: str, request: Request, deadline: float, workdir: str) -> tuple[Response, str]:
@@ -230,12 +223,12 @@ class Sandbox:
             stream.close_stdin()
             read_ready(stream, deadline)
             response = read_response(stream, request, deadline)
-            return response, _text(stream.err)
+            return response, replies.text(stream.err)
         except (ShellLost, OSError) as e:
             if not self.alive():
                 raise self._broken(e) from e
             lost = e if isinstance(e, ShellLost) else ShellLost(str(e), sent=True)
-            return _lost(lost), _text(stream.err)
+            return replies.lost_reply(lost), replies.text(stream.err)
         finally:
             stream.close()
 
@@ -280,7 +273,7 @@ class Sandbox:
         if not archive:
             return
         deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE
-        argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", 'tar -x -f - -C "$1" -p; printf \'\\0SFRC %d\\n\' "$?"',
+        argv = replies.bounded(FILE_TIMEOUT) + ["bash", "-c", 'tar -x -f - -C "$1" -p; printf \'\\0SFRC %d\\n\' "$?"',
                                          "sandforge-unpack", parent]
         stream = self._start_exec(argv, "root", "/", None, stdin=True)
         try:
@@ -292,8 +285,8 @@ class Sandbox:
             finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
         finally:
             stream.close()
-        if _exit_code(stream.out) != 0 or not finished:
-            raise OSError(f"tar into {parent}: {_text(stream.err)[-300:] or 'timed out'}")
+        if replies.exit_code(stream.out) != 0 or not finished:
+            raise OSError(f"tar into {parent}: {replies.text(stream.err)[-300:] or 'timed out'}")
 
     def put_file(self, path: str, data: bytes, user: str | None = None, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` as ``user`` (default spec.user, who then owns it), creating parent folders.
@@ -308,7 +301,7 @@ class Sandbox:
         with tarfile.open(fileobj=archive, mode="w", format=tarfile.GNU_FORMAT) as tar:
             tar.addfile(member, io.BytesIO(data))
         deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE
-        argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", _PUT_SCRIPT]
+        argv = replies.bounded(FILE_TIMEOUT) + ["bash", "-c", replies.PUT_SCRIPT]
         stream = self._start_exec(argv, user or self.spec.user, "/", None, stdin=True)
         try:
             try:
@@ -321,12 +314,12 @@ class Sandbox:
             raise self._broken(e) from e
         finally:
             stream.close()
-        code = _exit_code(stream.out)
+        code = replies.exit_code(stream.out)
         if code != 0 or not finished:
             if not self.alive():
                 raise self._broken(OSError(f"cannot write {path}"))
-            reason = _text(stream.err).replace(f"tar: {member.name}: ", "").splitlines()
-            raise OSError(f"cannot write {path}: {_reason(code, reason, finished)}")
+            reason = replies.text(stream.err).replace(f"tar: {member.name}: ", "").splitlines()
+            raise OSError(f"cannot write {path}: {replies.failure_reason(code, reason, finished)}")
 
     def get_file(self, path: str, user: str | None = None, max_bytes: int | None = None) -> bytes | None:
         """The bytes of the file at ``path`` read as ``user`` (default spec.user), or None if it does not exist.
@@ -334,8 +327,8 @@ class Sandbox:
         Relative paths are under the spec's workdir. Raises OSError if it cannot be read (permissions, a directory,
         more than ``max_bytes``).
         """
-        _check_path(path)
-        argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", _GET_SCRIPT, "sandforge-get", path]
+        replies.check_path(path)
+        argv = replies.bounded(FILE_TIMEOUT) + ["bash", "-c", replies.GET_SCRIPT, "sandforge-get", path]
         stream = self._start_exec(argv, user or self.spec.user, self.spec.workdir, None, stdin=False)
         try:
             finished = stream.read_to_eof(time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE, max_bytes)
@@ -345,14 +338,14 @@ class Sandbox:
             stream.close()
         if max_bytes is not None and len(stream.out) > max_bytes:
             raise OSError(f"cannot read {path}: larger than {max_bytes} bytes")
-        code = _exit_code(stream.err)
+        code = replies.exit_code(stream.err)
         if code == 3 and finished:
             return None
         if code != 0 or not finished:
             if not self.alive():
                 raise self._broken(OSError(f"cannot read {path}"))
-            reason = _RC.sub(b"", stream.err).decode(errors="replace").strip().splitlines()
-            raise OSError(f"cannot read {path}: {_reason(code, reason, finished)}")
+            reason = replies.RC.sub(b"", stream.err).decode(errors="replace").strip().splitlines()
+            raise OSError(f"cannot read {path}: {replies.failure_reason(code, reason, finished)}")
         return bytes(stream.out)
 
     def write_file(self, path: str, content: str, user: str | None = None) -> None:
@@ -371,7 +364,7 @@ class Sandbox:
         return None if data is None else data.decode(errors="replace")
 
     def _abspath(self, path: str) -> str:
-        _check_path(path)
+        replies.check_path(path)
         target = posixpath.normpath(posixpath.join(self.spec.workdir, path))
         if target.startswith("//"):
             target = target[1:]
@@ -422,59 +415,4 @@ class _Shell:
     def take_stderr(self) -> str:
         """The dispatcher's complaints since the last command: a capped head and tail, and what was dropped, last
         (``Stream.err``; ``_result`` keeps the note's end)."""
-        return _text(self.stream.take_err())
-
-
-# --- helpers ------------------------------------------------------------------------------------------------------
-
-
-def _result(response: Response, note: str, seconds: float) -> ExecResult:
-    out = response.output
-    if response.timed_out and out.endswith(b"Terminated\n"):
-        out = out[: -len(b"Terminated\n")]  # bash reporting the foreground job our TERM ended: `timed_out` says it
-    if response.dropped > 0:
-        cut = response.head_len
-        out = out[:cut] + f"\n[... truncated {response.dropped} bytes]\n".encode() + out[cut:]
-    notes = []
-    if len(response.output) + response.dropped >= 0.95 * parse_size(SPOOL_SIZE):
-        notes.append(f"[output spool full: past {SPOOL_SIZE} lost]")
-    if response.oom_killed:
-        notes.append("[killed: the sandbox ran out of memory]")
-    if note:  # the session shell's own complaints, e.g. that it cannot fork
-        notes.append(note if len(note) <= 1000 else "..." + note[-1000:])
-    text = out.decode(errors="replace")
-    if notes:
-        text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes)
-    return ExecResult(response.exit_code, text, response.timed_out, seconds, response.oom_killed)
-
-
-def _lost(lost: ShellLost) -> Response:
-    """What a command whose answer never came reports: a timeout, or the shell killed under it."""
-    if lost.timed_out:
-        return Response(124, b"[timed out]", True, False, 0, 0)
-    return Response(137, b"[the shell was killed during this command; its session continues]", False, False, 0, 0)
-
-
-def _text(data: bytes | bytearray) -> str:
-    return bytes(data).decode(errors="replace").strip()
-
-
-def _exit_code(data: bytes | bytearray) -> int | None:
-    found = _RC.findall(bytes(data))
-    return int(found[-1]) if found else None
-
-
-def _bounded(seconds: float) -> list[str]:
-    return ["timeout", f"--kill-after={KILL_AFTER:g}", f"{seconds:g}"]
-
-
-def _check_path(path: str) -> None:
-    if not path or "\0" in path:
-        raise ValueError(f"invalid path {path!r}")
-
-
-def _reason(code: int | None, lines: list[str], finished: bool) -> str:
-    if not finished or code in (124, 137):
-        return "timed out"
-    lines = [line for line in lines if line and not line.startswith("tar: Exiting")]
-    return "; ".join(lines) or f"exit code {code}"
+        return replies.text(self.stream.take_err())

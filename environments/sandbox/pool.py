@@ -98,16 +98,8 @@ class SandboxPool:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         while True:
-            sandbox, cold = self._take(deadline, timeout)
-            if cold:
-                try:
-                    sandbox = self._create()
-                except SandboxError:
-                    self._forget(1)
-                    raise
-            elif not sandbox.alive():  # killed, OOM-ed or removed behind our back while it waited
-                self.stats.failure("dead")
-                self._discard(sandbox)
+            sandbox = self._started(*self._take(deadline, timeout))
+            if sandbox is None:
                 continue
             with self._cond:
                 if not self._closed:
@@ -135,18 +127,25 @@ class SandboxPool:
                 finally:
                     self._graders_waiting -= 1
                     self._cond.notify_all()  # episodes and refills held back for it
-            if cold:
-                try:
-                    sandbox = self._create()
-                except SandboxError:
-                    self._forget(1)
-                    raise
-            elif not sandbox.alive():
-                self.stats.failure("dead")
-                self._discard(sandbox)
-                continue
-            sandbox.grader = True
-            return sandbox
+            sandbox = self._started(sandbox, cold)
+            if sandbox is not None:
+                sandbox.grader = True
+                return sandbox
+
+    def _started(self, sandbox: Sandbox | None, cold: bool) -> Sandbox | None:
+        """A taken warm ``sandbox`` if it is still alive (None: it died while it waited, and is gone), or, ``cold``,
+        one created in the reserved slot (whose reservation is undone if that fails)."""
+        if cold:
+            try:
+                return self._create()
+            except SandboxError:
+                self._forget(1)
+                raise
+        if not sandbox.alive():  # killed, OOM-ed or removed behind our back while it waited
+            self.stats.failure("dead")
+            self._discard(sandbox)
+            return None
+        return sandbox
 
     def _grader_slot(self) -> tuple[Sandbox | None, bool]:
         """Under the lock: a warm sandbox (False), or a slot reserved to create one in (True)."""

@@ -23,8 +23,8 @@ import docker.errors
 import requests
 from docker.types import DriverConfig, Mount, Ulimit
 
-from sandforge.environments.sandbox.policy_stop import GUARD_SCRIPT, GUARD_VARIABLE, guard_command
 from sandforge.environments.sandbox.shell import ROOT_SESSION_DIR, SESSION_DIR
+from sandforge.environments.sandbox.stop_scripts import GUARD_SCRIPT, GUARD_VARIABLE, guard_command
 
 SPOOL_SIZE = "64m"  # tmpfs for session state and command output: a command printing more gets "No space left"
 LABEL_PROBE = "sandforge.probe"  # a never-started container that reads an image's /etc/passwd
@@ -78,7 +78,7 @@ def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: di
     """
     fsize = parse_size(spec.max_file_size)
     return dict(
-        command=guard_command(spec.user),  # sleeps; stops the policy's processes on SIGUSR1 (policy_stop.py)
+        command=guard_command(spec.user),  # sleeps; stops the policy's processes on SIGUSR1 (stop_scripts.py)
         init=True,  # tini as PID 1 reaps the zombies a policy's commands leave behind
         network_mode=_network_mode(client, spec.network),
         user="root",  # see ROOT_CAPS; the policy's commands run as spec.user

@@ -211,9 +211,12 @@ def live_job(tmp_path_factory, terminal_image, docker_client):
     cfg = load_config(ROOT / "configs/terminal.yaml", [f"run.output_dir={out}", *LIVE_JOB])
     run_id = f"chaos-{uuid.uuid4().hex[:10]}"
     # the fleet joins this Ray instance, whose workers know the chaos verifiers
+    # workers at the driver's niceness, as sandforge's own local Ray (job/fleet.py): Ray's default 15 starves them on
+    # a busy machine, where a trainer step waited past half an hour beside two busy processes
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2,
              runtime_env={"env_vars": {"PYTHONPATH": str(CHAOS_DIR)},
-                          "worker_process_setup_hook": "chaos_verifiers.register_all"})
+                          "worker_process_setup_hook": "chaos_verifiers.register_all"},
+             _system_config={"worker_niceness": 0})
     logger = RunLogger(out, cfg, run_id)
     try:
         with open_fleet(cfg, run_id) as fleet, progress() as bar:

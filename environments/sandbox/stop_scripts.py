@@ -1,0 +1,65 @@
+"""The fork-free bash that stops the policy's processes (policy_stop.py), and the sandbox's guard, its main process,
+which runs the same scan on SIGUSR1 when no exec can start. Plain text, no imports: spec.py starts every sandbox with
+the guard, and policy_stop.py raises spec.py's errors."""
+
+from __future__ import annotations
+
+ROUNDS = 200
+
+# Fork-free: `while read` and `kill` are builtins, the glob is bash's, redirections of compound commands run in place.
+_FUNCTIONS = r"""__sf_uid() {  # the uid of user $1 (a name in /etc/passwd, or a number) in REPLY
+  local name x id
+  [[ $1 =~ ^[0-9]+$ ]] && { REPLY=$1; return 0; }
+  while IFS=: read -r name x id x; do [[ $name == "$1" ]] && { REPLY=$id; return 0; }; done < /etc/passwd
+  return 1
+}
+__sf_scan() {  # send signal $1 to every live process of uid $2; how many in N
+  local s pid k v st u; N=0
+  for s in /proc/[0-9]*/status; do
+    pid=${s#/proc/}; pid=${pid%/status}
+    [[ $pid == "$$" || $pid == "$BASHPID" ]] && continue
+    st= u=
+    while read -r k v _; do
+      case $k in State:) st=$v ;; Uid:) u=$v; break ;; esac
+    done 2>/dev/null < "$s"
+    [[ $u == "$2" && $st != Z ]] || continue
+    kill "-$1" "$pid" 2>/dev/null && N=$((N + 1))
+  done
+}
+__sf_stop() {  # stop, then kill, every process of uid $1 until none is left; how many in TOTAL; 1 if some survive
+  local round; TOTAL=0
+  for ((round = 0; round < ROUNDS; round++)); do
+    __sf_scan STOP "$1"
+    (( N == 0 )) && return 0
+    __sf_scan KILL "$1"
+    TOTAL=$((TOTAL + N))
+  done
+  return 1
+}
+""".replace("ROUNDS", str(ROUNDS))
+
+STOP_SCRIPT = _FUNCTIONS + r"""__sf_uid "$1" || { echo "no user $1 in /etc/passwd" >&2; exit 2; }
+__sf_stop "$REPLY" || { echo "processes of uid $REPLY still running after ROUNDS rounds of SIGSTOP and SIGKILL" >&2
+                        exit 1; }
+echo "$TOTAL"
+""".replace("ROUNDS", str(ROUNDS))
+
+# The sandbox's main process (under tini). $1: the policy's user. Root, or a user it cannot find: it only sleeps. It
+# comes in the container's environment (GUARD_VARIABLE), so that `ps` shows a short command line; every shell sandforge
+# starts drops that variable (shell.py), so the policy's commands never see it.
+GUARD_VARIABLE = "SANDFORGE_GUARD"
+GUARD_SCRIPT = "builtin unset -v " + GUARD_VARIABLE + "\n" + _FUNCTIONS + r"""uid=; __sf_uid "$1" && [[ $REPLY != 0 ]] && uid=$REPLY
+trap '[[ -n $uid ]] && __sf_stop "$uid"' USR1
+trap 'exit 0' TERM
+p=
+while :; do
+  [[ -n $p ]] && kill -0 "$p" 2>/dev/null || { sleep infinity & p=$!; }
+  wait "$p"
+done
+"""
+
+
+def guard_command(user: str) -> list[str]:
+    """The main command of a sandbox whose policy runs as ``user`` (see the module docstring); the container's
+    environment must hold ``GUARD_VARIABLE=GUARD_SCRIPT``."""
+    return ["bash", "-c", f'eval "${GUARD_VARIABLE}"', "sandforge-guard", user.split(":")[0]]
