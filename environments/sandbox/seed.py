@@ -36,19 +36,24 @@ def workdir_archive(client: docker.DockerClient, image: str, workdir: str, cap: 
     except (docker.errors.DockerException, requests.RequestException) as e:
         raise SandboxError(f"cannot inspect {image}: {e}") from e
     with _lock:
-        if key in _archives:
+        cached = _archives.get(key)
+        if cached is not None:
             _archives.move_to_end(key)
-            return _archives[key]
+    if cached is not None:
+        if len(cached) > limit:
+            raise _too_large(image, workdir, cap)
+        return cached
     probe = client.api.create_container(image, command=["true"], network_disabled=True,
                                         labels={**(labels or {}), LABEL_PROBE: "workdir"})["Id"]
     try:
         chunks, _ = client.api.get_archive(probe, workdir)
-        data = bytearray()
-        for chunk in chunks:
-            data += chunk
-            if len(data) > limit:
-                raise SandboxError(f"{image}: its {workdir} holds more than the workspace's cap ({cap}); give the task "
-                                   "a larger [environment] storage_mb, or the job a larger sandbox.workspace_size")
+        data, size = bytearray(), 0
+        for chunk in chunks:  # read to the end even past the cap: the daemon holds the probe until the stream is done
+            size += len(chunk)
+            if size <= limit:
+                data += chunk
+        if size > limit:
+            raise _too_large(image, workdir, cap)
     except docker.errors.NotFound:
         data = bytearray()
     except (docker.errors.DockerException, requests.RequestException) as e:
@@ -65,3 +70,8 @@ def workdir_archive(client: docker.DockerClient, image: str, workdir: str, cap: 
             while len(_archives) > CACHED:
                 _archives.popitem(last=False)
     return archive
+
+
+def _too_large(image: str, workdir: str, cap: str | int) -> SandboxError:
+    return SandboxError(f"{image}: its {workdir} holds more than the workspace's cap ({cap}); give the task a larger "
+                        "[environment] storage_mb, or the job a larger sandbox.workspace_size")

@@ -154,3 +154,15 @@ def test_a_harbor_workspace_is_capped_and_starts_with_the_images_files(mode, tmp
 def _df(out: str) -> tuple[str, str]:
     line = next(line for line in out.splitlines() if line.startswith(("tmpfs", "/dev", "overlay")))
     return line.split()[0], line.split()[1]
+
+
+def test_an_image_workdir_larger_than_the_cap_is_refused_in_one_line(terminal_image, docker_client):
+    """The workspace is filled from the image only up to its cap, whether the image's folder was read before or not."""
+    from sandforge.environments.sandbox.seed import workdir_archive
+    from sandforge.environments.sandbox.spec import SandboxError
+
+    with pytest.raises(SandboxError, match=r"its /usr/sbin holds more than the workspace's cap \(1k\).*storage_mb"):
+        workdir_archive(docker_client, terminal_image, "/usr/sbin", "1k")  # read afresh
+    assert len(workdir_archive(docker_client, terminal_image, "/usr/bin", "64m")) > 64 << 10  # now cached
+    with pytest.raises(SandboxError, match=r"its /usr/bin holds more than the workspace's cap \(64k\).*storage_mb"):
+        workdir_archive(docker_client, terminal_image, "/usr/bin", "64k")
