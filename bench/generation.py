@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from sandforge.models.generate import SamplingParams, generate
+from sandforge.models.sampling import SamplingParams
+from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.k3.model import PRESETS, K3Model, count_parameters
-from sandforge.models.naive import generate_naive
+from sandforge.engine.naive import generate_naive
 
 
 def main() -> None:
@@ -41,9 +42,9 @@ def main() -> None:
         f"tokens, {args.new_tokens} new tokens each, {args.threads} thread(s)"
     )
 
-    generate(model, prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
+    generate_batch_naive(model, prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
     t0 = time.perf_counter()
-    batched = generate(model, prompts, params)
+    batched = generate_batch_naive(model, prompts, params)
     t_batched = time.perf_counter() - t0
     t0 = time.perf_counter()
     naive = generate_naive(model, prompts, params)

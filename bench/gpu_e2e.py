@@ -7,7 +7,7 @@ Last line: one JSON object, per model:
 
 - ``engine_decode_tokens_per_s``: sandforge's engine (continuous batching, bf16) at batch ``--batch``, and
   ``baseline_decode_tokens_per_s`` for the same model and batch under Hugging Face ``generate`` (HF policy) or
-  ``models/generate.py`` (K3), run in this script: ``engine_vs_baseline`` is their ratio;
+  ``engine/naive.py`` (K3), run in this script: ``engine_vs_baseline`` is their ratio;
 - ``train_tokens_per_s`` and ``train_mfu``: one DeepSpeed step (bf16, fp32 master weights, ZeRO-2) of a trainer rank
   on the decoded sequences, MFU being 6 FLOPs per active parameter per token (plus causal attention for K3) over the
   chip's dense bf16 peak (``--peak-tflops``: 989 for an H200 SXM by the datasheet). With LoRA (the gpu policy) that
@@ -36,10 +36,11 @@ from pathlib import Path
 import torch
 
 from sandforge.config import EngineConfig, ModelConfig, TrainerConfig
-from sandforge.job.fleet import free_port
-from sandforge.models.generate import SamplingParams, generate
+from sandforge.job.fleet.lifecycle import free_port
+from sandforge.models.sampling import SamplingParams
+from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.lora import adapter_weights
-from sandforge.rollout.engine import InferenceEngine
+from sandforge.engine import EngineActor
 from sandforge.trainer.rank import RolloutShape, TrainerRank
 
 SMOLLM2 = Path.home() / ".cache/sandforge/models/catalog/smollm2-135m"
@@ -98,7 +99,7 @@ def timed(fn, device: torch.device):
     return out, time.perf_counter() - t0
 
 
-def decode(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+def decode(engine: EngineActor, prompts: list[list[int]], new_tokens: int) -> list[dict]:
     async def run():
         try:
             reqs = [{"prompt_ids": p, "session_id": f"s{i}", "max_tokens": new_tokens, "temperature": 1.0,
@@ -111,7 +112,7 @@ def decode(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -
 
 
 def baseline_decode(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> None:
-    """The same batch through Hugging Face ``generate`` (an HF policy) or ``models/generate.py`` (K3)."""
+    """The same batch through Hugging Face ``generate`` (an HF policy) or ``engine/naive.py`` (K3)."""
     hf = getattr(model, "model", None)
     with torch.inference_mode():
         if hf is not None and hasattr(hf, "generate"):
@@ -119,7 +120,7 @@ def baseline_decode(model: torch.nn.Module, prompts: list[list[int]], new_tokens
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                         do_sample=True, pad_token_id=0)
         else:
-            generate(model, prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0))
+            generate_batch_naive(model, prompts, SamplingParams(max_new_tokens=new_tokens, temperature=1.0))
 
 
 def gb(state: dict) -> float:
@@ -135,7 +136,7 @@ def measure(name: str, args, scratch: Path) -> dict:
     rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model, trainer, RolloutShape(1.0, args.new_tokens),
                        seed=0, num_threads=os.cpu_count() or 1, device=kind)
     config = rank.model_config_dict()
-    engine = InferenceEngine(config, EngineConfig(max_batch_size=args.batch, session_memory_mb=4096,
+    engine = EngineActor(config, EngineConfig(max_batch_size=args.batch, session_memory_mb=4096,
                                                   dtype="bfloat16" if kind == "cuda" else "float32"),
                              0, os.cpu_count() or 1, kind)
     g = torch.Generator().manual_seed(0)

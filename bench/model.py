@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from sandforge.models.k3.kda import KDA, kda_chunked, kda_recurrent
+from sandforge.models.k3.kda import KDA, kda_chunked
+from sandforge.models.k3.naive import kda_naive
 from sandforge.models.k3.model import PRESETS, K3Model
 
 
@@ -64,12 +65,12 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, so both see the same machine load
             chunked_t.append(best_time(lambda: kda_chunked(q, k, v, g, beta, chunk_size=args.chunk), 5))
             strong_t.append(best_time(lambda: kda_chunked(q, k, v, g_strong, beta, chunk_size=args.chunk), 3))
-            recurrent_t.append(best_time(lambda: kda_recurrent(q, k, v, g, beta), 1))
+            recurrent_t.append(best_time(lambda: kda_naive(q, k, v, g, beta), 1))
             progress.advance(task)
-        o_ref, _ = kda_recurrent(q, k, v, g, beta)
+        o_ref, _ = kda_naive(q, k, v, g, beta)
         o, _ = kda_chunked(q, k, v, g, beta, chunk_size=args.chunk)
         max_err = (o - o_ref).abs().max().item()
-        o_ref, _ = kda_recurrent(q, k, v, g_strong, beta)
+        o_ref, _ = kda_naive(q, k, v, g_strong, beta)
         o, _ = kda_chunked(q, k, v, g_strong, beta, chunk_size=args.chunk)
         max_err = max(max_err, (o - o_ref).abs().max().item())
         progress.advance(task)
@@ -92,7 +93,7 @@ def main() -> None:
     table.add_column("what")
     table.add_column("time", justify="right")
     table.add_column("tokens/s", justify="right")
-    table.add_row("kda_recurrent (reference)", f"{t_r * 1e3:.1f} ms", f"{B * T / t_r:,.0f}")
+    table.add_row("kda_naive (reference)", f"{t_r * 1e3:.1f} ms", f"{B * T / t_r:,.0f}")
     table.add_row(f"kda_chunked (chunk {args.chunk})", f"{t_c * 1e3:.1f} ms", f"{B * T / t_c:,.0f}")
     table.add_row("speed-up (recurrent / chunked)", f"{ratio:.1f}x", "")
     table.add_row("kda_chunked, strong decay g ~ U[-5, 0]", f"{t_s * 1e3:.1f} ms", f"{B * T / t_s:,.0f}")
@@ -115,7 +116,7 @@ def main() -> None:
         "kda_chunked_vs_recurrent": round(ratio, 2),
         "kda_max_err": max_err,
         "kda_chunked_ms": round(t_c * 1e3, 2),
-        "kda_recurrent_ms": round(t_r * 1e3, 2),
+        "kda_naive_ms": round(t_r * 1e3, 2),
         "kda_chunked_vs_recurrent_strong_decay": round(t_r / t_s, 2),
         "kda_layer_prefill_tokens_per_s": round(1024 / prefill_t, 1),
         "kda_layer_decode_tokens_per_s": round(n_decode / decode_t, 1),

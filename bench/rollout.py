@@ -42,9 +42,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sandforge.models.generate import SamplingParams, sample_next
+from sandforge.models.sampling import SamplingParams, sample_next
 from sandforge.models.k3.model import PRESETS, K3Model, count_parameters
-from sandforge.rollout.engine import EngineCore
+from sandforge.engine import EngineCore
 
 
 @dataclass

@@ -123,7 +123,7 @@ def async_vs_sync_section(args, table: Table) -> dict:
             "async_engine_idle_frac": round(mean(async_, "time/engine_idle_frac"), 3)}
 
 
-# ---- weight sync and the DeepSpeed step (job/weight_sync.py, trainer/rank.py) --- -------------------------------
+# ---- weight sync and the DeepSpeed step (job/fleet/weight_sync.py, trainer/rank.py) --- -------------------------------
 
 class _WeightSender:
     """Trainer rank 0's side of a push, without DeepSpeed: a policy's state dict to send either way."""
@@ -155,7 +155,7 @@ class _WeightSender:
 
 
 def weight_sync_section(args, table: Table) -> dict:
-    """Seconds per GB of weights from a trainer actor into a serving InferenceEngine actor (received, loaded, version
+    """Seconds per GB of weights from a trainer actor into a serving EngineActor actor (received, loaded, version
     reported), through the Ray object store and through the collective channel (Gloo on CPU), same actors."""
     import statistics
     import time
@@ -163,17 +163,17 @@ def weight_sync_section(args, table: Table) -> dict:
     import ray
 
     from sandforge.config import EngineConfig
-    from sandforge.job.fleet import free_port
-    from sandforge.job.weight_sync import WeightSync
+    from sandforge.job.fleet.lifecycle import free_port
+    from sandforge.job.fleet.weight_sync import WeightSync
     from sandforge.models.build import policy_config
     from sandforge.models.k3.model import PRESETS, K3Model
-    from sandforge.rollout.engine import InferenceEngine
+    from sandforge.engine import EngineActor
 
     policy_cfg = policy_config(K3Model(PRESETS[args.sync_preset]))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=1024 * 1024**2)
     try:
         sender = ray.remote(num_cpus=0)(_WeightSender).remote(policy_cfg, 0)
-        engine = ray.remote(num_cpus=0)(InferenceEngine).remote(policy_cfg, EngineConfig(max_batch_size=4, session_memory_mb=64),
+        engine = ray.remote(num_cpus=0)(EngineActor).remote(policy_cfg, EngineConfig(max_batch_size=4, session_memory_mb=64),
                                                                 0, 1)
         weights = ray.get(sender.get_weights.remote())
         gb = sum(v.numel() * v.element_size() for v in weights.values()) / 1e9
@@ -224,9 +224,9 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
     import torch
 
     from sandforge.config import ModelConfig, TrainerConfig
-    from sandforge.job.fleet import free_port
+    from sandforge.job.fleet.lifecycle import free_port
     from sandforge.models.build import after_optimizer_step, build_policy
-    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sampling import token_logprobs
     from sandforge.trainer.batches import pad_right, split_micro_batches
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 
@@ -297,7 +297,7 @@ def packing_section(args, table: Table) -> dict:
     import time
 
     from sandforge.config import ModelConfig, TrainerConfig
-    from sandforge.job.fleet import free_port
+    from sandforge.job.fleet.lifecycle import free_port
     from sandforge.models.packing import PackedLayout
     from sandforge.trainer.batches import split_micro_batches
     from sandforge.trainer.rank import RolloutShape, TrainerRank
@@ -345,7 +345,7 @@ def _rl_tokens_per_s(ranks: dict, rows: list[dict], steps: int) -> dict[str, flo
 
     import torch
 
-    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sampling import token_logprobs
     from sandforge.trainer.batches import token_batch
 
     first = next(iter(ranks.values()))
@@ -371,7 +371,7 @@ def lora_vs_full_section(args, table: Table) -> dict:
     import os
 
     from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
-    from sandforge.job.fleet import free_port
+    from sandforge.job.fleet.lifecycle import free_port
     from sandforge.models.sources import local_model_dir
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 
@@ -411,7 +411,7 @@ def precision_section(args, table: Table) -> dict:
     import os
 
     from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
-    from sandforge.job.fleet import free_port
+    from sandforge.job.fleet.lifecycle import free_port
     from sandforge.models.sources import local_model_dir
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 

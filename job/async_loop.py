@@ -11,7 +11,7 @@ The trainer (a thread of the driver, with the same ``RLJob`` helpers as sync mod
 is complete (advantages only ever see whole groups; failed episodes are counted and left out, as in sync mode), steps,
 and pushes the new weights with an interrupting load: the engine swaps them between two decode steps and the episodes
 mid-generation continue on them (K3-style partial rollouts, each token tagged with the version that sampled it: see
-rollout/engine/core.py). The next batch is taken when the generator is resumed, so a checkpoint written between steps
+engine/core.py). The next batch is taken when the generator is resumed, so a checkpoint written between steps
 holds exactly the version it is named for.
 
 Per step, besides the sync metrics: ``async/staleness_mean`` and ``async/staleness_max`` (an episode's staleness is how
@@ -32,7 +32,7 @@ from typing import Iterator
 
 from sandforge.job.console import JobError
 from sandforge.job.rollout_metrics import rollout_metrics
-from sandforge.job.rollout_workers import lost_episodes
+from sandforge.job.fleet.rollout_workers import lost_episodes
 from sandforge.types import Task, Trajectory
 
 

@@ -12,7 +12,7 @@ import random
 import time
 from typing import Callable
 
-from sandforge.job import learner
+from sandforge.job.fleet import trainer_ranks
 from sandforge.job.checkpoint import save_checkpoint
 from sandforge.job.console import JobError
 from sandforge.job.rl_job import RLJob, training_rows
@@ -33,12 +33,12 @@ def pretrain(job: RLJob) -> None:
     """Synthetic pretraining: the policy learns to copy values into tool calls."""
     p = job.cfg.pretrain
     copies = copy_source(job, "pretrain")
-    learner.set_lr(job.ranks, p.lr)
+    trainer_ranks.set_lr(job.ranks, p.lr)
     bar = job.bar.add_task("pretraining: copying into tool calls", total=p.steps)
     losses = []
     for step in range(p.steps):
         t0 = time.monotonic()
-        m = learner.train(job.ranks, copies(p.batch_size), mode="sft")
+        m = trainer_ranks.train(job.ranks, copies(p.batch_size), mode="sft")
         job.tick("pretrain", 1, time.monotonic() - t0)
         losses.append(m["loss"])
         job.logger.log("pretrain", {"pretrain/step": step, "pretrain/loss": m["loss"]})
@@ -90,21 +90,21 @@ def warmup(job: RLJob) -> None:
 
     w = job.cfg.warmup
     demos, tried = verified_demonstrations(job)
-    learner.set_lr(job.ranks, w.lr)
+    trainer_ranks.set_lr(job.ranks, w.lr)
     bar = job.bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
     losses = []
     copies = copy_source(job, "warmup") if w.copy_rows else None
     for step in range(w.steps):
         batch = job.rng.sample(demos, min(w.batch_size, len(demos)))
         t0 = time.monotonic()
-        m = learner.train(job.ranks, training_rows(batch) + (copies(w.copy_rows) if copies else []), mode="sft")
+        m = trainer_ranks.train(job.ranks, training_rows(batch) + (copies(w.copy_rows) if copies else []), mode="sft")
         job.tick("sft", 1, time.monotonic() - t0)
         losses.append(m["loss"])
         job.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
         job.bar.update(bar, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
     job.bar.console.print(f"warm start: {len(demos)}/{tried} reference episodes verified; SFT loss {losses[0]:.3f} -> "
                           f"{losses[-1]:.3f} in {w.steps} steps", soft_wrap=True)
-    learner.set_lr(job.ranks, job.cfg.trainer.lr)
+    trainer_ranks.set_lr(job.ranks, job.cfg.trainer.lr)
     ray.get([rank.reset_reference.remote() for rank in job.ranks])
     job.version += 1
     job.push_weights()

@@ -125,8 +125,8 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
     same fleet a run starts (without trainer ranks); writes the summary (success and pass@k, overall and per
     environment) to ``out_file`` and returns it."""
     from sandforge.job.console import console, make_run_id, progress
-    from sandforge.job.fleet import checkpoint_policy, open_fleet
-    from sandforge.job.rollout_workers import collect_episodes, stop_if_all_failed
+    from sandforge.job.fleet.lifecycle import checkpoint_policy, open_fleet
+    from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed
 
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": checkpoint})})
     with open_fleet(cfg, make_run_id(f"{cfg.run.name}-eval"), frozenset({"engine", "workers"}),

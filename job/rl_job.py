@@ -17,13 +17,13 @@ from typing import Iterator
 from rich.progress import Progress
 
 from sandforge.config import JobConfig
-from sandforge.job import learner
+from sandforge.job.fleet import trainer_ranks
 from sandforge.job.console import JobError, console
 from sandforge.job.eta import RunClock
 from sandforge.job.evaluation import eval_line, evaluation, metric_row
-from sandforge.job.fleet import Fleet
+from sandforge.job.fleet.lifecycle import Fleet
 from sandforge.job.rollout_metrics import rollout_metrics
-from sandforge.job.rollout_workers import collect_episodes, stop_if_all_failed, worker_gone
+from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed, worker_gone
 from sandforge.job.runlog import RunLogger
 from sandforge.job.tasks import TaskSampler
 from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
@@ -44,7 +44,7 @@ def step_line(step: int, total: int, m: dict[str, float]) -> str:
 
 
 class RLJob:
-    """A run's driver state over its fleet (job/fleet.py): what a step, the cold start and a checkpoint need."""
+    """A run's driver state over its fleet (job/fleet/lifecycle.py): what a step, the cold start and a checkpoint need."""
 
     def __init__(self, cfg: JobConfig, fleet: Fleet, logger: RunLogger, bar: Progress,
                  clock: RunClock | None = None):
@@ -122,7 +122,7 @@ class RLJob:
         return stats.snapshot()
 
     def update(self, rows: list[dict]) -> dict[str, float]:
-        return learner.update(self.ranks, rows, self.cfg.trainer.mini_batches, self.rng)
+        return trainer_ranks.update(self.ranks, rows, self.cfg.trainer.mini_batches, self.rng)
 
     def sample_groups(self, step: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
         """G episodes for each of ``rollout.tasks_per_step`` tasks: (every episode, the ones to train on, metrics).
@@ -159,7 +159,7 @@ class RLJob:
         penalties = [overlong_penalty(t.response_tokens, s.response_budget, s.overlong_buffer, s.overlong_penalty)
                      for t in ok]
         mini = self.cfg.trainer.mini_batches > 1
-        scores = learner.score(self.ranks, rows) if s.needs_scores or mini else None
+        scores = trainer_ranks.score(self.ranks, rows) if s.needs_scores or mini else None
         adv, returns = token_advantages(
             s.algorithm.advantages,
             [t.reward.value + p for t, p in zip(ok, penalties)],

@@ -1,5 +1,5 @@
 """``sandforge train`` and ``sandforge sft``: a whole run from its config: the run directory, resume, the fleet
-(job/fleet.py), the cold start, RL steps with their held-out evaluations, checkpoints, the final report, and the
+(job/fleet/lifecycle.py), the cold start, RL steps with their held-out evaluations, checkpoints, the final report, and the
 one-line errors a user acts on.
 """
 
@@ -14,7 +14,7 @@ from sandforge.job.checkpoint import checkpoint_dir, restore_checkpoint, resume_
 from sandforge.job.console import JobError, console, make_run_id, progress
 from sandforge.job.eta import RunClock, RunPlan
 from sandforge.job.evaluation import EvalRecord, eval_summary, run_record
-from sandforge.job.fleet import open_fleet
+from sandforge.job.fleet.lifecycle import open_fleet
 from sandforge.job.rl_job import RLJob, rl_steps, step_line
 from sandforge.job.runlog import RunLogger
 

@@ -1,6 +1,6 @@
-"""``sandforge serve CHECKPOINT``: the checkpoint's policy on the fleet's engine (job/fleet.py, the engine part only:
+"""``sandforge serve CHECKPOINT``: the checkpoint's policy on the fleet's engine (job/fleet/lifecycle.py, the engine part only:
 the same actor, placement and weight loading as a training run's), behind the OpenAI-compatible server of
-rollout/engine/server.py."""
+engine/server.py."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ def serve_checkpoint(checkpoint: Path, host: str, port: int, max_batch_size: int
     """Load ``checkpoint`` (ValueError says why it cannot be), start the engine with its weights, serve until
     SIGINT/SIGTERM, then stop the engine."""
     from sandforge.job.console import make_run_id
-    from sandforge.job.fleet import open_fleet
+    from sandforge.job.fleet.lifecycle import open_fleet
     from sandforge.models.build import policy_config
-    from sandforge.rollout.engine.server import load_checkpoint, serve, served_from
+    from sandforge.engine.server import load_checkpoint, serve, served_from
 
     model, tokenizer = load_checkpoint(checkpoint)
     policy = {"config": policy_config(model), "state_dict": {k: v.detach() for k, v in model.state_dict().items()}}

@@ -1,4 +1,4 @@
-"""The part's side of placement (job/placement.py decides; the trainer ranks and the engine call these inside their
+"""The part's side of placement (job/fleet/placement.py decides; the trainer ranks and the engine call these inside their
 own processes): check that a part placed on a GPU can use it, and say where it runs.
 """
 

@@ -1,6 +1,6 @@
 """How an episode asks a policy for tokens: one request dict in, one sample dict out.
 
-The request is the engine contract (``rollout/engine/``, the in-process ``EngineCore`` and the OpenAI-compatible
+The request is the engine contract (``engine/``, the in-process ``EngineCore`` and the OpenAI-compatible
 ``RemoteEngine`` all answer it)::
 
     {"prompt_ids": [int] (the whole sequence so far), "session_id": str | None, "max_tokens": int,

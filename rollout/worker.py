@@ -57,7 +57,7 @@ class RolloutWorker:
         self.run_id = setup.run_id
         self.remote = None
         if engine is None and setup.remote is not None:
-            from sandforge.rollout.engine.remote import RemoteEngine
+            from sandforge.engine.remote import RemoteEngine
 
             r = setup.remote
             engine = self.remote = RemoteEngine(r.url, model=r.model, api_key=r.api_key, timeout=r.timeout,

@@ -177,7 +177,7 @@ class RolloutConfig(Section):
 
 class RemoteEngineConfig(Section):
     """A separate inference server the rollout workers generate through instead of the embedded engine
-    (rollout/engine/remote.py): token ids in and out over OpenAI's ``/v1/completions``. After each step the trainer
+    (engine/remote.py): token ids in and out over OpenAI's ``/v1/completions``. After each step the trainer
     writes the policy to ``weights_dir`` and the server loads it by its own mechanism (``api``)."""
 
     url: str  # the server's base URL, e.g. http://10.0.0.5:8000 (a trailing /v1 is fine)
@@ -211,7 +211,7 @@ class EngineConfig(Section):
     # engine_dtype); the trainer recomputes every log-prob it trains on, so the sampler's rounding only moves the
     # importance ratio it reports (tis/*)
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # where the engine runs (job/placement.py): auto is cuda when Ray has a GPU to give it, else cpu
+    # where the engine runs (job/fleet/placement.py): auto is cuda when Ray has a GPU to give it, else cpu
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # share trainer rank 0's GPU instead of taking one of its own (verl's hybrid engine): the engine frees its episode
     # caches while the trainer steps, and weights reach it by a direct copy from the rank's GPU memory
@@ -283,7 +283,7 @@ class TrainerConfig(Section):
     overlong_buffer: int | None = Field(None, ge=0)  # soft overlong penalty over the budget's last N tokens (0: off)
     overlong_penalty: float = Field(1.0, ge=0)  # the penalty at the budget: -overlong_penalty
     world_size: int = Field(1, ge=1)
-    # where the ranks run (job/placement.py): auto is cuda when Ray has GPUs for them (one each), else cpu
+    # where the ranks run (job/fleet/placement.py): auto is cuda when Ray has GPUs for them (one each), else cpu
     device: Literal["auto", "cpu", "cuda"] = "auto"
     zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel nor model.lora)
     bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available

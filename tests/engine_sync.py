@@ -1,4 +1,4 @@
-"""A weight push into an ``InferenceEngine`` over the collective channel, as job/weight_sync.py makes it: the engine
+"""A weight push into an ``EngineActor`` over the collective channel, as job/fleet/weight_sync.py makes it: the engine
 receives in a thread of its own while ``send(port)`` sends from this one; returns the version the engine then serves."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import threading
 from typing import Callable
 
-from sandforge.job.fleet import free_port
+from sandforge.job.fleet.lifecycle import free_port
 
 
 def push_over_channel(engine, send: Callable[[int], object]) -> int:

@@ -338,7 +338,7 @@ def test_one_or_three_micro_batches_give_the_same_gradient(algorithm, loss_agg):
 
 
 def test_token_scores_entropy_and_hidden_line_up_with_the_logprobs():
-    from sandforge.models.generate import token_logprobs, token_scores
+    from sandforge.models.sampling import token_logprobs, token_scores
 
     from sandforge.models.k3.model import K3Config, K3Model
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_engine import peaky_k3, request, serve
 
-from sandforge.models.generate import SamplingParams, generate
+from sandforge.models.sampling import SamplingParams
+from sandforge.engine.naive import generate_batch_naive
 from sandforge.job.async_loop import admits, episode_staleness
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,12 +60,12 @@ def test_weights_swapped_mid_generation_continue_on_the_new_weights():
     assert 0 < switch < len(ids), "the load should land mid-generation"
     assert versions == [1] * switch + [2] * (len(ids) - switch)
     assert out["version"] == 1 and stats["version"] == 2 and stats["interrupted_rows"] == 1
-    assert ids[:switch] == generate(old, [prompt], SamplingParams(switch, temperature=0.0))[0].token_ids
-    rest = generate(new, [prompt + ids[:switch]], SamplingParams(len(ids) - switch, temperature=0.0))[0]
+    assert ids[:switch] == generate_batch_naive(old, [prompt], SamplingParams(switch, temperature=0.0))[0].token_ids
+    rest = generate_batch_naive(new, [prompt + ids[:switch]], SamplingParams(len(ids) - switch, temperature=0.0))[0]
     assert ids[switch:] == rest.token_ids
     torch.testing.assert_close(torch.tensor(out["logprobs"][switch:]), torch.tensor(rest.logprobs), atol=1e-4, rtol=0)
     # the old weights would have continued differently: the switch is visible in the tokens, not only in the tags
-    again = generate(old, [prompt], SamplingParams(len(ids), temperature=0.0))[0].token_ids
+    again = generate_batch_naive(old, [prompt], SamplingParams(len(ids), temperature=0.0))[0].token_ids
     assert again != ids
 
 

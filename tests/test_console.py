@@ -9,7 +9,7 @@ import pytest
 
 from sandforge.job import console as out
 from sandforge.job.console import JobError, heartbeat, phase, progress, status_line
-from sandforge.job.rollout_workers import common_failure, stop_if_all_failed
+from sandforge.job.fleet.rollout_workers import common_failure, stop_if_all_failed
 from sandforge.types import Reward, Task, Trajectory
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sandforge.models.generate import SamplingParams, generate
+from sandforge.models.sampling import SamplingParams
+from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.k3.model import PRESETS, K3Model
-from sandforge.rollout.engine import EngineCore
+from sandforge.engine import EngineCore
 
 CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
 
@@ -53,7 +54,7 @@ PROMPTS = [[1 + i, 7, 9 + 2 * i, 3, 40 + i, 41, 300 - i, 8, 9][: 2 + (3 * i) % 8
 
 def test_concurrent_greedy_requests_share_decode_steps_and_match_unbatched_generate():
     model = peaky_k3()
-    free = [generate(model, [p], SamplingParams(max_new_tokens=10, temperature=0.0))[0] for p in PROMPTS]
+    free = [generate_batch_naive(model, [p], SamplingParams(max_new_tokens=10, temperature=0.0))[0] for p in PROMPTS]
     assert len({tuple(g.token_ids) for g in free}) == len(PROMPTS)  # outputs depend on the prompt
     stop = free[2].token_ids[3]  # row 2 stops midway, so rows leave the batch at different steps
     params = SamplingParams(max_new_tokens=10, temperature=0.0, stop_ids=(stop,))
@@ -63,7 +64,7 @@ def test_concurrent_greedy_requests_share_decode_steps_and_match_unbatched_gener
 
     outs, stats = serve(model, fn, max_batch_size=4)
     for prompt, [out] in zip(PROMPTS, outs):
-        [expected] = generate(model, [prompt], params)
+        [expected] = generate_batch_naive(model, [prompt], params)
         assert out["token_ids"] == expected.token_ids
         assert out["finish_reason"] == expected.finish_reason
         torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(expected.logprobs), atol=1e-4, rtol=0)
@@ -82,7 +83,7 @@ def full_logits(model, seq, forced=None):
 
 def test_rows_with_different_sampling_parameters_get_their_own_logprobs():
     """One batch, three sampling settings: each logprob is log_softmax(logits / T) at the chosen token, before top-k
-    and top-p truncation, as generate() defines it; top-k 1 sampling equals greedy."""
+    and top-p truncation, as generate_batch_naive() defines it; top-k 1 sampling equals greedy."""
     model = peaky_k3(seed=1)
     settings = [dict(temperature=0.7, top_k=5, top_p=0.9), dict(temperature=1.3), dict(temperature=1.0, top_k=1)]
 
@@ -96,7 +97,7 @@ def test_rows_with_different_sampling_parameters_get_their_own_logprobs():
         expected = F.log_softmax(logits, -1).gather(-1, torch.tensor(out["token_ids"])[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(out["logprobs"]), expected, atol=1e-4, rtol=0)
         if s.get("top_k") == 1:
-            assert out["token_ids"] == generate(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
+            assert out["token_ids"] == generate_batch_naive(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
 
 
 def test_routed_experts_replay_the_engines_logprobs_over_two_turns():
@@ -177,7 +178,7 @@ def test_hf_tiny_qwen3_moe_greedy_and_sessions_match_generate(tmp_path):
     (first, turn2, second), stats = serve(model, fn)
     for batch_prompts, outs in ((prompts, first), (turn2, second)):
         for prompt, [out] in zip(batch_prompts, outs):
-            [expected] = generate(model, [prompt], params)
+            [expected] = generate_batch_naive(model, [prompt], params)
             assert out["token_ids"] == expected.token_ids and out["routed_experts"] is None
             torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(expected.logprobs), atol=1e-4,
                                        rtol=0)
@@ -188,12 +189,12 @@ def test_hf_tiny_qwen3_moe_greedy_and_sessions_match_generate(tmp_path):
 def test_the_ray_actor_serves_requests_and_takes_weights():
     ray = pytest.importorskip("ray")
     from sandforge.config import EngineConfig
-    from sandforge.rollout.engine import InferenceEngine
+    from sandforge.engine import EngineActor
 
     weights = peaky_k3().state_dict()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=128 * 1024**2)
     try:
-        engine = ray.remote(num_cpus=0)(InferenceEngine).remote({"arch": "k3", **CFG.to_dict()},
+        engine = ray.remote(num_cpus=0)(EngineActor).remote({"arch": "k3", **CFG.to_dict()},
                                                               EngineConfig(max_batch_size=4, session_memory_mb=64), 0, 1)
         assert ray.get(engine.load_weights.remote(weights, 7)) == 7
         outs = ray.get([engine.generate.remote(request(p, session_id=f"s{i}")) for i, p in enumerate(PROMPTS[:3])])
@@ -208,5 +209,5 @@ def test_the_ray_actor_serves_requests_and_takes_weights():
     model = peaky_k3()
     for prompt, [out] in zip(PROMPTS, outs):
         assert out["version"] == 7
-        assert out["token_ids"] == generate(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
+        assert out["token_ids"] == generate_batch_naive(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
     assert stats["version"] == 7 and stats["sessions"] == 2

@@ -9,7 +9,7 @@ import torch
 
 from sandforge.models.k3.model import PRESETS, K3Model
 from sandforge.rollout.agent import turn_seed
-from sandforge.rollout.engine import EngineCore
+from sandforge.engine import EngineCore
 
 CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
 

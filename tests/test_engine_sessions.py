@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_engine import CFG, peaky_k3, request, serve
 
-from sandforge.models.generate import SamplingParams, generate
+from sandforge.models.sampling import SamplingParams
+from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.k3.model import K3Cache
 
 
@@ -95,7 +96,7 @@ def test_a_continued_cache_gives_the_logits_of_the_full_forward():
 def test_group_sampling_prefills_the_prompt_once():
     model = peaky_k3(seed=5)
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    [expected] = generate(model, [prompt], SamplingParams(max_new_tokens=6, temperature=0.0))
+    [expected] = generate_batch_naive(model, [prompt], SamplingParams(max_new_tokens=6, temperature=0.0))
 
     async def fn(engine):
         greedy = await engine.generate(request(prompt, session_id="g", n=4, max_tokens=6))
@@ -166,12 +167,12 @@ def test_new_weights_bump_the_version_and_drop_the_caches():
     model = peaky_k3(seed=0)  # the engine's own weights before any load
     (a, seq, b, version, dropped, c), stats = serve(model, fn)
     assert version == 2 and stats["version"] == 2
-    assert a["version"] == 1 and a["token_ids"] == generate(old, [prompt], params)[0].token_ids
+    assert a["version"] == 1 and a["token_ids"] == generate_batch_naive(old, [prompt], params)[0].token_ids
     assert b["version"] == 1 and b["cached_tokens"] > 0
-    assert b["token_ids"] == generate(old, [seq], SamplingParams(30, temperature=0.0))[0].token_ids
+    assert b["token_ids"] == generate_batch_naive(old, [seq], SamplingParams(30, temperature=0.0))[0].token_ids
     assert dropped["sessions"] == 0 and dropped["snapshots"] == 0
     assert c["version"] == 2 and c["cached_tokens"] == 0  # rebuilt under the new weights
-    assert c["token_ids"] == generate(new, [seq], params)[0].token_ids != generate(old, [seq], params)[0].token_ids
+    assert c["token_ids"] == generate_batch_naive(new, [seq], params)[0].token_ids != generate_batch_naive(old, [seq], params)[0].token_ids
     assert stats["rebuilds"] == 1
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sandforge.config import ModelConfig
-from sandforge.job.fleet import free_port
+from sandforge.job.fleet.lifecycle import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "terminal.yaml"

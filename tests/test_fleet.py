@@ -1,4 +1,4 @@
-"""One fleet for every command: train, sft, eval and serve start their processes through job/fleet.py, so a change to
+"""One fleet for every command: train, sft, eval and serve start their processes through job/fleet/lifecycle.py, so a change to
 its set-up reaches all of them; its actors run at the driver's priority; and `sandforge eval` works on jobs whose
 images are not a built-in environment's (Harbor tasks, a plugin's environment)."""
 
@@ -33,10 +33,10 @@ def tiny_policy(tmp_path_factory) -> Path:
 
 
 def test_a_change_to_the_fleet_set_up_reaches_train_sft_eval_and_serve(tmp_path, tiny_policy, monkeypatch):
-    """The set-up is changed once, in job/fleet.py (Ray refuses to start); every command runs into the change."""
+    """The set-up is changed once, in job/fleet/lifecycle.py (Ray refuses to start); every command runs into the change."""
     from typer.testing import CliRunner
 
-    from sandforge.job import fleet
+    from sandforge.job.fleet import lifecycle as fleet
     from sandforge.job.cli import app
     from sandforge.job.console import JobError
 
@@ -70,7 +70,7 @@ def test_fleet_actors_run_at_the_drivers_priority(tiny_policy):
         import os, ray
         os.nice(3)
         from sandforge.config import JobConfig
-        from sandforge.job.fleet import checkpoint_policy, open_fleet
+        from sandforge.job.fleet.lifecycle import checkpoint_policy, open_fleet
         with open_fleet(JobConfig(), "nice-test", frozenset({{"engine"}}), policy=checkpoint_policy({str(tiny_policy)!r})):
             niceness = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote())
         print("driver", os.nice(0), "worker", niceness)
@@ -85,7 +85,7 @@ def test_each_dead_run_reaped_at_start_up_is_named_on_a_line_of_its_own(monkeypa
     line that starts "reaped" did not name the run a reader (or a chaos test) looked for."""
     from sandforge.config import load_config
     from sandforge.environments.sandbox import daemon, images, lifecycle
-    from sandforge.job import fleet
+    from sandforge.job.fleet import lifecycle as fleet
 
     dead = {"terminal-20261201-213527-ffe6d3": 1, "terminal-20261201-230108-509307": 2}
     monkeypatch.setattr(daemon, "docker_client", lambda: None)

@@ -5,9 +5,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sandforge.models.generate import Generation, SamplingParams, generate, sample_next, token_logprobs
+from sandforge.models.sampling import SamplingParams, sample_next, token_logprobs
+from sandforge.engine.naive import Generation, generate_batch_naive
 from sandforge.models.k3.model import PRESETS, K3Model
-from sandforge.models.naive import generate_naive
+from sandforge.engine.naive import generate_naive
 
 PROMPTS = [[257, 5, 9, 200, 7, 7, 3, 44, 45], [257, 17], [257, 8, 100, 101, 102], [257, 66, 67, 68, 69, 70, 71]]
 
@@ -43,12 +44,12 @@ def position_logits(model, prompt, gen, temperature=1.0):
 def test_greedy_batched_matches_naive():
     model = peaky_model()
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    free = generate(model, PROMPTS, params)
+    free = generate_batch_naive(model, PROMPTS, params)
     assert len({tuple(g.token_ids) for g in free}) == len(PROMPTS)  # the test is not trivially repetitive
     # stop on a token row 1 emits midway, so rows finish at different steps
     stop = free[1].token_ids[5]
     params = SamplingParams(max_new_tokens=24, temperature=0.0, stop_ids=(stop,))
-    batched, naive = generate(model, PROMPTS, params), generate_naive(model, PROMPTS, params)
+    batched, naive = generate_batch_naive(model, PROMPTS, params), generate_naive(model, PROMPTS, params)
     assert [g.token_ids for g in batched] == [g.token_ids for g in naive]
     assert [g.finish_reason for g in batched] == [g.finish_reason for g in naive]
     assert batched[1].finish_reason == "stop" and batched[1].token_ids[-1] == stop and len(batched[1].token_ids) <= 6
@@ -67,7 +68,7 @@ def test_greedy_batched_matches_naive():
 )
 def test_sampled_logprobs_match_trainer_recomputation(params):
     model = peaky_model(seed=1)
-    gens = generate(model, PROMPTS, params, torch.Generator().manual_seed(0))
+    gens = generate_batch_naive(model, PROMPTS, params, torch.Generator().manual_seed(0))
     ids, mask = right_padded(PROMPTS, gens)
     model.train()
     lp, aux = token_logprobs(model, ids, mask, temperature=params.temperature)
@@ -81,23 +82,23 @@ def test_sampled_logprobs_match_trainer_recomputation(params):
 def test_seeded_sampling_is_reproducible_and_restores_train_mode():
     model = peaky_model().train()
     params = SamplingParams(max_new_tokens=12)
-    a = generate(model, PROMPTS, params, torch.Generator().manual_seed(7))
+    a = generate_batch_naive(model, PROMPTS, params, torch.Generator().manual_seed(7))
     assert model.training
-    b = generate(model, PROMPTS, params, torch.Generator().manual_seed(7))
-    c = generate(model, PROMPTS, params, torch.Generator().manual_seed(8))
+    b = generate_batch_naive(model, PROMPTS, params, torch.Generator().manual_seed(7))
+    c = generate_batch_naive(model, PROMPTS, params, torch.Generator().manual_seed(8))
     assert a == b and a != c
     assert all(isinstance(t, int) and isinstance(x, float) for g in a for t, x in zip(g.token_ids, g.logprobs))
     generate_naive(model, PROMPTS[:1], params)
     assert model.training
     model.eval()
-    generate(model, PROMPTS[:1], params)
+    generate_batch_naive(model, PROMPTS[:1], params)
     assert not model.training
 
 
 def test_top_k_only_emits_the_k_most_likely_tokens():
     model = peaky_model(seed=2, scale=1.0)  # flat predictions: without truncation many tokens would be drawn
     params = SamplingParams(max_new_tokens=30, temperature=1.5, top_k=3)
-    for p, g in zip(PROMPTS, generate(model, PROMPTS, params, torch.Generator().manual_seed(0))):
+    for p, g in zip(PROMPTS, generate_batch_naive(model, PROMPTS, params, torch.Generator().manual_seed(0))):
         top3 = position_logits(model, p, g).topk(3).indices
         assert all(t in row for t, row in zip(g.token_ids, top3.tolist()))
 
@@ -105,7 +106,7 @@ def test_top_k_only_emits_the_k_most_likely_tokens():
 def test_top_p_only_emits_tokens_of_the_nucleus():
     model = peaky_model(seed=2, scale=1.0)
     params = SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.3)
-    for p, g in zip(PROMPTS, generate(model, PROMPTS, params, torch.Generator().manual_seed(0))):
+    for p, g in zip(PROMPTS, generate_batch_naive(model, PROMPTS, params, torch.Generator().manual_seed(0))):
         probs = position_logits(model, p, g).softmax(-1)
         for t, row in zip(g.token_ids, probs):
             assert row[row > row[t]].sum() < 0.3  # the mass of more likely tokens had not reached top_p yet
@@ -126,15 +127,15 @@ def test_sample_next_truncation_on_known_logits():
 def test_stop_ids_and_length_limits():
     model = peaky_model()
     greedy = SamplingParams(max_new_tokens=10, temperature=0)
-    first = [g.token_ids[0] for g in generate(model, PROMPTS, greedy)]
-    gens = generate(model, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0, stop_ids=(first[0], 999)))
+    first = [g.token_ids[0] for g in generate_batch_naive(model, PROMPTS, greedy)]
+    gens = generate_batch_naive(model, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0, stop_ids=(first[0], 999)))
     assert gens[0] == Generation([first[0]], gens[0].logprobs, "stop")
     assert all(g.finish_reason == "stop" or len(g.token_ids) == 10 for g in gens)
     # the context length caps generation
     small = peaky_model(max_seq_len=12)
-    gens = generate(small, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0))
+    gens = generate_batch_naive(small, PROMPTS, SamplingParams(max_new_tokens=10, temperature=0))
     assert [len(p) + len(g.token_ids) for p, g in zip(PROMPTS, gens)] == [12, 12, 12, 12]
-    assert generate(model, PROMPTS, SamplingParams(max_new_tokens=0)) == [Generation([], [], "length")] * 4
-    assert generate(model, [], SamplingParams()) == []
+    assert generate_batch_naive(model, PROMPTS, SamplingParams(max_new_tokens=0)) == [Generation([], [], "length")] * 4
+    assert generate_batch_naive(model, [], SamplingParams()) == []
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        generate(model, [[1], []], SamplingParams())
+        generate_batch_naive(model, [[1], []], SamplingParams())

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from sandforge.config import TrainerConfig
-from sandforge.models.generate import SamplingParams, generate
+from sandforge.models.sampling import SamplingParams
+from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.k3.model import K3Config, K3Model
 from sandforge.trainer.rank import TrainerRank
 from sandforge.trainer.algorithms import Totals, resolve, token_advantages
@@ -40,7 +41,7 @@ def test_grpo_raises_the_mean_reward(one_thread):
     group_size, tasks = 8, 2
     means = []
     for _ in range(40):
-        samples = generate(model, [PROMPT] * (group_size * tasks), params, generator)
+        samples = generate_batch_naive(model, [PROMPT] * (group_size * tasks), params, generator)
         rewards = [reward(s.token_ids) for s in samples]
         means.append(sum(rewards) / len(rewards))
         rows = [{"token_ids": PROMPT + s.token_ids, "loss_mask": [0] + [1] * len(s.token_ids),

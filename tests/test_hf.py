@@ -10,7 +10,8 @@ transformers = pytest.importorskip("transformers")
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
-from sandforge.models.generate import SamplingParams, generate, token_logprobs  # noqa: E402
+from sandforge.models.sampling import SamplingParams, token_logprobs  # noqa: E402
+from sandforge.engine.naive import generate_batch_naive  # noqa: E402
 from sandforge.models.hf import HFPolicy, load_hf_policy  # noqa: E402
 from sandforge.models.hf_chat import PARSERS, HFChatFormat, TemplateDeltaError  # noqa: E402
 from sandforge.types import Message, ToolCall  # noqa: E402
@@ -118,7 +119,7 @@ def test_batched_cached_generate_equals_unbatched_greedy_and_token_logprobs(poli
         chat.render_prompt([], [Message("system", "Be brief."), Message("user", "The quick brown fox jumps")]),
     ]
     assert len({len(p) for p in prompts}) == 3
-    gens = generate(model, prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    gens = generate_batch_naive(model, prompts, SamplingParams(max_new_tokens=12, temperature=0))
     outputs = [g.token_ids for g in gens]
     assert len({tuple(o) for o in outputs}) > 1, "the model is too flat for this test to mean anything"
     for prompt, gen in zip(prompts, gens):

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sandforge.models.k3.kda import KDA, KDACache, kda_chunked, kda_recurrent
+from sandforge.models.k3.kda import KDA, KDACache, kda_chunked
+from sandforge.models.k3.naive import kda_naive
 
 
 def _inputs(B=2, T=75, H=3, K=16, V=24, seed=0, decay=1.0):
@@ -26,7 +27,7 @@ def _inputs(B=2, T=75, H=3, K=16, V=24, seed=0, decay=1.0):
 def test_chunked_matches_recurrent(chunk_size, with_state):
     q, k, v, g, beta, s0 = _inputs(T=75)  # 75: not a multiple of any chunk size
     s0 = s0 if with_state else None
-    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o_ref, s_ref = kda_naive(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     o, s = kda_chunked(q, k, v, g, beta, initial_state=s0, output_final_state=True, chunk_size=chunk_size)
     assert o.shape == (2, 75, 3, 24) and s.shape == (2, 3, 16, 24)
     assert (o - o_ref).abs().max() <= 1e-4
@@ -39,7 +40,7 @@ def test_chunked_is_stable_under_strong_decay(decay):
     # per-token log-decays down to -17 ... -52: a chunk of 64 decays by up to e^-3000, far past fp32's range, and the
     # chunked form falls back to sub-blocks of 8, 4, 2 and 1 tokens
     q, k, v, g, beta, s0 = _inputs(T=70, seed=1, decay=decay)
-    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True)
+    o_ref, s_ref = kda_naive(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True)
     o, s = kda_chunked(q, k, v, g, beta, scale=0.5, initial_state=s0, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert (o - o_ref).abs().max() <= 1e-4 and (s - s_ref).abs().max() <= 1e-4
@@ -81,7 +82,7 @@ def test_gradients_flow_through_chunked():
     grads = [t.grad.clone() for t in (q, k, v, g, beta)]
     for t in (q, k, v, g, beta, s0):
         t.grad = None
-    o, s = kda_recurrent(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o, s = kda_naive(q, k, v, g, beta, initial_state=s0, output_final_state=True)
     (o.square().sum() + s.sum()).backward()
     for got, t in zip(grads, (q, k, v, g, beta)):
         assert (got - t.grad).abs().max() <= 1e-3

@@ -11,9 +11,9 @@ from sandforge.models.k3.latent_moe import (
     LatentMoE,
     SituGLU,
     hist_quantile,
-    latent_moe_reference,
     update_all_biases,
 )
+from sandforge.models.k3.naive import latent_moe_naive
 
 D = 32
 
@@ -56,7 +56,7 @@ def test_batched_forward_matches_per_token_reference():
         moe.norm.weight.copy_(torch.rand(moe.latent_dim) + 0.5)
     x = torch.randn(2, 7, D)
     out = moe.eval()(x)
-    y_ref, ids_ref, w_ref = latent_moe_reference(moe, x)
+    y_ref, ids_ref, w_ref = latent_moe_naive(moe, x)
     assert torch.equal(out.expert_ids, ids_ref)
     assert (out.weights - w_ref).abs().max() <= 1e-6
     assert (out.y - y_ref).abs().max() <= 1e-5
@@ -65,7 +65,7 @@ def test_batched_forward_matches_per_token_reference():
     forced = torch.randint(0, 8, (2, 7, 3))
     forced[..., 1] = (forced[..., 0] + 1) % 8  # distinct experts per token
     forced[..., 2] = (forced[..., 0] + 2) % 8
-    y_forced, _, _ = latent_moe_reference(moe, x, forced_ids=forced)
+    y_forced, _, _ = latent_moe_naive(moe, x, forced_ids=forced)
     assert (moe(x, forced_ids=forced).y - y_forced).abs().max() <= 1e-5
 
 
@@ -298,7 +298,7 @@ def test_the_layer_takes_the_grouped_path_on_cuda_only_by_default(monkeypatch):
     from sandforge.models.k3 import latent_moe
 
     calls = []
-    monkeypatch.setattr(latent_moe, "grouped_experts", lambda *a: calls.append(a) or latent_moe.looped_experts(*a))
+    monkeypatch.setattr(latent_moe, "grouped_experts", lambda *a: calls.append(a) or latent_moe.experts_naive(*a))
     moe = LatentMoE(D, n_experts=4, top_k=2, balancing="none")
     moe(torch.randn(1, 5, D))
     assert calls == []  # CPU: the loop

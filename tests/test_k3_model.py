@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from sandforge.models.generate import SamplingParams, generate, token_logprobs
+from sandforge.models.sampling import SamplingParams, token_logprobs
+from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.k3.model import PRESETS, K3Model, count_parameters, from_pretrained, save_pretrained
-from sandforge.models.naive import generate_naive
+from sandforge.engine.naive import generate_naive
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def test_save_and_load_round_trip(nano, tmp_path):
 def test_batched_generation_and_trainer_logprobs_agree_with_the_reference(nano):
     prompts = [[5, 9, 100, 7], [300, 2], [8, 8, 8, 8, 8, 1]]
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
-    fast = generate(nano, prompts, params)
+    fast = generate_batch_naive(nano, prompts, params)
     slow = generate_naive(nano, prompts, params)
     assert [g.token_ids for g in fast] == [g.token_ids for g in slow]
     for prompt, g in zip(prompts, fast):

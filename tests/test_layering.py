@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("sandforge", "models", "environments", "verifiers", "rollout", "trainer", "job")
+PARTS = ("sandforge", "models", "engine", "environments", "verifiers", "rollout", "trainer", "job")
 
 
 def read_rules(architecture: Path) -> dict[str, tuple[set[str], set[str]]]:
@@ -134,6 +134,11 @@ def test_the_rules_cover_every_part():
     assert set(read_rules(ROOT / "ARCHITECTURE.md")) == set(PARTS)
 
 
+def test_the_engine_uses_only_the_core_and_models():
+    allowed, banned = read_rules(ROOT / "ARCHITECTURE.md")["engine"]
+    assert allowed == {"sandforge", "models", "engine"} and {"ray", "docker", "deepspeed"} <= banned
+
+
 # --- the checker itself, on a planted tree --------------------------------------------------------------------------
 
 
@@ -147,6 +152,7 @@ def planted(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 RULES = {"sandforge": ({"sandforge"}, set()), "models": ({"sandforge", "models"}, set()),
+         "engine": ({"sandforge", "models", "engine"}, {"ray"}),
          "environments": ({"sandforge", "environments"}, set()), "verifiers": ({"sandforge", "verifiers"}, {"docker"}),
          "rollout": (set(PARTS) - {"job", "trainer"}, set()), "trainer": ({"sandforge", "models", "trainer"}, set()),
          "job": (set(PARTS), set())}
@@ -160,10 +166,12 @@ def test_the_checker_finds_an_upward_import_a_banned_module_and_a_circle(tmp_pat
         "verifiers/checks.py": "import docker\nfrom .grader import g\n",
         "verifiers/grader.py": "from sandforge.verifiers.checks import x\ng = 1\n",
         "job/cli.py": "from sandforge.trainer.rank import R\nfrom sandforge.models.net import f\n",
+        "engine/core.py": "from sandforge.rollout.agent import run_episode\nfrom sandforge.models import net\n",
     })
     problems = violations(root, RULES)
     assert any(p.startswith("models/net.py:2: models/ imports sandforge.trainer.rank") for p in problems), problems
     assert any(p.startswith("verifiers/checks.py:1: verifiers/ imports docker") for p in problems), problems
-    assert len(problems) == 2, problems  # trainer -> models and job -> anything are allowed
+    assert any(p.startswith("engine/core.py:1: engine/ imports sandforge.rollout.agent") for p in problems), problems
+    assert len(problems) == 3, problems  # trainer -> models, engine -> models and job -> anything are allowed
     assert sorted(circles(root)) == [["sandforge.models.net", "sandforge.trainer.rank"],
                                      ["sandforge.verifiers.checks", "sandforge.verifiers.grader"]]

@@ -17,7 +17,7 @@ from test_hf import build_tokenizer  # noqa: E402
 
 from sandforge.config import (ConfigError, EngineConfig, LoraConfig, ModelConfig, TrainerConfig,  # noqa: E402
                               load_config)
-from sandforge.job.fleet import free_port  # noqa: E402
+from sandforge.job.fleet.lifecycle import free_port  # noqa: E402
 from sandforge.trainer.rank import ADAPTERS_FILE, RolloutShape  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -55,7 +55,7 @@ def new_rank(base_dir, trainer=TRAINER):
 
 def make_rows(rank, advantages):
     """On-policy rows: the engine's log-probs are the rank's own."""
-    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sampling import token_logprobs
     from sandforge.trainer.batches import token_batch
 
     g = torch.Generator().manual_seed(1)
@@ -111,7 +111,7 @@ def test_a_deepspeed_step_trains_only_the_adapters(base_dir):
 
 def test_the_kl_reference_stays_the_frozen_base_until_reset(trained, base_dir):
     from sandforge.models.build import load_policy
-    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sampling import token_logprobs
     from sandforge.trainer.batches import token_batch
 
     rows = make_rows(trained, [1.0, 1.0])
@@ -130,7 +130,7 @@ def test_the_kl_reference_stays_the_frozen_base_until_reset(trained, base_dir):
 
 
 def sync(rank, engine, mode: str, version: int) -> int:
-    """One push, the way job/weight_sync.py makes it: through the object store's path or the weight channel."""
+    """One push, the way job/fleet/weight_sync.py makes it: through the object store's path or the weight channel."""
     async def load(weights):
         try:
             return await engine.load_weights(weights, version)
@@ -152,11 +152,11 @@ def test_the_engine_serves_the_trainers_merged_model_after_a_sync(trained, base_
     from sandforge.models.build import load_policy
     from sandforge.models.hf import HFPolicy
     from sandforge.models.lora import merged_state_dict
-    from sandforge.rollout.engine import InferenceEngine
+    from sandforge.engine import EngineActor
 
     config = trained.model_config_dict()
     assert config["lora"]["targets"] and config["lora"]["r"] == 4
-    engine = InferenceEngine(config, EngineConfig(max_batch_size=4, session_memory_mb=16), 0, 1)
+    engine = EngineActor(config, EngineConfig(max_batch_size=4, session_memory_mb=16), 0, 1)
     base = logits(engine.core.model, IDS)
     assert sync(trained, engine, mode, 1) == 1 == engine.version()
     served = logits(engine.core.model, IDS)
@@ -197,7 +197,7 @@ def test_a_checkpoint_saves_the_merged_policy_and_reloads_the_same_next_step(bas
 
 def test_top_layers_adapts_only_the_last_layers_and_the_backward_stops_below_them(base_dir):
     from sandforge.models.build import load_policy
-    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sampling import token_logprobs
     from sandforge.models.lora import add_lora, adapter_weights
 
     policy = add_lora(load_policy(base_dir), LoraConfig(top_layers=1))
@@ -243,9 +243,9 @@ def test_lora_is_refused_where_it_cannot_work(base_dir, tmp_path):
 def test_a_bfloat16_engine_merges_in_fp32_and_serves_the_merged_weights_cast(trained, base_dir):
     """engine.dtype bfloat16: the adapters are merged into the fp32 base it kept, then cast; nothing accumulates."""
     from sandforge.models.lora import merged_state_dict
-    from sandforge.rollout.engine import InferenceEngine
+    from sandforge.engine import EngineActor
 
-    engine = InferenceEngine(trained.model_config_dict(), EngineConfig(max_batch_size=4, session_memory_mb=16,
+    engine = EngineActor(trained.model_config_dict(), EngineConfig(max_batch_size=4, session_memory_mb=16,
                                                                        dtype="bfloat16"), 0, 1)
     assert {p.dtype for p in engine.core.model.parameters()} == {torch.bfloat16}
     assert sync(trained, engine, "object_store", 1) == 1

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sandforge.models.generate import token_scores
+from sandforge.models.sampling import token_scores
 from sandforge.models.k3.config import preset_config
-from sandforge.models.k3.kda import kda_chunked, kda_recurrent
+from sandforge.models.k3.kda import kda_chunked
+from sandforge.models.k3.naive import kda_naive
 from sandforge.models.k3.model import K3Model
 from sandforge.models.packing import PackedLayout
 
@@ -72,8 +73,8 @@ def test_kda_chunk_reset_equals_separate_recurrences():
     beta = torch.rand(B, T, H)
     reset = torch.tensor([[False, False, True, False]])  # a second sequence starts at token 64
     o, _ = kda_chunked(q, k, v, g, beta, chunk_size=C, reset=reset)
-    first, _ = kda_recurrent(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64])
-    second, _ = kda_recurrent(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:])
+    first, _ = kda_naive(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64])
+    second, _ = kda_naive(q[:, 64:], k[:, 64:], v[:, 64:], g[:, 64:], beta[:, 64:])
     torch.testing.assert_close(o, torch.cat([first, second], dim=1), atol=1e-5, rtol=1e-5)
 
 
@@ -97,7 +98,7 @@ def test_varlen_boundaries_of_packed_rows_give_what_chunk_resets_give():
     cu = packed_cu_seqlens(seg).tolist()
     assert cu[0] == 0 and cu[-1] == B * T and len(cu) - 1 == len(LENGTHS) + sum(1 for r in range(B) if seg[r, 0] == 0)
     flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-    spans = [kda_recurrent(*(t[:, a:b] for t in flat))[0] for a, b in zip(cu, cu[1:])]
+    spans = [kda_naive(*(t[:, a:b] for t in flat))[0] for a, b in zip(cu, cu[1:])]
     torch.testing.assert_close(torch.cat(spans, dim=1).view(B, T, H, V), packed, atol=1e-5, rtol=1e-5)
 
 
@@ -169,7 +170,7 @@ def rank():
     import os
 
     from sandforge.config import ModelConfig, TrainerConfig
-    from sandforge.job.fleet import free_port
+    from sandforge.job.fleet.lifecycle import free_port
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -1,4 +1,4 @@
-"""Where the trainer ranks and the engine run (job/placement.py), checked without a GPU: Ray is given logical GPUs
+"""Where the trainer ranks and the engine run (job/fleet/placement.py), checked without a GPU: Ray is given logical GPUs
 (``ray.init(num_gpus=2)``), so its accounting, its ``CUDA_VISIBLE_DEVICES`` and the placement group of a colocated
 engine are real; only torch here has no CUDA, which a part placed on a GPU must then refuse in one line. The
 colocated weight sync runs for real on CPU (shared-memory files where a GPU would pass CUDA IPC handles)."""
@@ -10,7 +10,7 @@ import torch
 
 from sandforge.config import EngineConfig, JobConfig, ModelConfig, RemoteEngineConfig, TrainerConfig
 from sandforge.job.console import JobError
-from sandforge.job.placement import GPU_SHARE, describe, placement_group, resolve_placement
+from sandforge.job.fleet.placement import GPU_SHARE, describe, placement_group, resolve_placement
 
 
 def job(world: int = 1, trainer: str = "auto", engine: str = "auto", colocate: bool = False, **trainer_keys) -> JobConfig:
@@ -142,7 +142,7 @@ def _free_gpus(ray) -> float:
 
 def test_ray_gives_each_cuda_part_its_own_gpu(logical_gpus):
     ray = logical_gpus
-    from sandforge.job.placement import cluster_gpus
+    from sandforge.job.fleet.placement import cluster_gpus
 
     assert cluster_gpus() == 2
     p = resolve_placement(job(), gpus=cluster_gpus())
@@ -189,7 +189,7 @@ def test_a_rank_ray_put_on_a_gpu_that_torch_cannot_use_fails_in_one_line(logical
     ray = logical_gpus
     if torch.cuda.is_available():
         pytest.skip("this torch has CUDA: tests/gpu covers the real thing")
-    from sandforge.job.fleet import free_port
+    from sandforge.job.fleet.lifecycle import free_port
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     p = resolve_placement(job(trainer="cuda"), gpus=2)
@@ -207,9 +207,9 @@ def test_colocated_weight_sync_copies_rank_0s_own_memory_into_the_engine(logical
     IPC handles). Only handles cross: the blob is a small fraction of the weights. After a training step the next
     push serves the new weights, equal to the rank's, cast to the engine's bfloat16."""
     ray = logical_gpus
-    from sandforge.job.fleet import free_port
-    from sandforge.job.weight_sync import WeightSync
-    from sandforge.rollout.engine import InferenceEngine
+    from sandforge.job.fleet.lifecycle import free_port
+    from sandforge.job.fleet.weight_sync import WeightSync
+    from sandforge.engine import EngineActor
     from sandforge.trainer.rank import RolloutShape, TrainerRank
 
     model = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
@@ -218,7 +218,7 @@ def test_colocated_weight_sync_copies_rank_0s_own_memory_into_the_engine(logical
     rank = ray.remote(TrainerRank).options(**p.rank_options(0)).remote(
         0, 1, "127.0.0.1", free_port(), model, TrainerConfig(lr=1e-2), RolloutShape(1.0, 64), 0, 2, "cpu")
     config = ray.get(rank.model_config_dict.remote())
-    engine = ray.remote(InferenceEngine).options(**p.engine_options()).remote(
+    engine = ray.remote(EngineActor).options(**p.engine_options()).remote(
         config, EngineConfig(max_batch_size=2, session_memory_mb=8, dtype="bfloat16"), 0, 1, "cpu")
     try:
         sync = WeightSync("colocated", [rank], engine, free_port(), gather_all=False)

@@ -24,9 +24,9 @@ from serve_process import serve_process  # noqa: E402 - tests/ is on sys.path
 from sandforge.config import ModelConfig
 from sandforge.models.bpe import load_tokenizer
 from sandforge.models.build import build_policy, load_policy, save_policy
-from sandforge.rollout.engine.core import EngineCore
-from sandforge.rollout.engine.remote import RemoteEngine, RemoteEngineError
-from sandforge.rollout.engine.server import complete, load_checkpoint, parse_request, served_from
+from sandforge.engine.core import EngineCore
+from sandforge.engine.remote import RemoteEngine, RemoteEngineError
+from sandforge.engine.server import complete, load_checkpoint, parse_request, served_from
 
 pytestmark = pytest.mark.timeout(120)
 

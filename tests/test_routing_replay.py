@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sandforge.models.generate import token_logprobs
+from sandforge.models.sampling import token_logprobs
 from sandforge.models.k3.latent_moe import LatentMoE
 from sandforge.models.k3.model import PRESETS, K3Model
-from sandforge.rollout.engine import EngineCore
+from sandforge.engine import EngineCore
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, replaying, routed_ids
 
 CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)

@@ -8,7 +8,7 @@ import torch
 
 from sandforge.config import ModelConfig, TrainerConfig
 from sandforge.trainer.rank import RolloutShape
-from sandforge.job.fleet import free_port
+from sandforge.job.fleet.lifecycle import free_port
 
 MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
                     k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))

@@ -7,7 +7,7 @@ import torch
 
 from sandforge.config import ModelConfig, TrainerConfig
 from sandforge.trainer.rank import RolloutShape
-from sandforge.job.fleet import free_port
+from sandforge.job.fleet.lifecycle import free_port
 
 MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
                     k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
@@ -28,7 +28,7 @@ def rank():
 
 
 def masked_logprobs(rank, rows):
-    from sandforge.models.generate import token_logprobs
+    from sandforge.models.sampling import token_logprobs
     from sandforge.trainer.batches import pad_right
 
     ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
@@ -178,7 +178,7 @@ def test_deepspeed_config_for_each_precision_setting():
 
 
 def test_a_bf16_step_on_cpu_keeps_log_probs_values_and_moe_biases_in_fp32():
-    from sandforge.models.generate import token_scores
+    from sandforge.models.sampling import token_scores
     from sandforge.trainer.batches import pad_right
     from sandforge.trainer.rank import TrainerRank
 

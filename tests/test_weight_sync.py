@@ -99,11 +99,11 @@ def test_a_bfloat16_engine_takes_the_trainers_fp32_weights_over_the_channel():
 
     from sandforge.config import EngineConfig
     from sandforge.models.k3.model import PRESETS, K3Model
-    from sandforge.rollout.engine import InferenceEngine
+    from sandforge.engine import EngineActor
 
     cfg = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
     trainer = K3Model(cfg)
-    engine = InferenceEngine({"arch": "k3", **cfg.to_dict()}, EngineConfig(max_batch_size=2, session_memory_mb=8,
+    engine = EngineActor({"arch": "k3", **cfg.to_dict()}, EngineConfig(max_batch_size=2, session_memory_mb=8,
                                                                           dtype="bfloat16"), 0, 1)
     assert {p.dtype for p in engine.core.model.parameters()} == {torch.bfloat16}
 

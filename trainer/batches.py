@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sandforge.models.generate import TokenScores, token_scores
+from sandforge.models.sampling import TokenScores, token_scores
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.routing_replay import UNKNOWN, replaying
 

@@ -1,6 +1,6 @@
 """One trainer rank: a Ray actor that owns a DeepSpeed engine over the policy.
 
-N ranks form one torch.distributed group (gloo on CPU, NCCL on GPU: job/placement.py gives each CUDA rank a GPU of
+N ranks form one torch.distributed group (gloo on CPU, NCCL on GPU: job/fleet/placement.py gives each CUDA rank a GPU of
 its own, which it sees as cuda:0; its batches, reference model and value head live there too). Each rank receives its shard of the step's sequences, splits it
 into exactly ``grad_accum_steps`` micro-batches (empty ones run a zero-weighted dummy so every rank does the same number
 of backward passes), and DeepSpeed averages gradients across ranks and steps the optimizer at the boundary. The loss
@@ -63,7 +63,7 @@ def deepspeed_config(trainer: TrainerConfig, cuda: bool) -> dict:
 class TrainerRank:
     """``model``: the policy to build (or ``model.init_from`` to load); ``trainer``: the whole trainer section;
     ``shape``: what the rollout fixes about the scored tokens; ``device``: "cpu", or "cuda" when Ray placed the rank
-    on a GPU (job/placement.py)."""
+    on a GPU (job/fleet/placement.py)."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model: ModelConfig,
                  trainer: TrainerConfig, shape: RolloutShape, seed: int = 0, num_threads: int = 1,

@@ -5,7 +5,8 @@ Per head, the state S (d_k x d_v) is updated token by token:
     S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,      alpha_t = exp(g_t), g_t <= 0 per channel
     o_t = S_t^T (scale * q_t)                                                    (reads the state after token t)
 
-``kda_recurrent`` is that loop, the plain reference. ``kda_chunked`` is the chunkwise-parallel form (WY representation /
+``kda_naive`` (models/k3/naive.py) is that loop, the plain reference; for one token (decode) it is also the right
+algorithm, so the layer uses it there. ``kda_chunked`` is the chunkwise-parallel form (WY representation /
 UT transform, as in the gated DeltaNet and Kimi Linear chunk algorithms); a test holds the two together. ``KDA`` is the
 layer around them: short convolutions, L2-normalised q/k, low-rank decay gate, output RMSNorm and gate, decode cache.
 
@@ -21,36 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..packing import packed_cu_seqlens, same_segment, segment_starts
-
-
-def kda_recurrent(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Token-by-token KDA in fp32: q, k, g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; state [B,H,K,V] -> o [B,T,H,V].
-
-    Uses S_t = D_t S_{t-1} + k_t [beta_t (v_t - k_t^T D_t S_{t-1})]^T, which is the update above multiplied out.
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    out_dtype = v.dtype
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
-    o = q.new_empty(B, T, H, V)
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None]  # Diag(alpha_t) S_{t-1}
-        k_t = k[:, t]  # [B,H,K]
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S))  # [B,H,V]
-        S = S + k_t[..., None] * u[..., None, :]
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S)
-    return o.to(out_dtype), (S if output_final_state else None)
+from .naive import kda_naive
 
 
 # Every decay factor formed in kda_chunked lies in [e^-40, e^40]. Within a sub-block the split factors are exact (the
@@ -89,7 +61,7 @@ def kda_chunked(
     chunk_size: int = 64,
     reset: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunkwise-parallel KDA, same contract as ``kda_recurrent``; works in fp32. ``reset`` [B, N] bool: chunk i starts
+    """Chunkwise-parallel KDA, same contract as ``kda_naive``; works in fp32. ``reset`` [B, N] bool: chunk i starts
     from a zero state (packed sequences: a new sequence begins there; see ``models/packing.py``).
 
     Within a chunk starting from state S_0, with G_t = sum_{s<=t} g_s (cumulative log-decay from the chunk start) and
@@ -302,7 +274,7 @@ class KDA(nn.Module):
         segment_ids: Tensor | None = None,
     ) -> tuple[Tensor, KDACache | None]:
         """mask [B,T]: 1 = real token, 0 = pad; a pad changes neither the state nor the conv windows. Several tokens
-        (prefill) run ``kda_chunked``, one token (decode) ``kda_recurrent``; both continue from ``cache`` (left as it
+        (prefill) run ``kda_chunked``, one token (decode) ``kda_naive``; both continue from ``cache`` (left as it
         is). Returns (y, the cache after these tokens if use_cache else None).
 
         segment_ids [B,T] (packed training sequences, ``models/packing.py``; no cache): every segment must start at a
@@ -333,7 +305,7 @@ class KDA(nn.Module):
         state = None if cache is None else cache.state
         fla_chunk = fla_chunk_kda() if self.use_fla and q.is_cuda and T > 1 else None
         if T == 1:
-            o, state = kda_recurrent(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
+            o, state = kda_naive(q, k, v, g, beta, initial_state=state, output_final_state=use_cache)
         elif fla_chunk is not None and reset is not None:  # packed rows: one varlen sequence, a span per segment
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta.to(q.dtype))]
             o, _ = fla_chunk(*flat, cu_seqlens=packed_cu_seqlens(segment_ids))

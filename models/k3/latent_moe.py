@@ -58,6 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .naive import experts_naive
+
 BALANCING = ("quantile", "sign", "none")
 QUANTILE_RANGE = 4.0  # s − α lies in (−1 − Δb, 1 + Δb); mean-centred biases keep it well inside ±4
 
@@ -182,7 +184,7 @@ class LatentMoE(nn.Module):
             if grouped and grouped_mm_fits(z, self.d_expert):
                 mixed = grouped_experts(z, ids, p, self.experts)
             else:
-                mixed = looped_experts(z, ids, p, self.experts)
+                mixed = experts_naive(z, ids, p, self.experts)
         else:  # experts spread over ranks: the same sum, tokens sent to their experts' ranks and back
             mixed = self.ep.mix(z, ids, p, self.experts)
         y = self.w_up(self.norm(mixed.to(x.dtype)))  # [N, D]
@@ -239,17 +241,6 @@ class LatentMoE(nn.Module):
         return metrics
 
 
-def looped_experts(z: Tensor, ids: Tensor, p: Tensor, experts: nn.ModuleList) -> Tensor:
-    """Σ_i p_i E_i(z) per token [N, L] in fp32, one expert at a time over the tokens that chose it (the reference)."""
-    N, k = ids.shape
-    per_slot = torch.zeros(N, k, z.shape[-1], dtype=torch.float32, device=z.device)  # [N, k, L]
-    for e, expert in enumerate(experts):
-        tok, slot = (ids == e).nonzero(as_tuple=True)  # each (token, slot) pair is written once
-        if tok.numel():
-            per_slot[tok, slot] = expert(z[tok]).float() * p[tok, slot, None]
-    return per_slot.sum(1)  # summed in slot order
-
-
 def grouped_mm_fits(z: Tensor, d_expert: int) -> bool:
     """``torch._grouped_mm`` wants every row stride a multiple of 16 bytes (and exists: torch >= 2.8)."""
     size = z.element_size()
@@ -257,7 +248,7 @@ def grouped_mm_fits(z: Tensor, d_expert: int) -> bool:
 
 
 def grouped_experts(z: Tensor, ids: Tensor, p: Tensor, experts: nn.ModuleList) -> Tensor:
-    """``looped_experts`` as three grouped GEMMs: the (token, slot) pairs sorted by expert, each expert's rows one
+    """``experts_naive`` as three grouped GEMMs: the (token, slot) pairs sorted by expert, each expert's rows one
     group (``offs``: where each group ends), the experts' weights stacked [n, in, out]. Same sum, same slot order."""
     N, k = ids.shape
     flat = ids.reshape(-1)
@@ -307,32 +298,3 @@ def update_all_biases(model: nn.Module) -> dict[str, float]:
     if worst:
         metrics["moe/max_load_ratio"] = worst
     return metrics
-
-
-@torch.no_grad()
-def latent_moe_reference(
-    moe: LatentMoE, x: Tensor, forced_ids: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The same layer one token and one expert at a time, no batching: (y [B,T,D], ids [B,T,k], weights [B,T,k])."""
-    B, T, D = x.shape
-    y = torch.zeros_like(x)
-    ids = torch.zeros(B, T, moe.top_k, dtype=torch.long)
-    weights = torch.zeros(B, T, moe.top_k)
-    for b in range(B):
-        for t in range(T):
-            xt = x[b, t]
-            s = torch.sigmoid(moe.router.weight.float() @ xt.float())  # [n]
-            chosen = (s + moe.bias).topk(moe.top_k).indices if forced_ids is None else forced_ids[b, t]
-            total = sum(s[e] for e in chosen)
-            z = moe.w_down.weight @ xt  # [L]
-            mixed = torch.zeros(moe.latent_dim)
-            for slot, e in enumerate(chosen.tolist()):
-                p = s[e] / total
-                mixed += p * moe.experts[e](z)
-                ids[b, t, slot], weights[b, t, slot] = e, p
-            normed = mixed / torch.sqrt(mixed.pow(2).mean() + moe.norm.eps) * moe.norm.weight
-            out = moe.w_up.weight @ normed
-            for expert in moe.shared:
-                out = out + expert(xt)
-            y[b, t] = out
-    return y, ids, weights

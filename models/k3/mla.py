@@ -10,7 +10,7 @@ is the causal mask. Per token t and head h:
     y   = W_o [sigmoid(W_g x_t) ⊙ o]
 
 `GatedMLA.forward` expands the cached latent to per-head K/V (or, with `absorb=True`, folds W_uk into the query and W_uv
-after the weighted sum so attention runs in the latent space); `mla_reference` is the plain, cache-free version of the
+after the weighted sum so attention runs in the latent space); `mla_naive` is the plain, cache-free version of the
 same equations that the tests tie both paths to.
 """
 
@@ -169,19 +169,3 @@ class GatedMLA(nn.Module):
         p = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(dim=-1)
         o_lat = torch.einsum("bhts,bsl->bthl", p, latent)  # [B, T, H, L]
         return torch.einsum("bthl,hdl->bthd", o_lat, w_uv)  # [B, T, H, hd]
-
-
-def mla_reference(layer: GatedMLA, x: Tensor, mask: Tensor | None = None) -> Tensor:
-    """The plain equations over the whole sequence, no cache: full per-head K and V, an explicit masked softmax."""
-    B, T, _ = x.shape
-    mask = torch.ones(B, T, dtype=torch.bool, device=x.device) if mask is None else mask.bool()
-    c_kv = layer.kv_norm(layer.wkv_down(x))  # [B, T, L]
-    q = layer.wq_up(layer.q_norm(layer.wq_down(x))).view(B, T, layer.n_heads, layer.head_dim)
-    k = layer.wk_up(c_kv).view(B, T, layer.n_heads, layer.head_dim)
-    v = layer.wv_up(c_kv).view(B, T, layer.n_heads, layer.head_dim)
-    scores = torch.einsum("bthd,bshd->bhts", q, k) / layer.head_dim**0.5  # [B, H, T, T]
-    pos = torch.arange(T, device=x.device)
-    allowed = (pos[None, :] <= pos[:, None]) & (mask[:, None, :] | (pos[None, :] == pos[:, None]))  # [B, T, T]
-    p = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(dim=-1)
-    o = torch.einsum("bhts,bshd->bthd", p, v)  # [B, T, H, hd]
-    return layer.w_o(torch.sigmoid(layer.w_g(x)) * o.reshape(B, T, -1))

@@ -203,7 +203,7 @@ def live_job(tmp_path_factory, terminal_image, docker_client):
 
     from sandforge.config import load_config
     from sandforge.job.console import progress
-    from sandforge.job.fleet import open_fleet
+    from sandforge.job.fleet.lifecycle import open_fleet
     from sandforge.job.rl_job import RLJob
     from sandforge.job.runlog import RunLogger
 
@@ -211,7 +211,7 @@ def live_job(tmp_path_factory, terminal_image, docker_client):
     cfg = load_config(ROOT / "configs/terminal.yaml", [f"run.output_dir={out}", *LIVE_JOB])
     run_id = f"chaos-{uuid.uuid4().hex[:10]}"
     # the fleet joins this Ray instance, whose workers know the chaos verifiers
-    # workers at the driver's niceness, as sandforge's own local Ray (job/fleet.py): Ray's default 15 starves them on
+    # workers at the driver's niceness, as sandforge's own local Ray (job/fleet/lifecycle.py): Ray's default 15 starves them on
     # a busy machine, where a trainer step waited past half an hour beside two busy processes
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 1024**2,
              runtime_env={"env_vars": {"PYTHONPATH": str(CHAOS_DIR)},

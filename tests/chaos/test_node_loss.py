@@ -23,7 +23,7 @@ RUN = ["trainer.steps=3", "trainer.checkpoint_every=1", "rollout.workers=2", "ro
 def cluster():
     from ray.cluster_utils import Cluster
 
-    # workers at the driver's priority, as sandforge's local Ray has them (job/fleet.py start_ray): at Ray's default
+    # workers at the driver's priority, as sandforge's local Ray has them (job/fleet/lifecycle.py start_ray): at Ray's default
     # nice 15 a busy machine starves the trainer rank for minutes
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
                                                       "_system_config": {"worker_niceness": 0}})
@@ -58,7 +58,7 @@ def test_a_lost_node_costs_its_episodes_not_the_run(tmp_path, cluster, terminal_
     nodes = [raylet_pid(cluster.head_node), raylet_pid(second)]
     raylets = [pid for pid in rollout_worker_raylets() if pid in nodes]  # this cluster's (another run may be going)
     assert sorted(raylets) == sorted(nodes), (
-        "workers are placed one per node in turn (job/rollout_workers.py)")
+        "workers are placed one per node in turn (job/fleet/rollout_workers.py)")
     run_id = (out / "run_id").read_text().strip()
     wait_for(lambda: run_containers(docker_client, run_id), "sandbox of step 2", proc=proc, out=out)
     cluster.remove_node(second, allow_graceful=False)

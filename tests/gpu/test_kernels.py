@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sandforge.models.k3.kda import KDA, fla_chunk_kda, kda_chunked, kda_recurrent
+from sandforge.models.k3.kda import KDA, fla_chunk_kda, kda_chunked
+from sandforge.models.k3.naive import kda_naive
 from sandforge.models.k3.latent_moe import LatentMoE
 from sandforge.models.k3.mla import GatedMLA
 from sandforge.models.packing import PackedLayout
@@ -28,7 +29,7 @@ def test_fla_chunk_kda_equals_the_recurrence():
         pytest.skip("fla-core is not installed")
     q, k, v, g, beta, h0 = kda_inputs(2, 300, 4, 64, 64, torch.float32)
     o_f, s_f = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_r, s_r = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_r, s_r = kda_naive(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_c, _ = kda_chunked(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert (o_f - o_r).abs().max() < 1e-3 and (s_f - s_r).abs().max() < 1e-3
     assert (o_c - o_r).abs().max() < 1e-3

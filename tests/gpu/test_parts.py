@@ -8,8 +8,8 @@ import torch
 import torch.multiprocessing as mp
 
 from sandforge.config import EngineConfig, ModelConfig, TrainerConfig
-from sandforge.job.fleet import free_port
-from sandforge.rollout.engine import InferenceEngine
+from sandforge.job.fleet.lifecycle import free_port
+from sandforge.engine import EngineActor
 from sandforge.trainer.rank import RolloutShape, TrainerRank
 
 MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes")
@@ -35,7 +35,7 @@ def test_a_cuda_engine_generates_on_its_gpu():
     from sandforge.models.k3.model import PRESETS, K3Model
 
     config = policy_config(K3Model(PRESETS["k3-nano"]))
-    engine = InferenceEngine(config, EngineConfig(dtype="bfloat16"), 0, 1, "cuda")
+    engine = EngineActor(config, EngineConfig(dtype="bfloat16"), 0, 1, "cuda")
     assert next(engine.core.model.parameters()).is_cuda
 
     async def one():

@@ -1,6 +1,6 @@
 """The engine as a Ray actor: builds the policy from its config and serves ``EngineCore`` on the actor's event loop.
 
-    engine = ray.remote(num_cpus=0)(InferenceEngine).remote(policy_config, cfg.engine, seed, threads, "cpu")
+    engine = ray.remote(num_cpus=0)(EngineActor).remote(policy_config, cfg.engine, seed, threads, "cpu")
     [sample] = await engine.generate.remote({"prompt_ids": [...], "session_id": "ep-3", "max_tokens": 256, ...})
 """
 
@@ -18,7 +18,7 @@ def sent_layout(state_dict: dict) -> dict:
     return {k: torch.empty(v.shape, dtype=torch.float32) if v.is_floating_point() else v for k, v in state_dict.items()}
 
 
-class InferenceEngine:
+class EngineActor:
     """``policy_config``: the policy's own config (``models.build.policy_config``: its ``arch`` and sizes), from which
     the engine builds it; weights arrive by ``load_weights`` or ``receive_weights``. A config with ``lora`` (the
     trainer trains LoRA adapters): each load brings the adapters only, merged here into the base weights the engine

@@ -3,14 +3,14 @@
 ``open_fleet`` does, in order: Ctrl-C and SIGTERM become KeyboardInterrupt (so every exit path below runs); the
 containers of dead drivers on this host are reaped; the job's images are built (each environment's, a plugin's from its
 package, a Harbor task's from its folder); Ray starts, its workers at the driver's priority; where each part runs is
-decided (job/placement.py: CPU, or GPUs Ray reserves) and stated in one line once the parts report it; the trainer
+decided (job/fleet/placement.py: CPU, or GPUs Ray reserves) and stated in one line once the parts report it; the trainer
 ranks (DeepSpeed, when the job trains); the inference engine, named ``engine-<run id>`` so rollout workers find it by name; the
 weight sync from rank 0 to the engine; the rollout workers, one per node in turn. Leaving the block closes the workers'
 warm sandboxes, stops Ray, removes every container labelled with the run and puts the signal handlers back, whether
 the job ended, failed or was interrupted.
 
 With ``engine.remote`` no engine starts: the workers generate through that server, and the weights reach it through
-disk (job/weight_sync.py ``DiskWeightSync``).
+disk (job/fleet/weight_sync.py ``DiskWeightSync``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from sandforge.config import JobConfig
 from sandforge.job.console import console, phase
-from sandforge.job.placement import Placement, cluster_gpus, describe, placement_group, resolve_placement
+from sandforge.job.fleet.placement import Placement, cluster_gpus, describe, placement_group, resolve_placement
 
 ALL_PARTS = frozenset({"trainer", "engine", "workers"})
 
@@ -52,7 +52,7 @@ class Fleet:
     workers: list = field(default_factory=list)
     sync: Any = None
     placement: Placement | None = None
-    bundles: Any = None  # the placement group colocated parts share (job/placement.py)
+    bundles: Any = None  # the placement group colocated parts share (job/fleet/placement.py)
 
     def push_weights(self, version: int) -> None:
         self.sync.push(version)
@@ -144,10 +144,10 @@ def start_engine(cfg: JobConfig, run_id: str, policy_config: dict, placement: Pl
     ``placement`` puts it."""
     import ray
 
-    from sandforge.rollout.engine.inference_engine import InferenceEngine
+    from sandforge.engine.ray_actor import EngineActor
 
     options = placement.engine_options(bundles) | {"name": engine_name(run_id)}
-    return ray.remote(InferenceEngine).options(**options).remote(
+    return ray.remote(EngineActor).options(**options).remote(
         policy_config, cfg.engine, cfg.run.seed, os.cpu_count() or 1, placement.engine)
 
 
@@ -175,8 +175,8 @@ def remote_engine(cfg: JobConfig, ranks: list):
     import asyncio
 
     from sandforge.job.console import JobError
-    from sandforge.job.weight_sync import DiskWeightSync, load_remote_weights
-    from sandforge.rollout.engine.remote import RemoteEngineError
+    from sandforge.job.fleet.weight_sync import DiskWeightSync, load_remote_weights
+    from sandforge.engine.remote import RemoteEngineError
 
     remote = cfg.engine.remote
     if ranks:
@@ -195,10 +195,10 @@ def engine_name(run_id: str) -> str:
 
 
 def start_rollout_workers(cfg: JobConfig, run_id: str, images: dict[str, str]) -> list:
-    """``rollout.workers`` rollout workers, one per node in turn (job/rollout_workers.py). They find the engine by
+    """``rollout.workers`` rollout workers, one per node in turn (job/fleet/rollout_workers.py). They find the engine by
     name: a handle among an actor's arguments is kept in the object store, which may break restarts (ray#53727)."""
     from sandforge.environments.sandbox.labels import driver_labels
-    from sandforge.job.rollout_workers import start_workers
+    from sandforge.job.fleet.rollout_workers import start_workers
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
     setup = WorkerSetup(run_id=run_id, engine=engine_name(run_id), images=images, labels=driver_labels(run_id),
@@ -246,7 +246,7 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
         if cfg.engine.remote is not None:  # a separate server: no engine here, the weights go through disk
             fleet.sync = remote_engine(cfg, fleet.ranks)
         elif fleet.ranks:
-            from sandforge.job.weight_sync import WeightSync
+            from sandforge.job.fleet.weight_sync import WeightSync
 
             fleet.engine = start_engine(cfg, run_id, ray.get(fleet.ranks[0].model_config_dict.remote()), placement,
                                         fleet.bundles)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sandforge.models.generate import SamplingParams, sample_next
+from sandforge.models.sampling import SamplingParams, sample_next
 
 
 @dataclass

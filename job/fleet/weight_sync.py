@@ -10,13 +10,13 @@
   (models/shared_weights.py: CUDA IPC, shared memory on CPU) and the engine copies straight out of them, nothing
   serialised or sent but the handles.
 - ``auto``: colocated when the engine shares rank 0's GPU, collective where a GPU takes part, object store otherwise
-  (job/placement.py ``Placement.weight_sync``).
+  (job/fleet/placement.py ``Placement.weight_sync``).
 
 With expert parallelism or ZeRO-3 every rank takes part (the whole model is gathered first) on the first two paths;
 the colocated one needs the whole model on rank 0.
 
 With ``engine.remote`` (a separate inference server) ``DiskWeightSync`` takes their place: rank 0 writes the policy to
-``engine.remote.weights_dir`` and the server loads it by its own mechanism (rollout/engine/remote.py
+``engine.remote.weights_dir`` and the server loads it by its own mechanism (engine/remote.py
 ``update_weights``); the version it then reports must be the one pushed.
 """
 
@@ -34,7 +34,7 @@ class WeightSync:
     def __init__(self, mode: str, ranks: list[Any], engine: Any, port: int, gather_all: bool,
                  host: str = "127.0.0.1"):
         """``mode``: object_store, collective or colocated (``Placement.weight_sync`` resolves auto); ``ranks``:
-        TrainerRank handles (rank 0 first); ``engine``: an InferenceEngine handle; ``port``: a free port on ``host``
+        TrainerRank handles (rank 0 first); ``engine``: an EngineActor handle; ``port``: a free port on ``host``
         (rank 0's address) for the collective channel; ``gather_all``: every rank takes part in building the whole
         state dict (expert parallelism, ZeRO-3)."""
         import ray
@@ -88,7 +88,7 @@ class DiskWeightSync:
         import ray
 
         from sandforge.job.console import JobError
-        from sandforge.rollout.engine.remote import RemoteEngineError
+        from sandforge.engine.remote import RemoteEngineError
 
         path = self.weights_dir / f"version_{version}"
         if path.exists():  # a resumed run writes this version again
@@ -109,7 +109,7 @@ class DiskWeightSync:
 
 async def load_remote_weights(remote: RemoteEngineConfig, directory: Path, version: int) -> int:
     """Have the server of ``engine.remote`` serve the policy in ``directory`` as ``version``; the version it serves."""
-    from sandforge.rollout.engine.remote import RemoteEngine
+    from sandforge.engine.remote import RemoteEngine
 
     async with RemoteEngine(remote.url, model=remote.model, api_key=remote.api_key, timeout=remote.timeout,
                             retries=remote.retries) as engine:

@@ -1,13 +1,13 @@
-"""Batched sampling with a KV cache, and the per-token log-probabilities the trainer recomputes.
+"""Sampling one token from logits, and the per-token log-probabilities the trainer recomputes.
 
-The RL ratio compares ``Generation.logprobs`` with ``token_logprobs`` on the same tokens, so both use the same
+The RL ratio compares the engine's sampled logprobs with ``token_logprobs`` on the same tokens, so both use the same
 definition: log_softmax(logits / temperature) at the chosen token, before any top-k / top-p truncation (temperature 0,
-greedy, counts as temperature 1). ``models/naive.py`` holds the one-prompt-at-a-time reference these are tested against.
+greedy, counts as temperature 1). The engine (``sandforge.engine``) samples with ``sample_next``; its references are
+``engine/naive.py``.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,13 +22,6 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k
     stop_ids: tuple[int, ...] = ()
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]  # includes the stop id when finish_reason == "stop"
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
 
 
 def _scale(temperature: float) -> float:
@@ -57,69 +50,6 @@ def sample_next(
         probs = logprobs.exp().masked_fill(~keep, 0.0)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _budgets(model: nn.Module, prompts: list[list[int]], params: SamplingParams) -> list[int]:
-    """New tokens each prompt may get: max_new_tokens, capped by the model's context length (``config.max_seq_len``)."""
-    max_len = getattr(getattr(model, "config", None), "max_seq_len", None) or float("inf")
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty; render it with ChatFormat.render_prompt (it starts with <|bos|>)")
-        if len(p) >= max_len:
-            raise ValueError(f"prompt {i} has {len(p)} tokens; the model's max_seq_len is {max_len}")
-    return [int(min(params.max_new_tokens, max_len - len(p))) for p in prompts]
-
-
-@contextmanager
-def _eval_mode(model: nn.Module):
-    """Run in eval mode and restore the caller's train/eval state afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-def generate(
-    model: nn.Module, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None = None
-) -> list[Generation]:
-    """Sample a completion for every prompt: left-padded batch, one prefill, then one cached decode step per token."""
-    budgets = _budgets(model, prompts, params)
-    out = [Generation([], [], "length") for _ in prompts]
-    if not prompts or max(budgets) <= 0:
-        return out
-    device = next(model.parameters()).device
-    stop = torch.tensor(list(params.stop_ids), dtype=torch.long, device=device)
-
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p) :] = 1
-
-    with torch.inference_mode(), _eval_mode(model):
-        res = model(ids, attention_mask=mask, use_cache=True)
-        logits, cache = res.logits[:, -1], res.cache  # left padding: the last column is every row's last token
-        rows = torch.arange(len(prompts), device=device)  # batch row -> prompt index, unfinished rows only
-        while True:
-            tokens, logprobs = sample_next(logits, params, generator)
-            done = torch.isin(tokens, stop)
-            for r, (i, t, lp, d) in enumerate(zip(rows.tolist(), tokens.tolist(), logprobs.tolist(), done.tolist())):
-                out[i].token_ids.append(t)
-                out[i].logprobs.append(lp)
-                if d:
-                    out[i].finish_reason = "stop"
-                elif len(out[i].token_ids) >= budgets[i]:
-                    done[r] = True
-            if done.all():
-                return out
-            if done.any():
-                keep = (~done).nonzero().squeeze(-1)
-                rows, tokens, cache = rows[keep], tokens[keep], cache.select(keep)
-            res = model(tokens[:, None], attention_mask=torch.ones_like(tokens[:, None]), cache=cache, use_cache=True)
-            logits, cache = res.logits[:, -1], res.cache
 
 
 @dataclass
