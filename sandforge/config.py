@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
-# ZeRO stages that combine with trainer.expert_parallel > 1 (README "Expert parallelism"). 0: DeepSpeed's non-ZeRO
+# ZeRO stages that combine with trainer.expert_parallel > 1 (docs/trainer.md "Expert parallelism"). 0: DeepSpeed's non-ZeRO
 # gradient clipping averages each rank's own norm, wrong once ranks hold different experts. 3: parameters are gathered
 # and reduced by per-parameter hooks that fire only on ranks whose tokens used the expert, so ranks hang (DeepSpeed
 # rejects its own MoE layers with stage 3 for that reason).
@@ -80,7 +80,7 @@ class EnvironmentConfig(Section):
     # for GRPO. Success, and so held-out success, still needs the exact answer.
     partial_credit: bool = False
     # Harbor tasks: root runs the agent as the task's user (root by default, Harbor's contract); hardened as a non-root
-    # user given the WORKDIR, which cannot rewrite what test.sh runs (README "Harbor tasks": train in hardened)
+    # user given the WORKDIR, which cannot rewrite what test.sh runs (docs/harbor.md: train in hardened)
     harbor_mode: Literal["root", "hardened"] = "root"
     # task files and folders: the fraction of tasks without a split of their own held out, by a stable hash of the name
     heldout: float = Field(0.0, ge=0, le=1)
@@ -255,7 +255,7 @@ class EvalConfig(Section):
 
 class TrainerConfig(Section):
     steps: int = Field(10, ge=0)  # RL steps
-    # trainer/algorithms/registry.py; null values below take the algorithm's default (README "Algorithms")
+    # trainer/algorithms/registry.py; null values below take the algorithm's default (docs/algorithms.md)
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo", "gspo", "cispo",
                        "dapo"] = "grpo"
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
@@ -294,14 +294,14 @@ class TrainerConfig(Section):
     # optimizer steps per RL step: the batch is split in this many mini-batches, each one step against the log-probs the
     # trainer had before the first (PPO-style; with 1 the ratio is 1 and the clip never acts)
     mini_batches: int = Field(1, ge=1)
-    expert_parallel: int = Field(1, ge=1)  # ranks the routed experts are split over (README "Expert parallelism")
+    expert_parallel: int = Field(1, ge=1)  # ranks the routed experts are split over (docs/trainer.md "Expert parallelism")
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     # trainer -> engine weights: the Ray object store; a broadcast over a process group of their own (NCCL on GPU,
     # Gloo on CPU); or, with engine.colocate, a direct copy out of rank 0's memory (no serialisation). auto: colocated
     # when the engine shares rank 0's GPU, collective with a GPU, object store without
     weight_sync: Literal["auto", "object_store", "collective", "colocated"] = "auto"
     routing_replay: bool = False  # R3: the training forward uses the experts the engine routed each token to
-    # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (README "Async mode")
+    # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (docs/trainer.md "Async mode")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)  # async: an episode may start only if consumed within this many versions
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool), in one call, after `bash scripts/gpu_wheels.sh` here:
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=540)
-# Installs the carried wheels, then: the tests/gpu suite, bench/gpu_e2e.py (its JSON line is the README's figures),
+# Installs the carried wheels, then: the tests/gpu suite, bench/gpu_e2e.py (its JSON line is docs/gpus.md's figures),
 # and, only where Docker and Ray are both there, a short `sandforge train configs/gpu.yaml`. Logs land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"

@@ -3,7 +3,7 @@
 # (Python 3.12 wheels; that machine reaches no registry) and .gpu/ (SmolLM2's config and tokenizer, without its
 # 538 MB of weights: bench/gpu_e2e.py builds the same shapes with random weights). Both are git-ignored via
 # .git/info/exclude and travel by the device tool's `carry` (64 MiB in all: Ray's 79 MB wheel cannot, so the checks
-# run without Ray; see README "GPU").
+# run without Ray; see docs/gpus.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude

@@ -16,7 +16,7 @@ DeepSpeed recognises only its own MoE layer classes, so ``ExpertParallelEngine``
 layers (before the optimizer is built, which is when it matters) and keeps checkpoints whole: each expert-parallel
 rank's experts go to their own file beside DeepSpeed's, and loading puts each rank's own experts back.
 
-Only ZeRO stages 1 and 2 combine with it (``sandforge.config.EXPERT_PARALLEL_ZERO_STAGES``, README "Expert
+Only ZeRO stages 1 and 2 combine with it (``sandforge.config.EXPERT_PARALLEL_ZERO_STAGES``, docs/trainer.md "Expert
 parallelism"). Without ZeRO, DeepSpeed clips gradients by the mean of each rank's own gradient norm
 (``deepspeed.runtime.utils.clip_grad_norm_``), which is not the model's norm once ranks hold different experts. ZeRO-3
 gathers and reduce-scatters each parameter from hooks that fire when the parameter is used, so ranks whose tokens chose
