@@ -234,9 +234,9 @@ def sandbox_episodes_section(model, args, table: Table) -> dict:
     runs the reference tool calls, is graded and removed) and the engine with this model (untrained, so its replies
     add model time and error observations, not tool calls)."""
     from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import build_images
     from sandforge.environments.sandbox.lifecycle import remove_run_containers
+    from sandforge.types import SandboxError
 
     if not args.sandbox_concurrency:
         return {}

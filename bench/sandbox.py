@@ -3,8 +3,8 @@
     python bench/sandbox.py [--calls 200] [--cli-calls 100] [--acquires 8] [--sandboxes 64] [--commands 20]
 
 All in one run, on the same container where it matters, so the ratios hold on a noisy machine:
-- exec round trip of ``echo hi``: sandforge ``Sandbox.exec`` (persistent session), its reference path (one docker exec
-  per command), the docker SDK's ``container.exec_run`` and the ``docker exec`` CLI in a subprocess, interleaved;
+- exec round trip of ``echo hi``: sandforge ``DockerSandbox.exec`` (persistent session), its reference path (one docker
+  exec per command), the docker SDK's ``container.exec_run`` and the ``docker exec`` CLI in a subprocess, interleaved;
 - ``SandboxPool.acquire()`` from a warm pool vs a cold ``containers.run``;
 - ``--sandboxes`` sandboxes at once, each running ``--commands`` session commands (throughput, failures).
 
@@ -29,10 +29,11 @@ from rich.progress import Progress
 from rich.table import Table
 
 from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.labels import LABEL_RUN
 from sandforge.environments.sandbox.lifecycle import remove_run_containers
+from sandforge.types import SandboxError
 
 try:
     from sandforge.environments.sandbox.pool import SandboxPool
@@ -55,8 +56,9 @@ def timed(fn) -> float:
 
 def bench_exec(client, spec: SandboxSpec, run_id: str, args) -> dict[str, list[float]]:
     """Round trips of `echo hi` through each path, interleaved on one container."""
-    with Sandbox.create(spec, run_id, client=client) as sandbox:
-        reference = Sandbox(sandbox._container, spec, run_id, client)  # same container, one docker exec per command
+    with DockerSandbox.create(spec, run_id, client=client) as sandbox:
+        # the same container, one docker exec per command
+        reference = DockerSandbox(sandbox._container, spec, run_id, client)
         reference.reuse_shell = False
         container = sandbox._container
         cli = ["docker", "exec", "-u", spec.user, "-w", spec.workdir, sandbox.id, "echo", "hi"]
@@ -115,7 +117,7 @@ def bench_acquire(client, spec: SandboxSpec, run_id: str, n: int) -> tuple[list[
         return warm, cold, "SandboxPool.acquire()"
     # TODO(pool): SandboxPool (environments/sandbox/pool.py) is not importable; "warm" is a sandbox started beforehand
     # plus the liveness check an acquire makes. Measure SandboxPool.acquire() here once it is in.
-    started = [Sandbox.create(spec, run_id, client=client) for _ in range(n)]
+    started = [DockerSandbox.create(spec, run_id, client=client) for _ in range(n)]
     try:
         for sandbox in started:
             warm.append(timed(lambda: sandbox.alive() or sandbox))
@@ -127,12 +129,12 @@ def bench_acquire(client, spec: SandboxSpec, run_id: str, n: int) -> tuple[list[
 
 def bench_concurrent(client, spec: SandboxSpec, run_id: str, args) -> dict:
     """Many sandboxes at once, each a session running its own commands; every command's output is checked."""
-    boxes: list[Sandbox] = []
+    boxes: list[DockerSandbox] = []
     failures: list[str] = []
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task(f"starting {args.sandboxes} sandboxes", total=args.sandboxes)
         with ThreadPoolExecutor(args.create_workers) as pool:  # a few creations at a time: the daemon serialises them
-            creating = [pool.submit(Sandbox.create, spec, run_id, client) for _ in range(args.sandboxes)]
+            creating = [pool.submit(DockerSandbox.create, spec, run_id, client) for _ in range(args.sandboxes)]
             for future in as_completed(creating):
                 try:
                     boxes.append(future.result())
@@ -142,7 +144,7 @@ def bench_concurrent(client, spec: SandboxSpec, run_id: str, args) -> dict:
 
         latencies: list[float] = []
 
-        def episode(i: int, box: Sandbox) -> bool:
+        def episode(i: int, box: DockerSandbox) -> bool:
             ok = True
             for j in range(args.commands):
                 try:
@@ -165,7 +167,7 @@ def bench_concurrent(client, spec: SandboxSpec, run_id: str, args) -> dict:
         completed = sum(f.result() for f in futures)
         task = progress.add_task("removing", total=len(boxes))
         with ThreadPoolExecutor(args.create_workers) as pool:
-            for _ in pool.map(Sandbox.close, boxes):
+            for _ in pool.map(DockerSandbox.close, boxes):
                 progress.advance(task)
     return {"completed": completed, "failures": failures, "wall": wall, "latencies": latencies}
 

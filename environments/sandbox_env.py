@@ -24,11 +24,11 @@ import docker
 from sandforge import shadows
 from sandforge.environments.base import ObservationText, ToolEnv
 from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.labels import driver_labels
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
-from sandforge.types import ExecResult, Reward, Task
+from sandforge.types import ExecResult, Reward, SandboxError, Task
 
 RUN_IN_WORKDIR = ("command", "harbor_tests")  # checks that run commands in the workdir: shadow modules set aside
 
@@ -56,7 +56,7 @@ class SandboxEnv(ToolEnv):
         stats: SandboxStats | None = None,
         labels: dict[str, str] | None = None,
         *,
-        score: Callable[[Sandbox, Task], Reward] | None = None,
+        score: Callable[[DockerSandbox, Task], Reward] | None = None,
         max_steps: int | None = None,
         max_observation: int | None = None,
     ) -> None:
@@ -72,10 +72,10 @@ class SandboxEnv(ToolEnv):
         self.stats = stats if stats is not None else (pool.stats if pool is not None else None)
         self._client = client
         self._labels = labels
-        self._sandbox: Sandbox | None = None
+        self._sandbox: DockerSandbox | None = None
 
     @property
-    def sandbox(self) -> Sandbox:
+    def sandbox(self) -> DockerSandbox:
         """The live sandbox of the current episode (verifiers read it after the episode)."""
         if self._sandbox is None:
             raise RuntimeError("the env has no sandbox: call reset() first")
@@ -89,7 +89,7 @@ class SandboxEnv(ToolEnv):
         else:
             self._client = self._client or docker_client()  # one client for all of this env's episodes
             labels = self._labels or driver_labels(self.run_id)
-            self._sandbox = Sandbox.create(self.sandbox_spec, self.run_id, client=self._client, labels=labels)
+            self._sandbox = DockerSandbox.create(self.sandbox_spec, self.run_id, client=self._client, labels=labels)
         try:
             for path, content in self.task.setup.get("files", {}).items():
                 self._sandbox.write_file(posixpath.join(self.sandbox_spec.workdir, path), content)

@@ -117,9 +117,9 @@ def _run(cfg: JobConfig, **kwargs) -> None:
 
 def _drive(job, *args, **kwargs) -> None:
     """Run a job (train, sft, eval); Ctrl-C exits with 130, an error the user can act on is one line, exit 1."""
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError
     from sandforge.job.console import JobError, heartbeat
+    from sandforge.types import SandboxError
 
     try:
         with heartbeat():  # off a terminal: a status line at least every 30 s
@@ -166,9 +166,9 @@ def images_build(
 ) -> None:
     """Build the base image (debootstrap when nothing can be pulled) and each environment's image, installed
     plugins' own images included."""
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.images import ImageError, build_images
     from sandforge.registry import PluginError, environments
+    from sandforge.types import SandboxError
 
     try:
         # plugins with an image of their own (not one reusing a built-in's): their Dockerfile is in their package
@@ -252,8 +252,8 @@ def sandbox_reap(
     run_id: Optional[str] = typer.Argument(None, help="Remove every container of this run (see <output_dir>/run_id)"),
 ) -> None:
     """Remove the containers of runs whose driver is dead (or, given a run id, every container of that run)."""
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError
     from sandforge.environments.sandbox.lifecycle import reap_dead_runs, remove_run_containers
+    from sandforge.types import SandboxError
 
     try:
         if run_id:

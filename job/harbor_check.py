@@ -80,9 +80,10 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
     from sandforge.environments.harbor.dockerfile import BaseImageError
     from sandforge.environments.harbor.env import HarborEnv
     from sandforge.environments.harbor.tasks import HarborTaskError, load_tasks, with_base_map
-    from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError
+    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
     from sandforge.environments.sandbox.images import ImageError, build_images
     from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.types import SandboxError
     from sandforge.verifiers.checks import score_task
 
     row = CheckRow(task=task_dir.name)
@@ -105,7 +106,7 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         if not has_oracle:
             row.reason = "no solution/solve.sh: the oracle cannot be checked"
         for which in ("oracle", "noop") if has_oracle else ("noop",):
-            sandbox = Sandbox.create(spec, RUN_ID, client=client)
+            sandbox = DockerSandbox.create(spec, RUN_ID, client=client)
             try:
                 failure = run_oracle(sandbox, task, task_dir, timeout) if which == "oracle" else ""
                 reward = score_task(sandbox, task)

@@ -76,7 +76,7 @@ def check_host(cfg: JobConfig, source: str = "config") -> None:
     if s.base_image is None and s.runtime is None:
         return
     from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.docker_sandbox import SandboxError
+    from sandforge.types import SandboxError
 
     try:
         client = docker_client()

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from sandforge.config import RolloutConfig
-from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.rollout.policy_client import Policy, PolicyError, check_sample
 from sandforge.rollout.tool_calls import ToolHang, ToolOutcome, run_tool_calls
-from sandforge.types import Message, Reward, Task, Trajectory, Turn
+from sandforge.types import Message, Reward, SandboxError, Task, Trajectory, Turn
 from sandforge.verifiers.checks import VerifierError, score_task
 
 NO_TOOL_CALL = "no tool call found. Call one of the tools, or call submit() when the task is done."

@@ -180,6 +180,10 @@ class ExecResult:
     oom_killed: bool = False  # the memory limit killed a process during the command
 
 
+class SandboxError(RuntimeError):
+    """The sandbox is broken, dead or unreachable: the episode using it has failed."""
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     """An episode's sandbox as graders and environments use it, whatever runs it.

@@ -9,9 +9,10 @@ import uuid
 import pytest
 
 from sandforge.environments.sandbox import daemon
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.lifecycle import remove_run_containers
+from sandforge.types import SandboxError
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +58,7 @@ def run_id(docker_client):
 
 @pytest.fixture
 def sandbox(terminal_spec, run_id, docker_client):
-    with Sandbox.create(terminal_spec, run_id, client=docker_client) as sb:
+    with DockerSandbox.create(terminal_spec, run_id, client=docker_client) as sb:
         yield sb
 
 

@@ -13,14 +13,13 @@ import docker.errors
 import pytest
 import requests
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.environments.sandbox.labels import LABEL_PID
 from sandforge.environments.sandbox.lifecycle import is_transient, list_run_containers, retry_daemon
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
-from sandforge.types import ToolCall
+from sandforge.types import SandboxError, ToolCall
 from sandforge.verifiers.checks import score_task
 
 FAST_RETRY = {"attempts": 3, "backoff_s": 0.01}
@@ -352,7 +351,7 @@ def test_transient_daemon_errors_are_retried_then_fail_only_that_acquire(termina
 def test_containers_left_by_failed_starts_and_lost_replies_are_removed(terminal_spec, run_id, docker_client):
     flaky = FlakyClient(docker_client)
     with SandboxPool(terminal_spec, run_id, size=0, client=flaky, **FAST_RETRY) as pool:
-        # The start fails, and so does the cleanup inside Sandbox.create: the pool's own sweep must remove it.
+        # The start fails, and so does the cleanup inside DockerSandbox.create: the pool's own sweep must remove it.
         flaky.start_errors.append(server_error(500))
         flaky.remove_errors.append(requests.ConnectionError("daemon restarting"))
         sandbox = pool.acquire(timeout=60)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from sandforge.environments.sandbox import images
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.labels import LABEL_RUN
 from sandforge.environments.sandbox.lifecycle import list_run_containers, remove_run_containers
+from sandforge.types import SandboxError
 
 AWKWARD = "quotes ' \" `backticks` $HOME $(id) \\n \\\\ \n\ttabs\nünïcödé ✓ \x01\x7f\r\nno trailing newline"
 
@@ -123,7 +124,7 @@ def test_background_jobs_live_on_without_holding_the_call(sandbox):
 @pytest.mark.docker
 def test_exec_output_is_truncated_in_the_middle(terminal_image, run_id, docker_client):
     spec = SandboxSpec(image=terminal_image, max_output_bytes=1000)
-    with Sandbox.create(spec, run_id, client=docker_client) as sb:
+    with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
         result = sb.exec("seq 1 20000; echo done >&2")
         total = len("".join(f"{i}\n" for i in range(1, 20001))) + len("done\n")
         assert result.exit_code == 0
@@ -176,7 +177,7 @@ def test_a_dead_sandbox_raises_sandbox_error(sandbox, docker_client):
 
 @pytest.mark.docker
 def test_remove_run_containers_leaves_none(terminal_spec, run_id, docker_client):
-    boxes = [Sandbox.create(terminal_spec, run_id, client=docker_client) for _ in range(2)]
+    boxes = [DockerSandbox.create(terminal_spec, run_id, client=docker_client) for _ in range(2)]
     docker_client.api.kill(boxes[0].id)  # exited containers count too
     assert sorted(list_run_containers(run_id, docker_client)) == sorted(b.id for b in boxes)
     assert remove_run_containers(run_id, docker_client) == 2
@@ -189,5 +190,5 @@ def test_remove_run_containers_leaves_none(terminal_spec, run_id, docker_client)
 @pytest.mark.docker
 def test_missing_image_says_how_to_build(run_id, docker_client):
     with pytest.raises(SandboxError, match="sandforge images build"):
-        Sandbox.create(SandboxSpec(image="sandforge/terminal:000000000000"), run_id, client=docker_client)
+        DockerSandbox.create(SandboxSpec(image="sandforge/terminal:000000000000"), run_id, client=docker_client)
     assert list_run_containers(run_id, docker_client) == []

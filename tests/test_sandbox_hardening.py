@@ -11,9 +11,10 @@ import uuid
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.labels import LABEL_CREATED, LABEL_RUN
 from sandforge.environments.sandbox.lifecycle import list_run_containers
+from sandforge.types import SandboxError
 
 pytestmark = pytest.mark.docker
 
@@ -29,7 +30,7 @@ def test_no_network_route_and_no_privileges(sandbox):
 
 def test_root_filesystem_is_read_only_and_writable_places_are_capped(terminal_image, run_id, docker_client):
     spec = SandboxSpec(image=terminal_image, max_file_size="1m", workspace_size="4m", tmp_size="8m")
-    with Sandbox.create(spec, run_id, client=docker_client) as sb:
+    with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
         for user in (None, "root"):
             result = sb.exec("touch /usr/bin/x", user=user)
             assert result.exit_code == 1 and "Read-only file system" in result.output
@@ -44,7 +45,7 @@ def test_root_filesystem_is_read_only_and_writable_places_are_capped(terminal_im
 
 def test_fork_bomb_is_contained_by_the_pids_limit(terminal_image, run_id, docker_client):
     spec = SandboxSpec(image=terminal_image, pids_limit=64)
-    with Sandbox.create(spec, run_id, client=docker_client) as sb:
+    with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
         bomb = sb.exec("bomb() { bomb | bomb; }; bomb", timeout=3)  # in the foreground: its timeout ends it
         assert bomb.timed_out and bomb.seconds < 15
         for _ in range(20):  # the killed group's last members may take a moment to go
@@ -59,14 +60,14 @@ def test_fork_bomb_is_contained_by_the_pids_limit(terminal_image, run_id, docker
         time.sleep(1)
         pids = docker_client.api.stats(sb.id, stream=False, one_shot=True)["pids_stats"]["current"]
         assert 32 < pids <= 64
-    with Sandbox.create(spec, run_id, client=docker_client) as fresh:  # the next episode runs normally
+    with DockerSandbox.create(spec, run_id, client=docker_client) as fresh:  # the next episode runs normally
         assert fresh.exec("echo fresh").output == "fresh\n"
     assert list_run_containers(run_id, docker_client) == []
 
 
 def test_memory_hog_is_oom_killed_and_reported_and_the_sandbox_survives(terminal_image, run_id, docker_client):
     spec = SandboxSpec(image=terminal_image, memory="128m")
-    with Sandbox.create(spec, run_id, client=docker_client) as sb:
+    with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
         sb.exec("cd /tmp; export KEEP=1")
         hog = sb.exec("head -c 400m /dev/zero | tail -c 300m > /dev/null", timeout=30)
         assert (hog.exit_code, hog.oom_killed, hog.timed_out) == (137, True, False)
@@ -78,19 +79,19 @@ def test_memory_hog_is_oom_killed_and_reported_and_the_sandbox_survives(terminal
 
 def test_network_names_only_internal_networks(terminal_image, run_id, docker_client):
     with pytest.raises(SandboxError, match="default bridge"):
-        Sandbox.create(SandboxSpec(image=terminal_image, network=True), run_id, client=docker_client)
+        DockerSandbox.create(SandboxSpec(image=terminal_image, network=True), run_id, client=docker_client)
     with pytest.raises(SandboxError, match="docker network create --internal nope-"):
-        Sandbox.create(SandboxSpec(image=terminal_image, network=f"nope-{run_id}"), run_id, client=docker_client)
+        DockerSandbox.create(SandboxSpec(image=terminal_image, network=f"nope-{run_id}"), run_id, client=docker_client)
     labels = {LABEL_RUN: run_id}
     internal = docker_client.networks.create(f"{run_id}-internal", internal=True, labels=labels)
     public = docker_client.networks.create(f"{run_id}-public", labels=labels)
     try:
         with pytest.raises(SandboxError, match="is not internal"):
-            Sandbox.create(SandboxSpec(image=terminal_image, network=public.name), run_id, client=docker_client)
+            DockerSandbox.create(SandboxSpec(image=terminal_image, network=public.name), run_id, client=docker_client)
         spec = SandboxSpec(image=terminal_image, network=internal.name)
         # Docker isolates an internal network on the host (no NAT, no forwarding), so no packet is sent out to test it
-        with Sandbox.create(spec, run_id, client=docker_client) as a, \
-                Sandbox.create(spec, run_id, client=docker_client) as b:
+        with DockerSandbox.create(spec, run_id, client=docker_client) as a, \
+                DockerSandbox.create(spec, run_id, client=docker_client) as b:
             assert docker_client.api.inspect_container(a.id)["HostConfig"]["NetworkMode"] == internal.name
             assert sorted(a.exec("ls /sys/class/net").output.split()) == ["eth0", "lo"]
             assert b.exec(f"getent hosts {a.name}").exit_code == 0  # its peers on the network resolve
@@ -103,7 +104,7 @@ def test_network_names_only_internal_networks(terminal_image, run_id, docker_cli
 def test_labels_are_merged_and_stamped(terminal_spec, run_id, docker_client):
     before = int(time.time())
     extra = {"sandforge.driver.pid": "42", LABEL_RUN: "not-this-one"}
-    with Sandbox.create(terminal_spec, run_id, client=docker_client, labels=extra) as sb:
+    with DockerSandbox.create(terminal_spec, run_id, client=docker_client, labels=extra) as sb:
         labels = docker_client.api.inspect_container(sb.id)["Config"]["Labels"]
         assert labels["sandforge.driver.pid"] == "42" and labels[LABEL_RUN] == run_id
         assert before <= int(labels[LABEL_CREATED]) <= time.time() + 1

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 
 pytestmark = pytest.mark.docker
 
@@ -83,7 +83,8 @@ def test_a_full_spool_neither_bricks_the_session_nor_fakes_a_verifier_result(san
 
 
 def test_commands_and_output_of_any_size(terminal_image, run_id, docker_client):
-    with Sandbox.create(SandboxSpec(image=terminal_image, max_output_bytes=100), run_id, client=docker_client) as sb:
+    spec = SandboxSpec(image=terminal_image, max_output_bytes=100)
+    with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
         long = sb.exec("cat <<'EOF' | wc -c\n" + "x" * 300_000 + "\nEOF")  # past Linux's 128 KiB per argument
         assert long.output == "300001\n"
         big = sb.exec("seq 1 100000")
@@ -105,8 +106,8 @@ SCRIPT = [
 
 def test_fast_path_and_reference_path_agree(terminal_image, run_id, docker_client):
     spec = SandboxSpec(image=terminal_image, max_output_bytes=2000)
-    with Sandbox.create(spec, run_id, client=docker_client) as fast, \
-            Sandbox.create(spec, run_id, client=docker_client) as ref:
+    with DockerSandbox.create(spec, run_id, client=docker_client) as fast, \
+            DockerSandbox.create(spec, run_id, client=docker_client) as ref:
         ref.reuse_shell = False  # every command a fresh docker exec
         for command in SCRIPT:
             a, b = fast.exec(command, timeout=1), ref.exec(command, timeout=1)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.types import Task
 from sandforge.verifiers.checks import VerifierError, ZeroScore, known_verifiers, score_task
@@ -30,7 +30,7 @@ EOF"""
 def app_sandbox(docker_client):
     image = build_images(["apps"], client=docker_client, show_progress=False)["apps"]
     run_id = f"test-state-{int(time.time() * 1000)}"
-    with Sandbox.create(SandboxSpec(image=image), run_id, client=docker_client) as sb:
+    with DockerSandbox.create(SandboxSpec(image=image), run_id, client=docker_client) as sb:
         result = sb.exec(MAKE_DB, user="root", session=False)
         assert result.exit_code == 0, result.output
         yield sb

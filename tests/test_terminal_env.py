@@ -6,11 +6,10 @@ import shlex
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import FAMILIES, make_task
-from sandforge.types import ExecResult, Task, ToolCall
+from sandforge.types import ExecResult, SandboxError, Task, ToolCall
 from sandforge.verifiers.checks import VerifierError, score_task
 
 

@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from sandforge.environments.repo.tasks import FAMILIES, make_task
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.labels import DRIVER_LABELS, LABEL_RUN
 from sandforge.environments.sandbox.lifecycle import list_run_containers
@@ -127,12 +127,12 @@ def repo_box(docker_client, tmp_path_factory):
 
     image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
     run_id = f"test-{uuid.uuid4().hex[:12]}"
-    with Sandbox.create(SandboxSpec(image=image), run_id, client=docker_client) as box:
+    with DockerSandbox.create(SandboxSpec(image=image), run_id, client=docker_client) as box:
         yield box
     remove_run_containers(run_id, docker_client)
 
 
-def _outcomes(box: Sandbox, task: Task, fixed: bool) -> dict[str, str]:
+def _outcomes(box: DockerSandbox, task: Task, fixed: bool) -> dict[str, str]:
     check = task.checks[0]
     package = dict(check["files"])
     if fixed:
@@ -165,13 +165,13 @@ def test_fail_to_pass_fails_before_the_fix_and_pass_to_pass_passes_on_both(famil
 class FreshRecorder:
     """An episode's sandbox that notes the labels of every sandbox its ``fresh()`` hands out."""
 
-    def __init__(self, sandbox: Sandbox, client):
+    def __init__(self, sandbox: DockerSandbox, client):
         self.sandbox, self.client, self.handed_out = sandbox, client, []
 
     def __getattr__(self, name: str):
         return getattr(self.sandbox, name)
 
-    def fresh(self) -> Sandbox:
+    def fresh(self) -> DockerSandbox:
         grader = self.sandbox.fresh()
         self.handed_out.append((grader.id, self.client.api.inspect_container(grader.id)["Config"]["Labels"]))
         return grader
@@ -188,7 +188,7 @@ def test_grading_runs_in_a_fresh_sandbox_without_what_the_policy_planted(repo_bo
              "    assert not os.path.exists('/tmp/planted.txt')\n")
     check = {**check, "hidden_tests": {**check["hidden_tests"], "tests/test_planted.py": probe},
              "fail_to_pass": [*check["fail_to_pass"], "tests/test_planted.py::test_nothing_planted"]}
-    with Sandbox.create(repo_box.spec, run_id, client=docker_client) as episode:
+    with DockerSandbox.create(repo_box.spec, run_id, client=docker_client) as episode:
         assert isinstance(episode, SandboxProtocol)
         for path, text in check["files"].items():  # the policy's fixed package, and two files it planted
             if path.startswith(check["package"] + "/"):

@@ -20,9 +20,9 @@ import zipfile
 from pathlib import Path
 from typing import Any, ClassVar
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.environments.sandbox_env import SandboxEnv
 from sandforge.environments.tools import ToolError, tool
+from sandforge.types import SandboxError
 
 APP_DIR = "/tmp/app"  # /tmp is the sandbox's writable tmpfs; the folder is made root's at reset
 PORT = 8765  # on the sandbox's own loopback: every sandbox has its own network namespace (and no other network)

@@ -19,9 +19,9 @@ import json
 import shlex
 import time
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxError
 from sandforge.environments.sandbox_env import SandboxEnv
 from sandforge.environments.tools import ToolError, tool
+from sandforge.types import SandboxError
 
 SITE_PORT = 8000
 SITE_URL = f"http://127.0.0.1:{SITE_PORT}"

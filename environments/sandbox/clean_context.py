@@ -1,6 +1,6 @@
 """The context a root one-off command runs in: nothing the policy could write decides what it executes.
 
-Graders run as root in one-off shells (``Sandbox.exec(user="root", session=False)``). The container's environment
+Graders run as root in one-off shells (``DockerSandbox.exec(user="root", session=False)``). The container's environment
 gives every command the policy's HOME (the workspace, unless the spec names another), and a program started with that
 HOME reads files the policy wrote: Python's user site (``.pth`` files run code at start-up), ``~/.gitconfig``
 (``core.fsmonitor`` and friends run commands), and every other dotfile a tool consults. So root's one-off commands get

@@ -7,7 +7,7 @@ import docker
 import docker.errors
 import requests
 
-from sandforge.environments.sandbox.spec import SandboxError
+from sandforge.types import SandboxError
 
 
 def docker_client(timeout: int = 120, max_pool_size: int = 32) -> docker.DockerClient:

@@ -1,17 +1,13 @@
-"""One Docker container per episode, with persistent shell sessions and binary-safe files.
+"""One Docker container per episode, and the commands run in it: persistent shell sessions and one-off shells.
 
-How a sandbox is confined is in ``spec.py``; how sessions work, and why, in ``shell.py``. Files: ``put_file`` and
-``get_file`` stream a tar archive / the raw bytes through an exec run as the given user. That works on every mount
-(Docker's archive API does not reach tmpfs mounts of a read-only container) and keeps the user's permissions: the
-policy's ``write_file`` cannot write where its shell could not, nor its ``read_file`` read what its shell could not.
+How a sandbox is confined is in ``spec.py``; how sessions work, and why, in ``shell.py``; how files go in and out, in
+``file_transfer.py``. A command's answer from the dispatcher becomes the ``ExecResult`` the policy sees here.
 """
 
 from __future__ import annotations
 
-import io
 import posixpath
 import re
-import tarfile
 import threading
 import time
 import uuid
@@ -20,7 +16,7 @@ import docker
 import docker.errors
 import requests
 
-from sandforge.environments.sandbox import replies
+from sandforge.environments.sandbox import file_transfer
 from sandforge.environments.sandbox.clean_context import one_off_environment
 from sandforge.environments.sandbox.daemon import docker_client, force_remove
 from sandforge.environments.sandbox.labels import (
@@ -32,6 +28,7 @@ from sandforge.environments.sandbox.labels import (
 )
 from sandforge.environments.sandbox.seed import workdir_archive
 from sandforge.environments.sandbox.shell import (
+    CLIENT_GRACE,
     KILL_AFTER,
     Request,
     Response,
@@ -41,22 +38,18 @@ from sandforge.environments.sandbox.shell import (
     read_ready,
     read_response,
 )
-from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxError, SandboxSpec, ROOT_CAPS: public here too
+from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxSpec, ROOT_CAPS: public here too
     ROOT_CAPS,
-    SandboxError,
+    SPOOL_SIZE,
     SandboxSpec,
     container_options,
+    parse_size,
 )
-from sandforge.types import ExecResult
-
-CLIENT_GRACE = 10.0  # extra seconds the client waits beyond the in-container timeout before giving up
-FILE_TIMEOUT = 60.0  # put_file / get_file / read_file / write_file
-MAX_READ_BYTES = 64 << 20  # read_file
+from sandforge.types import ExecResult, SandboxError
 
 
-
-class Sandbox:
-    """A running container that belongs to one episode. Create with ``Sandbox.create``; always ``close()``.
+class DockerSandbox:
+    """A running container that belongs to one episode. Create with ``DockerSandbox.create``; always ``close()``.
 
     It is the Docker implementation of ``sandforge.types.Sandbox``, the protocol verifiers act through.
 
@@ -82,7 +75,7 @@ class Sandbox:
         run_id: str,
         client: docker.DockerClient | None = None,
         labels: dict[str, str] | None = None,
-    ) -> Sandbox:
+    ) -> DockerSandbox:
         """Start a container for one episode, labelled with the run, a new episode id, the time and ``labels``.
 
         Without ``labels`` the container names this process as its driver, so the reaper leaves it alone while this
@@ -108,21 +101,22 @@ class Sandbox:
         sandbox = cls(container, spec, run_id, client)
         if spec.workspace_from_image and spec.workspace_size is not None:
             try:  # the capped tmpfs starts with what the image has there (seed.py)
-                sandbox._unpack(workdir_archive(client, spec.image, spec.workdir, spec.workspace_size, ours),
-                                posixpath.dirname(spec.workdir.rstrip("/")) or "/")
+                file_transfer.unpack(sandbox,
+                                     workdir_archive(client, spec.image, spec.workdir, spec.workspace_size, ours),
+                                     posixpath.dirname(spec.workdir.rstrip("/")) or "/")
             except (SandboxError, OSError) as e:
                 sandbox.close()
                 raise SandboxError(f"could not fill the workspace of a sandbox from {spec.image}: {e}") from e
         return sandbox
 
-    def fresh(self) -> Sandbox:
+    def fresh(self) -> DockerSandbox:
         """A new sandbox from this one's image and spec, with none of its state, owned like it (its run and driver
         labels, so a crash leaves nothing the run's reaper would not remove): graders that must not trust what the
         policy left run there. The caller closes it."""
         try:
             labels = self._client.api.inspect_container(self.id)["Config"]["Labels"] or {}
         except (docker.errors.DockerException, requests.RequestException) as e:
-            raise self._broken(e) from e
+            raise self.broken(e) from e
         owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
         return type(self).create(self.spec, self.run_id, client=self._client, labels=owner)
 
@@ -167,7 +161,7 @@ class Sandbox:
             response, note = self._session_call(user, request, deadline)
         else:
             response, note = self._one_off(user, request, deadline, workdir or self.spec.workdir)
-        return replies.exec_result(response, note, time.monotonic() - start)
+        return _exec_result(response, note, time.monotonic() - start)
 
     def stop_policy(self) -> int:
         """Kill every process the policy's user left running and confirm none remains (graders call it before any
@@ -187,7 +181,7 @@ class Sandbox:
         try:
             self._container.kill(signal="SIGUSR1")
         except (docker.errors.DockerException, requests.RequestException) as e:
-            raise self._broken(e) from e
+            raise self.broken(e) from e
 
     def start_session(self, user: str | None = None) -> None:
         """Start ``user``'s session shell now (one docker exec), so that the first ``exec`` costs no more than the
@@ -209,26 +203,26 @@ class Sandbox:
                     stderr = shell.take_stderr()
                     self._drop_shell(user, shell)
             if not self.alive():
-                raise self._broken(lost)
+                raise self.broken(lost)
             if lost.sent or attempt == 1:
-                return replies.lost_reply(lost), stderr
+                return _lost_reply(lost), stderr
         raise AssertionError("unreachable")
 
     def _one_off(self, user: str, request: Request, deadline: float, workdir: str) -> tuple[Response, str]:
         argv, environment = dispatcher_exec_args(user)
         environment = {**environment, **one_off_environment(user)}  # root: nothing the policy wrote runs (see module)
-        stream = self._start_exec(argv, user, workdir, environment, stdin=True)
+        stream = self.start_exec(argv, user, workdir, environment, stdin=True)
         try:
             stream.send(request.encode(), deadline)
             stream.close_stdin()
             read_ready(stream, deadline)
             response = read_response(stream, request, deadline)
-            return response, replies.text(stream.err)
+            return response, _text(stream.err)
         except (ShellLost, OSError) as e:
             if not self.alive():
-                raise self._broken(e) from e
+                raise self.broken(e) from e
             lost = e if isinstance(e, ShellLost) else ShellLost(str(e), sent=True)
-            return replies.lost_reply(lost), replies.text(stream.err)
+            return _lost_reply(lost), _text(stream.err)
         finally:
             stream.close()
 
@@ -239,12 +233,12 @@ class Sandbox:
                 if self._closed:
                     raise SandboxError(f"sandbox {self.name} is closed")
                 argv, environment = dispatcher_exec_args(user)
-                stream = self._start_exec(argv, user, self.spec.workdir, environment, stdin=True)
+                stream = self.start_exec(argv, user, self.spec.workdir, environment, stdin=True)
                 try:
                     read_ready(stream, min(deadline, time.monotonic() + 30))
                 except (ShellLost, OSError) as e:
                     stream.close()
-                    raise self._broken(e) from e
+                    raise self.broken(e) from e
                 shell = self._shells[user] = _Shell(stream)
             return shell
 
@@ -254,9 +248,11 @@ class Sandbox:
                 del self._shells[user]
         shell.stream.close()  # the dispatcher reads EOF and exits once its current command is over
 
-    def _start_exec(
+    def start_exec(
         self, argv: list[str], user: str, workdir: str, environment: dict[str, str] | None, stdin: bool
     ) -> Stream:
+        """A raw ``docker exec`` of ``argv`` as ``user``, attached (file_transfer.py streams files through one).
+        Raises SandboxError if the daemon or the container does not answer."""
         api = self._client.api
         try:
             exec_id = api.exec_create(
@@ -264,89 +260,24 @@ class Sandbox:
             )["Id"]
             return Stream(api.exec_start(exec_id, socket=True))
         except (docker.errors.DockerException, requests.RequestException) as e:
-            raise self._broken(e) from e
+            raise self.broken(e) from e
 
-    # --- files ----------------------------------------------------------------------------------------------------
+    def broken(self, cause: Exception) -> SandboxError:
+        """The error that fails the episode when this sandbox stopped answering because of ``cause``."""
+        state = "running" if self.alive() else "not running (exited, killed or removed)"
+        return SandboxError(f"sandbox {self.name} is {state}: {cause}")
 
-    def _unpack(self, archive: bytes, parent: str) -> None:
-        """Unpack a tar ``archive`` into ``parent`` as root, keeping its owners and modes (seed.py)."""
-        if not archive:
-            return
-        deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE
-        argv = replies.bounded(FILE_TIMEOUT) + ["bash", "-c", 'tar -x -f - -C "$1" -p; printf \'\\0SFRC %d\\n\' "$?"',
-                                         "sandforge-unpack", parent]
-        stream = self._start_exec(argv, "root", "/", None, stdin=True)
-        try:
-            try:
-                stream.send(archive, deadline)
-                stream.close_stdin()
-            except OSError:
-                pass  # tar stopped reading: its message says why
-            finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
-        finally:
-            stream.close()
-        if replies.exit_code(stream.out) != 0 or not finished:
-            raise OSError(f"tar into {parent}: {replies.text(stream.err)[-300:] or 'timed out'}")
+    # --- files (file_transfer.py) ----------------------------------------------------------------------------------
 
     def put_file(self, path: str, data: bytes, user: str | None = None, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` as ``user`` (default spec.user, who then owns it), creating parent folders.
-
-        Any size, any bytes: a tar archive streams into ``tar -x`` run by that user, so the user's permissions apply.
-        Relative paths are under the spec's workdir. Raises OSError if the user may not write there.
-        """
-        target = self._abspath(path)
-        member = tarfile.TarInfo(target.lstrip("/"))
-        member.size, member.mode, member.mtime = len(data), mode, int(time.time())
-        archive = io.BytesIO()
-        with tarfile.open(fileobj=archive, mode="w", format=tarfile.GNU_FORMAT) as tar:
-            tar.addfile(member, io.BytesIO(data))
-        deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE
-        argv = replies.bounded(FILE_TIMEOUT) + ["bash", "-c", replies.PUT_SCRIPT]
-        stream = self._start_exec(argv, user or self.spec.user, "/", None, stdin=True)
-        try:
-            try:
-                stream.send(archive.getvalue(), deadline)
-                stream.close_stdin()
-            except OSError:
-                pass  # tar stopped reading (it failed early): its message says why
-            finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
-        except OSError as e:
-            raise self._broken(e) from e
-        finally:
-            stream.close()
-        code = replies.exit_code(stream.out)
-        if code != 0 or not finished:
-            if not self.alive():
-                raise self._broken(OSError(f"cannot write {path}"))
-            reason = replies.text(stream.err).replace(f"tar: {member.name}: ", "").splitlines()
-            raise OSError(f"cannot write {path}: {replies.failure_reason(code, reason, finished)}")
+        Relative paths are under the spec's workdir. Raises OSError if the user may not write there."""
+        file_transfer.put_file(self, path, data, user=user, mode=mode)
 
     def get_file(self, path: str, user: str | None = None, max_bytes: int | None = None) -> bytes | None:
         """The bytes of the file at ``path`` read as ``user`` (default spec.user), or None if it does not exist.
-
-        Relative paths are under the spec's workdir. Raises OSError if it cannot be read (permissions, a directory,
-        more than ``max_bytes``).
-        """
-        replies.check_path(path)
-        argv = replies.bounded(FILE_TIMEOUT) + ["bash", "-c", replies.GET_SCRIPT, "sandforge-get", path]
-        stream = self._start_exec(argv, user or self.spec.user, self.spec.workdir, None, stdin=False)
-        try:
-            finished = stream.read_to_eof(time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE, max_bytes)
-        except OSError as e:
-            raise self._broken(e) from e
-        finally:
-            stream.close()
-        if max_bytes is not None and len(stream.out) > max_bytes:
-            raise OSError(f"cannot read {path}: larger than {max_bytes} bytes")
-        code = replies.exit_code(stream.err)
-        if code == 3 and finished:
-            return None
-        if code != 0 or not finished:
-            if not self.alive():
-                raise self._broken(OSError(f"cannot read {path}"))
-            reason = replies.RC.sub(b"", stream.err).decode(errors="replace").strip().splitlines()
-            raise OSError(f"cannot read {path}: {replies.failure_reason(code, reason, finished)}")
-        return bytes(stream.out)
+        Raises OSError if it cannot be read (permissions, a directory, more than ``max_bytes``)."""
+        return file_transfer.get_file(self, path, user=user, max_bytes=max_bytes)
 
     def write_file(self, path: str, content: str, user: str | None = None) -> None:
         """Write ``content`` (UTF-8) to ``path``, creating parent folders, with ``user``'s permissions.
@@ -360,21 +291,8 @@ class Sandbox:
 
         Raises OSError if it cannot be read (permissions, a directory, larger than MAX_READ_BYTES).
         """
-        data = self.get_file(path, user=user, max_bytes=MAX_READ_BYTES)
+        data = self.get_file(path, user=user, max_bytes=file_transfer.MAX_READ_BYTES)
         return None if data is None else data.decode(errors="replace")
-
-    def _abspath(self, path: str) -> str:
-        replies.check_path(path)
-        target = posixpath.normpath(posixpath.join(self.spec.workdir, path))
-        if target.startswith("//"):
-            target = target[1:]
-        if target == "/" or path.endswith("/"):
-            raise ValueError(f"not a file path: {path!r}")
-        return target
-
-    def _broken(self, cause: Exception) -> SandboxError:
-        state = "running" if self.alive() else "not running (exited, killed or removed)"
-        return SandboxError(f"sandbox {self.name} is {state}: {cause}")
 
     # --- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -395,14 +313,14 @@ class Sandbox:
                 shell.stream.close()
             force_remove(self._client, self.id)
 
-    def __enter__(self) -> Sandbox:
+    def __enter__(self) -> DockerSandbox:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Sandbox({self.name}, image={self.spec.image})"
+        return f"DockerSandbox({self.name}, image={self.spec.image})"
 
 
 class _Shell:
@@ -414,5 +332,38 @@ class _Shell:
 
     def take_stderr(self) -> str:
         """The dispatcher's complaints since the last command: a capped head and tail, and what was dropped, last
-        (``Stream.err``; ``_result`` keeps the note's end)."""
-        return replies.text(self.stream.take_err())
+        (``Stream.err``; ``_exec_result`` keeps the note's end)."""
+        return _text(self.stream.take_err())
+
+
+def _exec_result(response: Response, note: str, seconds: float) -> ExecResult:
+    """The policy's view of a command's answer: its output with the notes it should see (what was cut, the spool
+    full, an out-of-memory kill, the session shell's own complaints)."""
+    out = response.output
+    if response.timed_out and out.endswith(b"Terminated\n"):
+        out = out[: -len(b"Terminated\n")]  # bash reporting the foreground job our TERM ended: `timed_out` says it
+    if response.dropped > 0:
+        cut = response.head_len
+        out = out[:cut] + f"\n[... truncated {response.dropped} bytes]\n".encode() + out[cut:]
+    notes = []
+    if len(response.output) + response.dropped >= 0.95 * parse_size(SPOOL_SIZE):
+        notes.append(f"[output spool full: past {SPOOL_SIZE} lost]")
+    if response.oom_killed:
+        notes.append("[killed: the sandbox ran out of memory]")
+    if note:  # the session shell's own complaints, e.g. that it cannot fork
+        notes.append(note if len(note) <= 1000 else "..." + note[-1000:])
+    text = out.decode(errors="replace")
+    if notes:
+        text += ("" if not text or text.endswith("\n") else "\n") + "\n".join(notes)
+    return ExecResult(response.exit_code, text, response.timed_out, seconds, response.oom_killed)
+
+
+def _lost_reply(lost: ShellLost) -> Response:
+    """What a command whose answer never came reports: a timeout, or the shell killed under it."""
+    if lost.timed_out:
+        return Response(124, b"[timed out]", True, False, 0, 0)
+    return Response(137, b"[the shell was killed during this command; its session continues]", False, False, 0, 0)
+
+
+def _text(data: bytes | bytearray) -> str:
+    return bytes(data).decode(errors="replace").strip()

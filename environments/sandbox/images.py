@@ -319,7 +319,8 @@ def build_context_image(
 
 def require_sandbox_user(client: docker.DockerClient, tag: str, dockerfile: Path, user: str = "sandbox") -> None:
     """Fail the build, not every episode, when an image lacks the non-root user the policy runs as."""
-    from sandforge.environments.sandbox.spec import SandboxError, _ids_of
+    from sandforge.environments.sandbox.spec import _ids_of
+    from sandforge.types import SandboxError
 
     try:
         _ids_of(client, tag, user)

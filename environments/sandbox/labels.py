@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 
-from sandforge.environments.sandbox.spec import SandboxError
+from sandforge.types import SandboxError
 
 LABEL_RUN = "sandforge.run"
 LABEL_EPISODE = "sandforge.episode"

@@ -17,7 +17,7 @@ import urllib3.exceptions
 
 from sandforge.environments.sandbox.daemon import docker_client, force_remove
 from sandforge.environments.sandbox.labels import LABEL_RUN, driver_alive
-from sandforge.environments.sandbox.spec import SandboxError
+from sandforge.types import SandboxError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import shlex
 import time
 
-from sandforge.environments.sandbox.spec import SandboxError
 from sandforge.environments.sandbox.stop_scripts import STOP_SCRIPT
+from sandforge.types import SandboxError
 
 RETRIES = 5  # execs tried after signalling the guard, RETRY_PAUSE apart
 RETRY_PAUSE = 0.5

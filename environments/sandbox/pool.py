@@ -23,10 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 import docker
 
 from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import Sandbox, SandboxError, SandboxSpec
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.labels import driver_labels
 from sandforge.environments.sandbox.lifecycle import remove_container, retry_daemon
 from sandforge.environments.sandbox.stats import SandboxStats
+from sandforge.types import SandboxError
 
 LABEL_ATTEMPT = "sandforge.attempt"  # one creation attempt: finds what a failed attempt left behind
 MAX_REFILL_THREADS = 4  # creations in flight at once for the warm set: more only queue up in the daemon
@@ -72,8 +73,8 @@ class SandboxPool:
         self._attempts, self._backoff_s = attempts, backoff_s
         self._interval = 1.0 / max_creates_per_second
         self._cond = threading.Condition()
-        self._warm: deque[Sandbox] = deque()
-        self._out: dict[str, Sandbox] = {}  # handed out, by container id
+        self._warm: deque[DockerSandbox] = deque()
+        self._out: dict[str, DockerSandbox] = {}  # handed out, by container id
         self._graders_waiting = 0  # fresh() calls waiting for a slot: they go before new episodes and the warm set
         self._live = 0  # containers this pool answers for: warm + handed out + being created
         self._filling = 0  # creations in flight for the warm set
@@ -89,7 +90,7 @@ class SandboxPool:
 
     # --- what episodes call ---------------------------------------------------------------------------------------
 
-    def acquire(self, timeout: float | None = None) -> Sandbox:
+    def acquire(self, timeout: float | None = None) -> DockerSandbox:
         """A started sandbox for one episode; give it back with ``release``.
 
         Waits at most ``timeout`` seconds (None: forever) when ``max_live`` sandboxes exist already. Raises SandboxError
@@ -110,7 +111,7 @@ class SandboxPool:
         self.stats.record_acquire(time.monotonic() - start)
         return sandbox
 
-    def grader(self, parent: Sandbox) -> Sandbox:
+    def grader(self, parent: DockerSandbox) -> DockerSandbox:
         """A fresh sandbox of this pool's spec for grading ``parent``'s episode (what ``parent.fresh()`` returns): it
         takes a max_live slot like an episode's, and closing it gives the slot back.
 
@@ -132,7 +133,7 @@ class SandboxPool:
                 sandbox.grader = True
                 return sandbox
 
-    def _started(self, sandbox: Sandbox | None, cold: bool) -> Sandbox | None:
+    def _started(self, sandbox: DockerSandbox | None, cold: bool) -> DockerSandbox | None:
         """A taken warm ``sandbox`` if it is still alive (None: it died while it waited, and is gone), or, ``cold``,
         one created in the reserved slot (whose reservation is undone if that fails)."""
         if cold:
@@ -147,7 +148,7 @@ class SandboxPool:
             return None
         return sandbox
 
-    def _grader_slot(self) -> tuple[Sandbox | None, bool]:
+    def _grader_slot(self) -> tuple[DockerSandbox | None, bool]:
         """Under the lock: a warm sandbox (False), or a slot reserved to create one in (True)."""
         while True:
             if self._closed:
@@ -168,7 +169,7 @@ class SandboxPool:
                 return None, True
             self._cond.wait()
 
-    def release(self, sandbox: Sandbox) -> None:
+    def release(self, sandbox: DockerSandbox) -> None:
         """Remove the episode's container (never reused); the pool refills in the background. Never raises."""
         with self._cond:
             ours = self._out.pop(sandbox.id, None) is not None
@@ -229,7 +230,7 @@ class SandboxPool:
 
     # --- bookkeeping ----------------------------------------------------------------------------------------------
 
-    def _take(self, deadline: float | None, timeout: float | None) -> tuple[Sandbox | None, bool]:
+    def _take(self, deadline: float | None, timeout: float | None) -> tuple[DockerSandbox | None, bool]:
         """A warm sandbox (False), or a reserved slot to create one in (True); waits while max_live are live."""
         with self._cond:
             while True:
@@ -258,8 +259,8 @@ class SandboxPool:
             self.stats.add_gauge("live", -n)
             self._cond.notify_all()
 
-    def _remove(self, sandbox: Sandbox) -> bool:
-        sandbox.close()  # one attempt, and frees what the Sandbox object holds
+    def _remove(self, sandbox: DockerSandbox) -> bool:
+        sandbox.close()  # one attempt, and frees what the DockerSandbox object holds
         try:
             remove_container(self._client, sandbox.id, self._attempts, self._backoff_s)  # gone already: one 404
             return True
@@ -270,7 +271,7 @@ class SandboxPool:
                 self._orphans.append(sandbox.id)
             return False
 
-    def _discard(self, sandbox: Sandbox) -> None:
+    def _discard(self, sandbox: DockerSandbox) -> None:
         self._remove(sandbox)
         self._forget(1)
 
@@ -284,10 +285,10 @@ class SandboxPool:
         if delay > 0:
             time.sleep(delay)
 
-    def _create(self) -> Sandbox:
+    def _create(self) -> DockerSandbox:
         """One started sandbox, with bounded retries on transient daemon errors; SandboxError when they run out."""
 
-        def attempt() -> Sandbox:
+        def attempt() -> DockerSandbox:
             self._throttle()
             tag = uuid.uuid4().hex
             try:
@@ -368,14 +369,14 @@ class SandboxPool:
             self._discard(sandbox)
 
 
-class PooledSandbox(Sandbox):
+class PooledSandbox(DockerSandbox):
     """A sandbox of a pool: its ``fresh()`` container, for a grader, comes from the same pool (``SandboxPool.grader``)
     and counts against max_live; closing that one gives its slot back."""
 
     pool: SandboxPool | None = None
     grader: bool = False  # a grader's container: closing it frees its slot
 
-    def fresh(self) -> Sandbox:
+    def fresh(self) -> DockerSandbox:
         return self.pool.grader(self) if self.pool is not None else super().fresh()
 
     def close(self) -> None:

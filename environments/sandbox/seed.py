@@ -17,7 +17,8 @@ import docker
 import docker.errors
 import requests
 
-from sandforge.environments.sandbox.spec import LABEL_PROBE, SandboxError, parse_size
+from sandforge.environments.sandbox.spec import LABEL_PROBE, parse_size
+from sandforge.types import SandboxError
 
 CACHED = 8  # archives kept, most recent first
 MAX_CACHED_BYTES = 64 << 20  # larger archives are read again for every sandbox

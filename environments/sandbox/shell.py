@@ -12,7 +12,7 @@ Output never travels through a pipe that a background job could hold open: the c
 command's output, as in a terminal (what it prints between commands is dropped, so the spool never fills up).
 ``jobs``/``wait``/``fg`` do not see jobs of earlier commands (each command is its own shell); ``ps`` and ``kill`` do. Shell options (``set -e``...) are deliberately not carried over.
 
-Transport. A command could be one ``docker exec`` each (the reference path: ``Sandbox(reuse_shell=False)``, and what
+Transport. A command could be one ``docker exec`` each (the reference path: ``reuse_shell=False``, and what
 ``exec(session=False)`` always does), but a docker exec costs a runc process start, 30-100 ms on a busy host. So each
 sandbox user gets one long-lived *dispatcher*: a small bash loop started once by ``docker exec -i``, which reads
 requests on stdin, runs each command as described above, and answers on stdout. It never runs policy code itself, so
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 SESSION_DIR = "/run/sandforge"  # tmpfs, mode 1777: one private (0700) folder per user id, holding state and spool
 ROOT_SESSION_DIR = "/run/sandforge-root"  # tmpfs, mode 0700: root's (verifiers'), which the policy cannot fill up
 KILL_AFTER = 2.0  # seconds between TERM and KILL when a command outlives its timeout
+CLIENT_GRACE = 10.0  # extra seconds the client waits beyond the in-container timeout before giving up
 # What the host keeps of an exec stream's bytes that the policy can write without bound (it can reach the dispatcher's
 # own stdout and stderr through /proc/<pid>/fd): stderr's head and tail, and stdout past what an answer can hold.
 ERR_HEAD, ERR_TAIL, ERR_SLACK = 4096, 16384, 65536

@@ -25,6 +25,7 @@ from docker.types import DriverConfig, Mount, Ulimit
 
 from sandforge.environments.sandbox.shell import ROOT_SESSION_DIR, SESSION_DIR
 from sandforge.environments.sandbox.stop_scripts import GUARD_SCRIPT, GUARD_VARIABLE, guard_command
+from sandforge.types import SandboxError
 
 SPOOL_SIZE = "64m"  # tmpfs for session state and command output: a command printing more gets "No space left"
 LABEL_PROBE = "sandforge.probe"  # a never-started container that reads an image's /etc/passwd
@@ -38,10 +39,6 @@ ROOT_CAPS = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL"]  # KILL: graders stop th
 # their own users (apt's _apt), keep setgid bits, signal their children, bind low ports. Still no raw sockets, mknod,
 # chroot, ptrace or admin capabilities, and no-new-privileges stays.
 ROOT_AGENT_CAPS = ROOT_CAPS + ["FSETID", "SETGID", "SETUID", "NET_BIND_SERVICE"]
-
-
-class SandboxError(RuntimeError):
-    """The sandbox is broken, dead or unreachable: the episode using it has failed."""
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 from agent_fakes import CHAT, limits
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
 from sandforge.rollout.agent import run_episode
@@ -78,7 +78,7 @@ def test_a_check_as_root_gets_roots_home_and_a_clean_environment(repo_spec, run_
     """What a root check sees: root's HOME, no user site, git without global or system config."""
     probe = ("echo HOME=$HOME; python3 -c 'import site, sys; print(\"usersite\", site.ENABLE_USER_SITE)'; "
              "echo git=$GIT_CONFIG_GLOBAL,$GIT_CONFIG_NOSYSTEM")
-    with Sandbox.create(repo_spec, run_id, client=docker_client) as sb:
+    with DockerSandbox.create(repo_spec, run_id, client=docker_client) as sb:
         out = sb.exec(probe, user="root", session=False).output
         assert "HOME=/root" in out and "usersite False" in out and "git=/dev/null,1" in out, out
         mine = sb.exec("echo HOME=$HOME", session=False).output  # the policy's own commands are unchanged
@@ -96,7 +96,7 @@ def test_no_grader_secret_is_in_argv(repo_spec, run_id, docker_client):
              f"SELECT '{secret}', count(*) FROM c")
     task = replace(make_task("write_file", 3), checks=[
         {"verifier": "sql", "db": "/tmp/app.db", "query": query, "expect": [[secret, 2000000]]}])
-    with Sandbox.create(repo_spec, run_id, client=docker_client) as sb:
+    with DockerSandbox.create(repo_spec, run_id, client=docker_client) as sb:
         made = sb.exec("python3 -c \"import sqlite3; sqlite3.connect('/tmp/app.db').execute('create table t(x)')\"",
                        user="root", session=False)
         assert made.exit_code == 0, made.output

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from agent_fakes import CHAT, limits
 
-from sandforge.environments.sandbox.docker_sandbox import Sandbox
+from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
 from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import make_task
@@ -84,7 +84,7 @@ def test_the_repo_graders_container_counts_against_max_live(run_id, docker_clien
 
     image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
     seen: list[int] = []
-    create = Sandbox.create.__func__
+    create = DockerSandbox.create.__func__
 
     def counting_create(cls, *args, **kw):
         seen.append(pool.live)  # the slot is taken before the container is made
@@ -94,7 +94,7 @@ def test_the_repo_graders_container_counts_against_max_live(run_id, docker_clien
     with SandboxPool(SandboxSpec(image=image), run_id, size=0, client=docker_client, max_live=2) as pool:
         env = RepoEnv(task, pool.spec, run_id, exec_timeout=60, pool=pool)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(Sandbox, "create", classmethod(counting_create))
+            mp.setattr(DockerSandbox, "create", classmethod(counting_create))
             traj = asyncio.run(run_episode(task, env, scripted_policy(task, CHAT), CHAT, limits(max_turns=8), "g"))
         assert not traj.failed, traj.failure
         assert (traj.reward.value, traj.reward.success) == (1.0, True), traj.reward.reason
@@ -159,7 +159,7 @@ def _df(out: str) -> tuple[str, str]:
 def test_an_image_workdir_larger_than_the_cap_is_refused_in_one_line(terminal_image, docker_client):
     """The workspace is filled from the image only up to its cap, whether the image's folder was read before or not."""
     from sandforge.environments.sandbox.seed import workdir_archive
-    from sandforge.environments.sandbox.spec import SandboxError
+    from sandforge.types import SandboxError
 
     with pytest.raises(SandboxError, match=r"its /usr/sbin holds more than the workspace's cap \(1k\).*storage_mb"):
         workdir_archive(docker_client, terminal_image, "/usr/sbin", "1k")  # read afresh
