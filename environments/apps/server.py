@@ -1,6 +1,8 @@
 """The HTTP + SQLite server every mock app runs inside its sandbox. Python stdlib only: it runs on the image's python3.
 
-An app is a module with ``SCHEMA`` (SQL), ``seed(con, data)`` and ``METHODS`` (name -> ``fn(con, args) -> result``).
+An app is a module with ``SCHEMA`` (SQL), ``seed(con, data)`` and ``METHODS`` (name -> ``fn(con, args) -> result``);
+it sits beside this module in the sandbox's bundle (environments/apps/env.py) and reads its arguments with
+``text_arg`` (``from server import text_arg``).
 Requests are RPC-style, like Slack's Web API: ``POST /api/<method>`` with a JSON object; the answer is
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "error": "..."}``. Method names never come from the policy (the
 env's tools choose them), and every value reaches SQLite as a bound parameter, so no argument can become SQL or a path.
@@ -23,6 +25,18 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MAX_BODY = 1 << 20
+
+
+def text_arg(args: dict, key: str, required: bool = True, strip: bool = False) -> str:
+    """An app method's string argument ``args[key]`` ('' when absent); ValueError, which the policy sees, unless it
+    is a string, or when ``required`` and it is blank. ``strip``: returned without surrounding whitespace (ids,
+    titles), else as given (a message keeps the text it was sent with)."""
+    value = args.get(key, "")
+    if not isinstance(value, str):
+        raise ValueError(f"'{key}' must be a string")
+    if required and not value.strip():
+        raise ValueError(f"'{key}' must not be empty")
+    return value.strip() if strip else value
 
 
 def open_db(app, db_path: str, seed_path: str) -> sqlite3.Connection:

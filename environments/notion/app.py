@@ -11,6 +11,8 @@ import json
 import re
 import sqlite3
 
+from server import text_arg  # environments/apps/server.py, beside this module in the app's bundle
+
 SCHEMA = """
 CREATE TABLE databases (id TEXT PRIMARY KEY, parent_id TEXT NOT NULL, title TEXT NOT NULL);
 CREATE TABLE properties (
@@ -62,14 +64,6 @@ def seed(con: sqlite3.Connection, data: dict) -> None:
     con.executemany("INSERT INTO property_values VALUES (?, ?, ?, 'seed')", data.get("values", []))
     con.executemany("INSERT INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, 'seed')", data.get("blocks", []))
 
-
-def _str(args: dict, key: str, required: bool = True) -> str:
-    value = args.get(key, "")
-    if not isinstance(value, str):
-        raise ValueError(f"'{key}' must be a string")
-    if required and not value.strip():
-        raise ValueError(f"'{key}' must not be empty")
-    return value.strip()
 
 
 def _page(con: sqlite3.Connection, page_id: str) -> tuple:
@@ -170,7 +164,7 @@ def _block_tree(con: sqlite3.Connection, page_id: str, parent_block_id: str | No
 
 def search(con: sqlite3.Connection, args: dict) -> list[dict]:
     """Pages and databases whose title contains the query (case-insensitive, literally); all of them for ''."""
-    query = _str(args, "query", required=False)
+    query = text_arg(args, "query", required=False, strip=True)
     pattern = "%" + query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
     rows = con.execute(
         "SELECT 'database', id, title, parent_id FROM databases WHERE title LIKE ?1 ESCAPE '\\' "
@@ -180,7 +174,7 @@ def search(con: sqlite3.Connection, args: dict) -> list[dict]:
 
 
 def pages_get(con: sqlite3.Connection, args: dict) -> dict:
-    page_id, parent_id, database_id, title = _page(con, _str(args, "page_id"))
+    page_id, parent_id, database_id, title = _page(con, text_arg(args, "page_id", strip=True))
     parent = con.execute("SELECT title FROM pages WHERE id = ?1 UNION ALL SELECT title FROM databases WHERE id = ?1",
                          (parent_id,)).fetchone()
     return {
@@ -192,7 +186,7 @@ def pages_get(con: sqlite3.Connection, args: dict) -> dict:
 
 def pages_create(con: sqlite3.Connection, args: dict) -> dict:
     """A page under a page, or a row in a database (parent_id is the database's id), with optional blocks."""
-    parent_id, title = _str(args, "parent_id"), _str(args, "title")
+    parent_id, title = text_arg(args, "parent_id", strip=True), text_arg(args, "title", strip=True)
     if len(title) > MAX_TEXT:
         raise ValueError(f"the title is {len(title)} characters; at most {MAX_TEXT}")
     in_database = con.execute("SELECT 1 FROM databases WHERE id = ?", (parent_id,)).fetchone() is not None
@@ -211,7 +205,7 @@ def pages_create(con: sqlite3.Connection, args: dict) -> dict:
 
 def blocks_append(con: sqlite3.Connection, args: dict) -> dict:
     """Append blocks at the end of a page (block_id is a page id) or as children of a block."""
-    target = _str(args, "block_id")
+    target = text_arg(args, "block_id", strip=True)
     block = con.execute("SELECT id, page_id FROM blocks WHERE id = ?", (target,)).fetchone()
     if block is None:
         page_id, parent_block_id = _page(con, target)[0], None
@@ -224,7 +218,7 @@ def blocks_append(con: sqlite3.Connection, args: dict) -> dict:
 
 
 def pages_update(con: sqlite3.Connection, args: dict) -> dict:
-    page_id, _, database_id, title = _page(con, _str(args, "page_id"))
+    page_id, _, database_id, title = _page(con, text_arg(args, "page_id", strip=True))
     if database_id is None:
         raise ValueError(f"page {page_id} ({title!r}) is not a database row, so it has no properties")
     _set_properties(con, page_id, database_id, args.get("properties"))
@@ -233,7 +227,7 @@ def pages_update(con: sqlite3.Connection, args: dict) -> dict:
 
 def databases_query(con: sqlite3.Connection, args: dict) -> dict:
     """The database's rows with their properties; ``filter`` {"property": name, "equals": value} keeps matching rows."""
-    database_id, title = _database(con, _str(args, "database_id"))
+    database_id, title = _database(con, text_arg(args, "database_id", strip=True))
     schema = _schema(con, database_id)
     rows = con.execute("SELECT id, title FROM pages WHERE database_id = ? ORDER BY id", (database_id,)).fetchall()
     found = [{"id": i, "title": t, "properties": _properties(con, i, database_id)} for i, t in rows]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 import sqlite3
 
+from server import text_arg  # environments/apps/server.py, beside this module in the app's bundle
+
 SCHEMA = """
 CREATE TABLE users (id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, real_name TEXT NOT NULL);
 CREATE TABLE channels (id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, topic TEXT NOT NULL DEFAULT '');
@@ -47,14 +49,6 @@ def seed(con: sqlite3.Connection, data: dict) -> None:
 def _me(con: sqlite3.Connection) -> str:
     return con.execute("SELECT value FROM meta WHERE key = 'me'").fetchone()[0]
 
-
-def _str(args: dict, key: str, required: bool = True) -> str:
-    value = args.get(key, "")
-    if not isinstance(value, str):
-        raise ValueError(f"'{key}' must be a string")
-    if required and not value.strip():
-        raise ValueError(f"'{key}' must not be empty")
-    return value
 
 
 def _channel(con: sqlite3.Connection, ref: str) -> tuple[str, str]:
@@ -105,7 +99,7 @@ def conversations_list(con: sqlite3.Connection, args: dict) -> list[dict]:
 
 def conversations_history(con: sqlite3.Connection, args: dict) -> dict:
     """The channel's latest top-level messages, oldest first, each with its thread's replies."""
-    channel_id, name = _channel(con, _str(args, "channel"))
+    channel_id, name = _channel(con, text_arg(args, "channel"))
     top = con.execute(
         f"SELECT * FROM ({_SELECT} WHERE m.channel_id = ? AND m.thread_id IS NULL ORDER BY m.ts DESC, m.id DESC "
         f"LIMIT ?) ORDER BY 6, 1", (channel_id, LIST_LIMIT)
@@ -122,15 +116,15 @@ def conversations_history(con: sqlite3.Connection, args: dict) -> dict:
 
 def chat_post_message(con: sqlite3.Connection, args: dict) -> dict:
     """Post in a channel, or in a thread with ``thread_id`` (replying to a reply joins its thread, as in Slack)."""
-    text = _str(args, "text")
+    text = text_arg(args, "text")
     if len(text) > MAX_TEXT:
         raise ValueError(f"the message is {len(text)} characters; at most {MAX_TEXT}")
-    thread_ref = _str(args, "thread_id", required=False)
+    thread_ref = text_arg(args, "thread_id", required=False)
     if thread_ref.strip():
         parent = _message(con, thread_ref)
         channel_id, thread_id = parent[1], parent[2] or parent[0]
     else:
-        channel_id, thread_id = _channel(con, _str(args, "channel"))[0], None
+        channel_id, thread_id = _channel(con, text_arg(args, "channel"))[0], None
     (count,) = con.execute("SELECT count(*) FROM messages").fetchone()
     (last,) = con.execute("SELECT max(ts) FROM messages").fetchone()
     message_id = f"m{count + 1:03d}"
@@ -140,8 +134,8 @@ def chat_post_message(con: sqlite3.Connection, args: dict) -> dict:
 
 
 def reactions_add(con: sqlite3.Connection, args: dict) -> dict:
-    message_id = _message(con, _str(args, "message_id"))[0]
-    name = _str(args, "name").strip().strip(":")
+    message_id = _message(con, text_arg(args, "message_id"))[0]
+    name = text_arg(args, "name").strip().strip(":")
     if not _EMOJI.match(name):
         raise ValueError(f"{name!r} is not an emoji name; use a name like thumbsup or white_check_mark")
     try:
@@ -153,7 +147,7 @@ def reactions_add(con: sqlite3.Connection, args: dict) -> dict:
 
 def search_messages(con: sqlite3.Connection, args: dict) -> list[dict]:
     """Messages whose text contains the query (case-insensitive, literally: % and _ are not wildcards), newest first."""
-    query = _str(args, "query").strip()
+    query = text_arg(args, "query").strip()
     pattern = "%" + query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
     rows = con.execute(f"{_SELECT} WHERE m.text LIKE ? ESCAPE '\\' ORDER BY m.ts DESC, m.id DESC LIMIT ?",
                        (pattern, LIST_LIMIT)).fetchall()
