@@ -1,4 +1,5 @@
-"""Where an environment's tasks come from: a seeded generator, a JSONL file, or Harbor task directories.
+"""Where an environment's tasks come from: a seeded generator, a JSONL file, or folders its entry's loader reads
+(Harbor task directories).
 
 Every source answers the same three questions, so the sampler and ``sandforge envs list`` treat them alike:
 ``families()``, ``task(family, seed, split)`` (same arguments -> same task) and ``count(split)`` (None for a seeded
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from sandforge.registry import environments
 from sandforge.types import Task
 
 SPLITS = ("train", "heldout")
@@ -26,7 +28,8 @@ class TaskSourceError(ValueError):
 
 @dataclass
 class ProceduralSource:
-    """A task module's seeded families (``FAMILIES``, ``make_task``): endless tasks, train/heldout from disjoint pools."""
+    """A task module's seeded families (``FAMILIES``, through the entry's ``make_task``): endless tasks, train/heldout
+    from disjoint pools."""
 
     family_names: list[str]
     make: Callable[[str, int, str], Task]
@@ -135,24 +138,20 @@ def dump_jsonl(tasks: list[Task], path: Path) -> None:
 
 def open_source(entry: Any, tasks: Path | None = None, harbor_mode: str = "root",
                 heldout: float = 0.0) -> ProceduralSource | FiniteSource:
-    """The task source of a registry entry: its seeded module, or the file/folder ``tasks`` (JSONL or Harbor; for
-    Harbor, ``harbor_mode`` and the ``heldout`` fraction: environments/harbor/tasks.py)."""
+    """The task source of a registry entry: its seeded families, or the path ``tasks``, read by the entry's folder
+    loader when it has one (Harbor's, with ``harbor_mode`` and the ``heldout`` fraction: environments/harbor/tasks.py),
+    else as a JSONL file."""
     if tasks is None:
         if not entry.families():
             raise TaskSourceError(f"the {entry.name!r} environment has no seeded tasks: give it `tasks:` (a JSONL "
                                   "file or a Harbor task directory)")
         return ProceduralSource(entry.families(), entry.make_task())
     tasks = Path(tasks)
-    if tasks.is_dir():
-        from sandforge.environments.harbor.tasks import load_tasks
-
-        if entry.name != "harbor":
-            raise TaskSourceError(f"{tasks}: a directory of Harbor tasks runs in the 'harbor' environment, not "
-                                  f"{entry.name!r}")
-        found, images = load_tasks(tasks, harbor_mode, heldout)
+    if entry.folder_loader is not None:
+        found, images = entry.load_folder(tasks, harbor_mode, heldout)
         return FiniteSource(found, str(tasks), images)
-    if entry.name == "harbor":
-        raise TaskSourceError(f"{tasks}: the harbor environment reads Harbor task directories (instruction.md, "
-                              "task.toml, environment/, tests/), not a file")
+    if tasks.is_dir():
+        readers = " or ".join(repr(name) for name, e in environments().items() if e.folder_loader is not None)
+        raise TaskSourceError(f"{tasks}: a directory of tasks runs in the {readers} environment, not {entry.name!r} "
+                              "(which reads a JSONL file)")
     return FiniteSource(load_jsonl(tasks, env=entry.name), str(tasks))
-

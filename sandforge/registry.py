@@ -1,14 +1,18 @@
 """Where environments and verifiers are found: built-ins by import path, plugins by entry point.
 
 Core code must not import the parts, so built-ins are named by ``module:attribute`` strings and resolved lazily. An
-environment entry names its gymnasium env class, its task module (``FAMILIES`` and ``make_task(family, seed, split)``)
-and the image its sandboxes start from.
+environment entry names its gymnasium env class, its task module (``FAMILIES``: family -> ``(seed, split) -> Task``),
+the image its sandboxes start from and, for an env whose tasks come as folders of its own format (Harbor's), its
+folder loader. The entry makes every env's seeded tasks (``make_task``) and reads every env's ``tasks:`` path
+(``load_folder``), so no caller asks which env it is.
 
 Plugins are pip packages that declare entry points (see examples/plugin_env/pyproject.toml):
 
 - group ``sandforge.environments``: name -> a dict ``{"env": "module:Class", "tasks": "module"}`` plus, optionally,
   ``"image": "<built-in env>"`` to reuse that env's image, or ``"dockerfile": "<package>"`` whose folder holds the
-  Dockerfile of the plugin's own image (default: the package of ``tasks``).
+  Dockerfile of the plugin's own image (default: the package of ``tasks``), and ``"folder_loader": "module:function"``
+  to read ``tasks:`` paths in a format of its own (``FolderLoader``). A ``make_task(family, seed, split)`` in the task
+  module, the contract before ``FAMILIES`` alone sufficed, is still used when present.
 - group ``sandforge.verifiers``: name -> a callable ``(sandbox, args) -> (score, reason)``, the shape of
   ``sandforge.verifiers.checks.Verifier``. Task checks name it like a built-in one.
 """
@@ -33,6 +37,8 @@ BUILTIN_ENVIRONMENTS = {
 }
 # Built-in envs whose sandboxes run the image of another package under sandforge.environments (default: their own).
 SHARED_IMAGES = {"slack": "apps", "notion": "apps"}  # the mock apps: one image, the app's code goes in at reset
+# Built-in envs whose `tasks:` paths are folders of their own format, read by this ``FolderLoader``.
+FOLDER_LOADERS = {"harbor": "sandforge.environments.harbor.tasks:load_folder"}
 # Built-in verifiers by the name checks give them, each a ``(sandbox, args)`` function imported on first use, so the
 # check runner (sandforge.verifiers.checks) imports none of them. Properties are attributes of the function:
 # ``partial_credit = True``, ``default_timeout(args)``.
@@ -74,14 +80,23 @@ class PluginError(RuntimeError):
     """An installed plugin's entry point cannot be loaded or has the wrong shape; the message names its package."""
 
 
+# ``(path, mode, heldout) -> (tasks, images)``: the tasks at ``path`` (what a job's ``tasks:`` names: the loader says
+# which files or folders it reads, and raises environments.task_sources.TaskSourceError naming the path otherwise),
+# and the images they bring (image name -> the folder of its Dockerfile, or an images.BuildContext). ``mode``: the
+# job's ``harbor_mode`` (``root`` or ``hardened``: who the agent runs as); ``heldout``: the fraction of tasks without
+# a split of their own to hold out.
+FolderLoader = Callable[[Path, str, float], tuple[list[Any], dict[str, Any]]]
+
+
 @dataclass(frozen=True)
 class EnvironmentEntry:
     name: str
     env_path: str  # "module:Class"
-    tasks_module: str  # module with FAMILIES and make_task(family, seed, split)
+    tasks_module: str  # module with FAMILIES: family -> (seed, split) -> Task
     source: str = "built-in"  # or "plugin <distribution> <version>"
     image_name: str | None = None  # the image its sandboxes use; None: each task brings its own (Harbor)
     image_package: str | None = None  # the package whose folder holds that image's Dockerfile
+    folder_loader: str | None = None  # "module:function", a FolderLoader; None: `tasks:` is a JSONL file
 
     def env_class(self) -> type:
         return resolve(self.env_path)
@@ -90,7 +105,17 @@ class EnvironmentEntry:
         return list(importlib.import_module(self.tasks_module).FAMILIES)
 
     def make_task(self) -> Callable[..., Any]:
-        return importlib.import_module(self.tasks_module).make_task
+        """``(family, seed, split="train") -> Task``: the family's generator from the task module's ``FAMILIES``
+        (or the module's own ``make_task``, which plugins written before ``FAMILIES`` sufficed define)."""
+        module = importlib.import_module(self.tasks_module)
+        own = getattr(module, "make_task", None)
+        return own if callable(own) else functools.partial(seeded_task, self.name, module.FAMILIES)
+
+    def load_folder(self, path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[list[Any], dict[str, Any]]:
+        """The tasks at ``path`` and the images they bring, read by the env's ``FolderLoader``."""
+        if self.folder_loader is None:
+            raise ValueError(f"the {self.name!r} environment has no folder loader: its tasks come from JSONL files")
+        return resolve(self.folder_loader)(Path(path), mode, heldout)
 
     def tasks(self) -> Any:
         """The task module itself (for optional attributes such as ``SPLITS``)."""
@@ -112,13 +137,24 @@ def resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def seeded_task(env: str, families: dict[str, Callable[..., Any]], family: str, seed: int, split: str = "train") -> Any:
+    """Family ``family``'s task for ``seed`` and ``split``, from an env's ``FAMILIES``; an unknown family (or an env
+    without seeded tasks) is a ValueError that says what to give instead."""
+    if not families:
+        raise ValueError(f"the {env} environment has no seeded tasks: point `tasks:` in its `environments` entry at "
+                         "its tasks (a task file or folder)")
+    if family not in families:
+        raise ValueError(f"unknown {env} task family '{family}': use one of {', '.join(families)}")
+    return families[family](seed, split)
+
+
 def _builtin(name: str, env_path: str, tasks_module: str) -> EnvironmentEntry:
     image = SHARED_IMAGES.get(name, name)
     package = f"sandforge.environments.{image}"
     spec = importlib.util.find_spec(package)
     has_image = spec is not None and any((Path(p) / "Dockerfile").is_file() for p in spec.submodule_search_locations)
     return EnvironmentEntry(name, env_path, tasks_module, image_name=image if has_image else None,
-                            image_package=package if has_image else None)
+                            image_package=package if has_image else None, folder_loader=FOLDER_LOADERS.get(name))
 
 
 def _distribution(ep: EntryPoint) -> str:
@@ -142,7 +178,10 @@ def _plugin(ep: EntryPoint) -> EnvironmentEntry:
         image_name, image_package = base.image_name, base.image_package
     else:
         image_name, image_package = ep.name, spec.get("dockerfile") or spec["tasks"].rpartition(".")[0] or spec["tasks"]
-    return EnvironmentEntry(ep.name, spec["env"], spec["tasks"], _distribution(ep), image_name, image_package)
+    loader = spec.get("folder_loader")
+    if loader is not None and (not isinstance(loader, str) or ":" not in loader):
+        raise PluginError(f"{where}: 'folder_loader' must name a function as 'module:function', got {loader!r}")
+    return EnvironmentEntry(ep.name, spec["env"], spec["tasks"], _distribution(ep), image_name, image_package, loader)
 
 
 def environments() -> dict[str, EnvironmentEntry]:

@@ -292,7 +292,7 @@ def test_rollout_config_keys_reach_the_episode_limits():
 @pytest.mark.docker
 def test_terminal_episode_with_parallel_tool_calls(terminal_spec, run_id, docker_client):
     from sandforge.environments.terminal.env import TerminalEnv
-    from sandforge.environments.terminal.tasks import make_task
+    from seeded import terminal_task as make_task
     from sandforge.verifiers.checks import score_task
 
     task = make_task("write_file", 3)
@@ -316,7 +316,7 @@ def test_terminal_episode_with_parallel_tool_calls(terminal_spec, run_id, docker
 def test_worker_waits_for_a_sandbox_when_max_live_are_in_use(terminal_image, run_id, docker_client):
     from sandforge.config import JobConfig
     from sandforge.environments.sandbox.lifecycle import list_run_containers
-    from sandforge.environments.terminal.tasks import make_task
+    from seeded import terminal_task as make_task
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
     job = JobConfig.model_validate({"sandbox": {"max_live": 1, "warm_pool": 0}, "rollout": {"concurrency": 3}})

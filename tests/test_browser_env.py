@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 from agent_fakes import CHAT, limits
+from seeded import browser_task as make_task
 
 from sandforge.environments.browser.env import SITE_DB, SITE_URL, BrowserEnv
-from sandforge.environments.browser.tasks import FAMILIES, _NAMES, _PRODUCTS, _TOWNS, make_task
+from sandforge.environments.browser.tasks import FAMILIES, _NAMES, _PRODUCTS, _TOWNS
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.registry import environment

@@ -7,8 +7,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from seeded import terminal_task as make_task
+
 from sandforge.environments.task_sources import dump_jsonl
-from sandforge.environments.terminal.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
 HARBOR = ROOT / "tests" / "data" / "harbor"

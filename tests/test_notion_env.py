@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 from app_episodes import act, app_spec, episode, train_one_step
+from seeded import notion_task as make_task
 
 from sandforge.environments.notion import tasks as notion_tasks
 from sandforge.environments.notion.env import NotionEnv, parse_blocks
-from sandforge.environments.notion.tasks import FAMILIES, make_task
+from sandforge.environments.notion.tasks import FAMILIES
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.tools import ToolError
 from sandforge.types import ToolCall

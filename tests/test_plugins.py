@@ -135,3 +135,105 @@ def test_a_plugin_with_its_own_dockerfile_and_broken_plugins(tmp_path, monkeypat
         registry._plugin(entry("own_image_env:REUSE"))
     with pytest.raises(registry.PluginError, match=r"\(missing_module:SPEC\).*cannot be loaded: ModuleNotFoundError"):
         registry._plugin(entry("missing_module:SPEC"))
+
+
+CARDS = '''"""A plugin whose tasks come as a folder of its own format: one ``<name>.card`` file per task, its first line the
+family, the rest the answer to write. Its sandboxes run the terminal env and image."""
+
+from pathlib import Path
+
+from sandforge.environments.task_sources import TaskSourceError
+from sandforge.types import Task, ToolCall
+
+ENVIRONMENT = {"env": "sandforge.environments.terminal.env:TerminalEnv", "tasks": "cards_env", "image": "terminal",
+               "folder_loader": "cards_env:load_cards"}
+DOTTED = {**ENVIRONMENT, "folder_loader": "cards_env.load_cards"}
+FAMILIES = {}  # no seeded tasks: cards only
+ANSWER = "/workspace/answer.txt"
+
+
+def load_cards(path: Path, mode: str, heldout: float):
+    if not path.is_dir():
+        raise TaskSourceError(f"{path}: cards come as a folder of .card files")
+    tasks = []
+    for card in sorted(path.glob("*.card")):
+        family, answer = card.read_text().split("\\n", 1)
+        tasks.append(Task(id=f"cards/{card.stem}", env="cards", family=family, seed=0,
+                          instruction=f"Write {answer!r} to {ANSWER}.",
+                          checks=[{"verifier": "file_equals", "path": ANSWER, "content": answer}],
+                          solution=[ToolCall("write_file", {"path": ANSWER, "content": answer}), ToolCall("submit")],
+                          split="heldout" if card.stem.startswith("held") else "train"))
+    return tasks, {}
+'''
+
+
+@pytest.fixture
+def cards_plugin(tmp_path, monkeypatch):
+    """An installed plugin as pip leaves one: a package and a dist-info folder declaring its entry point."""
+    site = tmp_path / "site"
+    (site / "cards_env").mkdir(parents=True)
+    (site / "cards_env" / "__init__.py").write_text(CARDS)
+    info = site / "cards_env-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cards-env\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{registry.ENVIRONMENT_GROUP}]\ncards = cards_env:ENVIRONMENT\n")
+    monkeypatch.syspath_prepend(str(site))
+    deck = tmp_path / "deck"
+    deck.mkdir()
+    for name, text in {"a": "greet\nhello", "b": "greet\nhi there", "c": "count\n3", "held-d": "greet\nmoi"}.items():
+        (deck / f"{name}.card").write_text(text)
+    yield deck
+    sys.modules.pop("cards_env", None)
+
+
+def test_a_plugin_brings_its_own_task_folder_format(cards_plugin, tmp_path):
+    """A job's `tasks:` folder in the plugin's format is read by the plugin's folder loader, as Harbor's is by its."""
+    from importlib.metadata import EntryPoint
+
+    from sandforge.config import load_config
+    from sandforge.environments.task_sources import open_source
+    from sandforge.job.tasks import TaskSampler
+
+    deck = cards_plugin
+    entry = registry.environment("cards")
+    assert (entry.source, entry.folder_loader) == ("plugin cards-env 0.1", "cards_env:load_cards")
+    with pytest.raises(registry.PluginError, match=r"'folder_loader' must name a function as 'module:function'"):
+        registry._plugin(EntryPoint(name="cards", value="cards_env:DOTTED", group=registry.ENVIRONMENT_GROUP))
+    config = tmp_path / "job.yaml"
+    config.write_text(f"environments:\n  - name: cards\n    tasks: {deck}\n    families: [greet]\n")
+    sampler = TaskSampler(load_config(config).environments, seed=0)
+    assert {t.id for t in sampler.sample(30)} == {"cards/a", "cards/b"}
+    assert {t.id for t in sampler.sample(10, "heldout")} == {"cards/held-d"}
+    assert sampler.sample(1)[0].checks[0]["content"] in {"hello", "hi there"}
+    source = open_source(entry, deck)
+    assert source.families() == ["count", "greet"] and (source.count("train"), source.count("heldout")) == (3, 1)
+
+    # what the folder loader says of a path it does not read, and what an env without one says of the folder
+    config.write_text(f"environments:\n  - name: cards\n    tasks: {config}\n")
+    with pytest.raises(ValueError, match=r"environments\[0\].tasks: .*job.yaml: cards come as a folder of .card"):
+        TaskSampler(load_config(config).environments, seed=0)
+    with pytest.raises(ValueError, match=r"a directory of tasks runs in the 'harbor' or 'cards' environment, not "
+                                         r"'terminal'"):
+        open_source(registry.environment("terminal"), deck)
+
+
+def test_a_task_module_needs_only_families_and_a_make_task_of_its_own_still_counts(tmp_path, monkeypatch):
+    """The entry looks a family up in FAMILIES (one error for an unknown one); a plugin written when task modules
+    had to define ``make_task`` keeps its own."""
+    from importlib.metadata import EntryPoint
+
+    (tmp_path / "bare_env.py").write_text('SPEC = {"env": "bare_env:E", "tasks": "bare_env"}\n'
+                                          'FAMILIES = {"echo": lambda seed, split="train": ("echo", seed, split)}\n')
+    (tmp_path / "old_env.py").write_text('SPEC = {"env": "old_env:E", "tasks": "old_env"}\nFAMILIES = {"echo": None}\n'
+                                         'def make_task(family, seed, split="train"):\n    return ("own", seed)\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bare = registry._plugin(EntryPoint(name="bare", value="bare_env:SPEC", group=registry.ENVIRONMENT_GROUP))
+    old = registry._plugin(EntryPoint(name="old", value="old_env:SPEC", group=registry.ENVIRONMENT_GROUP))
+    try:
+        assert bare.make_task()("echo", 3, "heldout") == ("echo", 3, "heldout")
+        with pytest.raises(ValueError, match="unknown bare task family 'nope': use one of echo"):
+            bare.make_task()("nope", 1)
+        assert old.make_task()("echo", 3) == ("own", 3)
+    finally:
+        for name in ("bare_env", "old_env"):
+            sys.modules.pop(name, None)

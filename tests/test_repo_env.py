@@ -15,10 +15,11 @@ from dataclasses import replace
 import pytest
 
 from pathlib import Path
+from seeded import repo_task as make_task
 
 from sandforge.environments.repo.env import RepoEnv
 from sandforge.environments.repo.functions import FUNCTIONS
-from sandforge.environments.repo.tasks import FAMILIES, make_task
+from sandforge.environments.repo.tasks import FAMILIES
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.lifecycle import list_run_containers

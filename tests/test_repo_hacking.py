@@ -11,9 +11,9 @@ import shlex
 from dataclasses import replace
 
 import pytest
+from seeded import repo_task as make_task
 
 from sandforge.environments.repo.env import RepoEnv
-from sandforge.environments.repo.tasks import make_task
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.types import Task, ToolCall

@@ -7,13 +7,14 @@ import dataclasses
 
 import pytest
 from app_episodes import act, app_spec, episode, train_one_step
+from seeded import slack_task as make_task
 
 from sandforge.environments.apps.env import APP_DIR
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.slack import tasks as slack_tasks
 from sandforge.environments.slack.env import SlackEnv
-from sandforge.environments.slack.tasks import FAMILIES, make_task
+from sandforge.environments.slack.tasks import FAMILIES
 from sandforge.types import SandboxError, ToolCall
 from sandforge.verifiers.checks import score_task
 from sandforge.verifiers.state import query_rows

@@ -9,11 +9,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+from seeded import terminal_task as make_task
 
 from sandforge import registry
 from sandforge.config import ConfigError, load_config
 from sandforge.environments.task_sources import FiniteSource, TaskSourceError, dump_jsonl, load_jsonl, open_source
-from sandforge.environments.terminal.tasks import make_task
 from sandforge.registry import environment
 from sandforge.job.tasks import TaskSampler, with_partial_credit
 from sandforge.types import Task

@@ -5,10 +5,11 @@ from __future__ import annotations
 import shlex
 
 import pytest
+from seeded import terminal_task as make_task
 
 from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
-from sandforge.environments.terminal.tasks import FAMILIES, make_task
+from sandforge.environments.terminal.tasks import FAMILIES
 from sandforge.types import ExecResult, SandboxError, Task, ToolCall
 from sandforge.verifiers.checks import VerifierError, score_task
 

@@ -10,8 +10,9 @@ import posixpath
 import tarfile
 
 import pytest
+from seeded import repo_task as make_task
 
-from sandforge.environments.repo.tasks import FAMILIES, make_task
+from sandforge.environments.repo.tasks import FAMILIES
 from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.labels import DRIVER_LABELS, LABEL_RUN

@@ -37,7 +37,7 @@ def test_heldout_tasks_ask_for_heldout_words_only(env):
     tasks = importlib.import_module(f"sandforge.environments.{env}.tasks")
     for family in tasks.FAMILIES:
         for seed in range(10):
-            text = tasks.make_task(family, seed, "heldout").instruction.lower()
+            text = tasks.FAMILIES[family](seed, "heldout").instruction.lower()
             train_words = [w for w in re.findall(r"\b(?:[bdfgklmnprstvz][aeiou])+\b", text) if len(w) >= 4
                            and split_of(w) == "train"]
             assert not set(train_words) & set(WORDS["train"]), (family, seed, text)

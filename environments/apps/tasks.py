@@ -14,7 +14,3 @@ def start(env: str, family: str, seed: int, split: str) -> tuple[random.Random, 
     task_id = f"{env}/{family}/{seed}" if split == "train" else f"{env}/{family}/{split}/{seed}"
     return random.Random(f"{env}/{family}/{seed}"), task_id
 
-
-def check_family(families: dict, env: str, family: str) -> None:
-    if family not in families:
-        raise ValueError(f"unknown {env} task family '{family}': use one of {', '.join(families)}")

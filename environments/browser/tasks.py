@@ -178,9 +178,3 @@ FAMILIES: dict[str, Callable[[int, str], Task]] = {
     "booking": booking_task,
     "wiki": wiki_task,
 }
-
-
-def make_task(family: str, seed: int, split: str = "train") -> Task:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown browser task family '{family}': use one of {', '.join(FAMILIES)}")
-    return FAMILIES[family](seed, split)

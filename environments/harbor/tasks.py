@@ -28,6 +28,7 @@ from pathlib import Path
 from sandforge.environments.harbor.dockerfile import AGENT_USER, MODES, HarborBuild
 from sandforge.environments.sandbox.images import BuildContext
 from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings
+from sandforge.environments.task_sources import TaskSourceError
 from sandforge.types import Task, ToolCall
 
 FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`environments[i].tasks` in the job)
@@ -38,11 +39,6 @@ REQUIRED = ("instruction.md", "environment/Dockerfile", "tests/test.sh")
 
 class HarborTaskError(ValueError):
     """A folder that is not a valid Harbor task; the message names the file and what it needs."""
-
-
-def make_task(family: str, seed: int, split: str = "train") -> Task:
-    raise ValueError("the harbor environment has no seeded tasks: point `tasks:` in its `environments` entry at a "
-                     "Harbor task directory or a folder of them")
 
 
 def is_task_dir(path: Path) -> bool:
@@ -154,6 +150,15 @@ def load_tasks(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[li
         images[task.setup["image"]] = BuildContext(env_dir if env_dir.is_dir() else d.resolve(), build,
                                                    user=AGENT_USER if mode == "hardened" else None)
     return tasks, images
+
+
+def load_folder(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[list[Task], dict[str, BuildContext]]:
+    """The harbor environment's folder loader (sandforge/registry.py ``FOLDER_LOADERS``): ``load_tasks``, for the
+    path a job's ``tasks:`` names, which must be a directory."""
+    if Path(path).is_file():
+        raise TaskSourceError(f"{path}: the harbor environment reads Harbor task directories (instruction.md, "
+                              "task.toml, environment/, tests/), not a file")
+    return load_tasks(path, mode, heldout)
 
 
 def compact_checks(task: dict) -> dict:

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sandforge.environments.apps.tasks import check_family, start
+from sandforge.environments.apps.tasks import start
 from sandforge.environments.notion.env import NotionEnv
 from sandforge.environments.words import WORDS, pools
 from sandforge.types import Task, ToolCall
@@ -160,8 +160,3 @@ FAMILIES: dict[str, Callable[[int, str], Task]] = {
     "update_property": update_property_task,
     "append_blocks": append_blocks_task,
 }
-
-
-def make_task(family: str, seed: int, split: str = "train") -> Task:
-    check_family(FAMILIES, "notion", family)
-    return FAMILIES[family](seed, split)

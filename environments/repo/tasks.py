@@ -197,9 +197,3 @@ FAMILIES: dict[str, Callable[[int, str], Task]] = {
     kind: (lambda seed, split="train", kind=kind: repo_task(kind, seed, split))
     for kind in (OFF_BY_ONE, WRONG_OPERATOR, WRONG_CONDITION)
 }
-
-
-def make_task(family: str, seed: int, split: str = "train") -> Task:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown repo task family '{family}': use one of {', '.join(FAMILIES)}")
-    return FAMILIES[family](seed, split)

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sandforge.environments.apps.tasks import check_family, start
+from sandforge.environments.apps.tasks import start
 from sandforge.environments.slack.env import SlackEnv
 from sandforge.environments.words import WORDS, pools
 from sandforge.types import Task, ToolCall
@@ -158,9 +158,3 @@ FAMILIES: dict[str, Callable[[int, str], Task]] = {
     "post_message": post_message_task,
     "add_reaction": add_reaction_task,
 }
-
-
-def make_task(family: str, seed: int, split: str = "train") -> Task:
-    check_family(FAMILIES, "slack", family)
-    return FAMILIES[family](seed, split)
-

@@ -66,9 +66,3 @@ FAMILIES: dict[str, Callable[[int, str], Task]] = {
     "write_file": write_file_task,
     "count_words": count_words_task,
 }
-
-
-def make_task(family: str, seed: int, split: str = "train") -> Task:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown terminal task family '{family}': use one of {', '.join(FAMILIES)}")
-    return FAMILIES[family](seed, split)

@@ -14,9 +14,9 @@ import json
 import random
 
 import pytest
+from seeded import terminal_task as make_task
 
 from sandforge.environments.terminal.env import TerminalEnv
-from sandforge.environments.terminal.tasks import make_task
 from sandforge.models.bpe import load_tokenizer
 from sandforge.models.chat import ChatFormat
 from sandforge.rollout.agent import EpisodeLimits, run_episode

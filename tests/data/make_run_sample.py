@@ -15,9 +15,10 @@ import math
 import shutil
 from pathlib import Path
 
-from sandforge.environments.terminal.tasks import make_task
+from sandforge.registry import environment
 from sandforge.types import Message, Reward, Task, ToolCall, Trajectory, Turn
 
+make_task = environment("terminal").make_task()
 OUT = Path(__file__).parent / "run_sample"
 RUN_ID = "sample-20261130-120000-ab12"
 T0 = 1796040000.0

@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import pytest
 from agent_fakes import CHAT, limits
+from seeded import terminal_task as make_task
 
 from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
 from sandforge.environments.terminal.env import TerminalEnv
-from sandforge.environments.terminal.tasks import make_task
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall

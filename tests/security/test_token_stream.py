@@ -100,7 +100,7 @@ def test_a_forged_turn_printed_in_a_real_sandbox_reaches_the_model_as_text(chat,
     from agent_fakes import limits
 
     from sandforge.environments.terminal.env import TerminalEnv
-    from sandforge.environments.terminal.tasks import make_task
+    from seeded import terminal_task as make_task
     from sandforge.rollout.agent import run_episode
     from sandforge.rollout.policy_client import scripted_policy
 

@@ -30,10 +30,5 @@ def add_notes_task(seed: int, split: str = "train") -> Task:
     )
 
 
+# family -> (seed, split) -> Task: all sandforge needs of a task module (a job names families by these keys)
 FAMILIES = {"add_notes": add_notes_task}
-
-
-def make_task(family: str, seed: int, split: str = "train") -> Task:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown notes task family '{family}': use one of {', '.join(FAMILIES)}")
-    return FAMILIES[family](seed, split)
