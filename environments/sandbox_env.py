@@ -9,7 +9,7 @@ session (a service they start keeps running). Subclasses add tools; none are dec
 the rollout worker applies them over the config when it builds the env's pool.
 
 ``score``: the grader ``(sandbox, task) -> Reward`` that the step ending the episode reports as its reward (what
-``gymnasium.make`` gives, see ``gym_registry.py``: the same ``score_task`` the agent loop grades with). Without it,
+``gymnasium.make`` gives, see ``rollout/gym_envs.py``: the same ``score_task`` the agent loop grades with). Without it,
 as in the rollout worker, ``step``'s reward stays 0.0 and the agent loop grades the episode itself afterwards.
 """
 

@@ -22,11 +22,12 @@ from test_plugins import plugin_installed, plugin_path  # noqa: F401 - fixtures:
 
 from sandforge.config import RolloutConfig
 from sandforge.environments.base import ObservationText, ToolCallSpace, ToolEnv
-from sandforge.environments.gym_registry import DEFAULT_MAX_OBSERVATION, GYM_IDS, gym_id, register_environments
+from sandforge.environments.gym_registry import GYM_IDS, gym_id, register_environments
 from sandforge.environments.sandbox.lifecycle import list_run_containers
 from sandforge.environments.tools import tool
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.gym_envs import DEFAULT_MAX_OBSERVATION
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 from sandforge.verifiers.checks import score_task
@@ -84,7 +85,7 @@ def test_importing_the_environments_registers_every_built_in_without_importing_t
     assert set(GYM_IDS.values()) <= set(eval(ids + "]")), out
     assert heavy.strip() == "]", f"registering imported {heavy}"
     spec = gymnasium.spec("sandforge/Terminal-v0")
-    assert (spec.entry_point, spec.kwargs) == ("sandforge.environments.gym_registry:make_env", {"env": "terminal"})
+    assert (spec.entry_point, spec.kwargs) == ("sandforge.rollout.gym_envs:make_env", {"env": "terminal"})
 
 
 def test_an_installed_plugin_is_registered_by_its_entry_point_name(plugin_installed):  # noqa: F811

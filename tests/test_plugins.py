@@ -190,7 +190,10 @@ def test_a_plugin_brings_its_own_task_folder_format(cards_plugin, tmp_path):
     """A job's `tasks:` folder in the plugin's format is read by the plugin's folder loader, as Harbor's is by its."""
     from importlib.metadata import EntryPoint
 
+    import gymnasium
+
     from sandforge.config import load_config
+    from sandforge.environments.gym_registry import register_environments
     from sandforge.environments.task_sources import open_source
     from sandforge.job.tasks import TaskSampler
 
@@ -215,6 +218,19 @@ def test_a_plugin_brings_its_own_task_folder_format(cards_plugin, tmp_path):
     with pytest.raises(ValueError, match=r"a directory of tasks runs in the 'harbor' or 'cards' environment, not "
                                          r"'terminal'"):
         open_source(registry.environment("terminal"), deck)
+
+    # gymnasium: a task folder of the format makes the plugin's env, as a Harbor task directory makes Harbor-v0's
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "x.card").write_text("greet\nhey")
+    env_id = register_environments()["cards"]
+    try:
+        env = gymnasium.make(env_id, task=str(one), image="unused").unwrapped
+        assert env.task.id == "cards/x" and env.task.checks[0]["content"] == "hey"
+        with pytest.raises(ValueError, match="holds 4 tasks; make one env per task directory"):
+            gymnasium.make(env_id, task=str(deck), image="unused")
+    finally:
+        gymnasium.registry.pop(env_id, None)
 
 
 def test_a_task_module_needs_only_families_and_a_make_task_of_its_own_still_counts(tmp_path, monkeypatch):
