@@ -42,6 +42,7 @@ from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.lora import adapter_weights
 from sandforge.engine import EngineActor
 from sandforge.trainer.rank import RolloutShape, TrainerRank
+from sandforge.types import TrainingRow
 
 SMOLLM2 = Path.home() / ".cache/sandforge/models/catalog/smollm2-135m"
 
@@ -158,14 +159,14 @@ def measure(name: str, args, scratch: Path) -> dict:
     baseline_decode(engine.core.model, prompts[:2], 4)
     _, base_s = timed(lambda: baseline_decode(engine.core.model, prompts, args.new_tokens), device)
 
-    rows = [{"token_ids": p + s["token_ids"], "loss_mask": [0] * len(p) + [1] * len(s["token_ids"]),
-             "logprobs": [0.0] * len(p) + s["logprobs"],
-             "advantages": [float(i % 2) - 0.5] * (len(p) + len(s["token_ids"]))}
+    rows = [TrainingRow(token_ids=p + s["token_ids"], loss_mask=[0] * len(p) + [1] * len(s["token_ids"]),
+                        logprobs=[0.0] * len(p) + s["logprobs"],
+                        advantages=[float(i % 2) - 0.5] * (len(p) + len(s["token_ids"])))
             for i, (p, s) in enumerate(zip(prompts, samples))]
-    loss_tokens = sum(sum(r["loss_mask"]) for r in rows)
-    rank.train_step(rows[:2], sum(sum(r["loss_mask"]) for r in rows[:2]))  # warm-up step
+    loss_tokens = sum(sum(r.loss_mask) for r in rows)
+    rank.train_step(rows[:2], sum(sum(r.loss_mask) for r in rows[:2]))  # warm-up step
     _, train_s = timed(lambda: rank.train_step(rows, loss_tokens), device)
-    lengths = [len(r["token_ids"]) for r in rows]
+    lengths = [len(r.token_ids) for r in rows]
     flops = step_flops(rank.engine.module, lengths)
     out = {
         "engine_decode_tokens_per_s": round(decoded / decode_s, 1),

@@ -43,10 +43,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from sandforge.types import TrainingRow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -203,15 +206,15 @@ def weight_sync_section(args, table: Table) -> dict:
             "weight_sync_object_store_vs_collective": round(ratio, 2), "weight_sync_gb": round(gb, 4)}
 
 
-def _train_rows(vocab: int, n: int, length: int) -> list[dict]:
+def _train_rows(vocab: int, n: int, length: int) -> list[TrainingRow]:
     import torch
 
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(n):
         size = length - 7 * i  # uneven, as episodes are
-        rows.append({"token_ids": torch.randint(1, vocab, (size,), generator=g).tolist(),
-                     "loss_mask": [0] * 16 + [1] * (size - 16)})
+        rows.append(TrainingRow(token_ids=torch.randint(1, vocab, (size,), generator=g).tolist(),
+                                loss_mask=[0] * 16 + [1] * (size - 16)))
     return rows
 
 
@@ -241,16 +244,16 @@ def deepspeed_vs_torch_section(args, table: Table) -> dict:
     model.load_state_dict(rank.engine.module.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=trainer_cfg.lr, weight_decay=trainer_cfg.weight_decay)
     rows = _train_rows(len(rank.tokenizer), args.train_rows, args.train_len)
-    total = sum(sum(r["loss_mask"]) for r in rows)
-    tokens = sum(len(r["token_ids"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
+    tokens = sum(len(r.token_ids) for r in rows)
 
     def torch_step() -> float:
         model.train()
         step_loss = 0.0
         for micro in split_micro_batches(rows, trainer_cfg.grad_accum_steps):
-            ids = pad_right([r["token_ids"] for r in micro], 0, torch.long)
-            attn = pad_right([[1] * len(r["token_ids"]) for r in micro], 0, torch.long)
-            mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32)
+            ids = pad_right([r.token_ids for r in micro], 0, torch.long)
+            attn = pad_right([[1] * len(r.token_ids) for r in micro], 0, torch.long)
+            mask = pad_right([r.loss_mask for r in micro], 0, torch.float32)
             logprobs, aux = token_logprobs(model, ids, attn)
             loss = -(logprobs * mask).sum() / total  # the SFT loss: token-mean over the whole step's assistant tokens
             (loss + aux).backward()
@@ -312,12 +315,12 @@ def packing_section(args, table: Table) -> dict:
 
     g = torch.Generator().manual_seed(0)
     lengths = episode_lengths(args.pack_rows, args.pack_longest)
-    rows = [{"token_ids": torch.randint(1, len(rank.tokenizer), (n,), generator=g).tolist(),
-             "loss_mask": [0] * 16 + [1] * (n - 16)} for n in lengths]
-    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(lengths)
+    rows = [TrainingRow(token_ids=torch.randint(1, len(rank.tokenizer), (n,), generator=g).tolist(),
+                        loss_mask=[0] * 16 + [1] * (n - 16)) for n in lengths]
+    total, tokens = sum(sum(r.loss_mask) for r in rows), sum(lengths)
     micro = split_micro_batches(rows, gas)
     slots = {pack: sum((PackedLayout.pack if pack else lambda n, a: PackedLayout.padded(n))(
-        [len(r["token_ids"]) for r in m], rank.engine.module.pack_align).slots for m in micro) for pack in (True, False)}
+        [len(r.token_ids) for r in m], rank.engine.module.pack_align).slots for m in micro) for pack in (True, False)}
     timings: dict[bool, list[float]] = {True: [], False: []}
     for i in range(args.train_steps + 1):  # alternate, so machine noise hits both alike; step 0 warms up
         for pack in (True, False):
@@ -336,7 +339,7 @@ def packing_section(args, table: Table) -> dict:
             "packing_slot_use": {"packed": round(tokens / slots[True], 3), "padded": round(tokens / slots[False], 3)}}
 
 
-def _rl_tokens_per_s(ranks: dict, rows: list[dict], steps: int) -> dict[str, float]:
+def _rl_tokens_per_s(ranks: dict, rows: list[TrainingRow], steps: int) -> dict[str, float]:
     """Train tokens/s of each rank's RL step on the same on-policy rows (log-probs of the first rank, which all start
     from the same weights), their steps alternated so machine noise hits all alike; step 0 warms up; the median step
     (a busy neighbour's burst skews a mean)."""
@@ -351,10 +354,9 @@ def _rl_tokens_per_s(ranks: dict, rows: list[dict], steps: int) -> dict[str, flo
     first = next(iter(ranks.values()))
     with torch.no_grad():
         logprobs, _ = token_logprobs(first.engine.module.eval(), *token_batch(rows))
-    for i, r in enumerate(rows):
-        r["logprobs"] = logprobs[i, : len(r["token_ids"])].tolist()
-        r["advantages"] = [1.0 if i % 2 else -1.0] * len(r["token_ids"])
-    total, tokens = sum(sum(r["loss_mask"]) for r in rows), sum(len(r["token_ids"]) for r in rows)
+    rows = [replace(r, logprobs=logprobs[i, : len(r.token_ids)].tolist(),
+                    advantages=[1.0 if i % 2 else -1.0] * len(r.token_ids)) for i, r in enumerate(rows)]
+    total, tokens = sum(sum(r.loss_mask) for r in rows), sum(len(r.token_ids) for r in rows)
     timings: dict[str, list[float]] = {name: [] for name in ranks}
     for i in range(steps + 1):
         for name, rank in ranks.items():
@@ -384,7 +386,7 @@ def lora_vs_full_section(args, table: Table) -> dict:
                                seed=0, num_threads=args.lora_threads)
              for name, lora in loras.items()}
     rows = _train_rows(len(ranks["full"].tokenizer), args.lora_rows, args.lora_len)
-    tokens = sum(len(r["token_ids"]) for r in rows)
+    tokens = sum(len(r.token_ids) for r in rows)
     trainable = {name: sum(p.numel() for p in rank.engine.module.parameters() if p.requires_grad)
                  for name, rank in ranks.items()}
     tps = _rl_tokens_per_s(ranks, rows, args.train_steps)

@@ -16,9 +16,10 @@ from sandforge.job.fleet import trainer_ranks
 from sandforge.job.checkpoint import save_checkpoint
 from sandforge.job.console import JobError
 from sandforge.job.rl_job import RLJob, training_rows
+from sandforge.types import TrainingRow
 
 
-def copy_source(job: RLJob, stream: str) -> Callable[[int], list[dict]]:
+def copy_source(job: RLJob, stream: str) -> Callable[[int], list[TrainingRow]]:
     """``n -> rows`` of generated copy exchanges over the job's tools (job/copy_data.py), from a seeded stream."""
     from sandforge.job.copy_data import copy_rows, env_tools
     from sandforge.models.build import load_chat

@@ -18,7 +18,7 @@ import json
 import random
 
 from sandforge.environments import words
-from sandforge.types import Message, ToolCall
+from sandforge.types import Message, ToolCall, TrainingRow
 
 def word(rng: random.Random) -> str:
     """A train-split syllable word: held-out words (environments/words.py) never appear in pretraining."""
@@ -111,7 +111,8 @@ def copy_exchange(chat, tool: dict, rng: random.Random, listed: list[dict] | Non
     return prompt, answer
 
 
-def copy_rows(chat, tools: dict[str, list[dict]], rng: random.Random, n: int, listed: float = 0.0) -> list[dict]:
+def copy_rows(chat, tools: dict[str, list[dict]], rng: random.Random, n: int,
+              listed: float = 0.0) -> list[TrainingRow]:
     """``n`` training rows (the trainer's ``sft`` mode) of generated exchanges over ``tools`` (environment -> its
     tool schemas): each picks an environment, then one of its tools; a share ``listed`` of them lists that
     environment's tools before the request, as its episodes do."""
@@ -121,6 +122,5 @@ def copy_rows(chat, tools: dict[str, list[dict]], rng: random.Random, n: int, li
         schemas = tools[rng.choice(envs)]
         tool = rng.choice(schemas)
         prompt, answer = copy_exchange(chat, tool, rng, schemas if rng.random() < listed else None)
-        rows.append({"token_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer),
-                     "logprobs": None, "routed_experts": None})
+        rows.append(TrainingRow(token_ids=prompt + answer, loss_mask=[0] * len(prompt) + [1] * len(answer)))
     return rows

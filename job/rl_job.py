@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -28,12 +29,12 @@ from sandforge.job.runlog import RunLogger
 from sandforge.job.tasks import TaskSampler
 from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
 from sandforge.trainer.rank import RolloutShape
-from sandforge.types import Task, Trajectory
+from sandforge.types import Task, TrainingRow, Trajectory
 
 
-def training_rows(trajs: list[Trajectory]) -> list[dict]:
-    return [{"token_ids": t.token_ids, "loss_mask": t.loss_mask, "logprobs": t.logprobs,
-             "routed_experts": t.routed_experts} for t in trajs]
+def training_rows(trajs: list[Trajectory]) -> list[TrainingRow]:
+    return [TrainingRow(token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
+                        routed_experts=t.routed_experts) for t in trajs]
 
 
 def step_line(step: int, total: int, m: dict[str, float]) -> str:
@@ -121,7 +122,7 @@ class RLJob:
                 pass
         return stats.snapshot()
 
-    def update(self, rows: list[dict]) -> dict[str, float]:
+    def update(self, rows: list[TrainingRow]) -> dict[str, float]:
         return trainer_ranks.update(self.ranks, rows, self.cfg.trainer.mini_batches, self.rng)
 
     def sample_groups(self, step: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
@@ -152,7 +153,7 @@ class RLJob:
                 break
         return trajs, keep, {"dapo/filtered_groups": filtered, "dapo/rounds": n + 1}
 
-    def rl_rows(self, ok: list[Trajectory]) -> tuple[list[dict], dict[str, float]]:
+    def rl_rows(self, ok: list[Trajectory]) -> tuple[list[TrainingRow], dict[str, float]]:
         """Training rows with per-token advantages (and PPO's value targets) from the algorithm."""
         s = self.settings
         rows = training_rows(ok)
@@ -165,17 +166,13 @@ class RLJob:
             [t.reward.value + p for t, p in zip(ok, penalties)],
             [t.group for t in ok],
             [t.loss_mask for t in ok],
-            kl_penalty=[x["kl_penalty"] for x in scores] if scores else None,
-            values=[x["values"] for x in scores] if scores and s.algorithm.value_head else None,
+            kl_penalty=[x.kl_penalty for x in scores] if scores else None,
+            values=[x.values for x in scores] if scores and s.algorithm.value_head else None,
             gamma=s.gamma,
             lam=s.gae_lambda,
         )
-        for i, row in enumerate(rows):
-            row["advantages"] = adv[i]
-            if returns is not None:
-                row["returns"] = returns[i]
-            if mini:
-                row["old_logprobs"] = scores[i]["old_logprobs"]
+        rows = [replace(row, advantages=adv[i], returns=None if returns is None else returns[i],
+                        old_logprobs=scores[i].old_logprobs if mini else None) for i, row in enumerate(rows)]
         metrics = {"dapo/overlong_penalty": sum(penalties) / len(penalties)} if s.overlong_buffer else {}
         return rows, metrics
 

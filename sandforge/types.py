@@ -166,6 +166,39 @@ class Trajectory:
         )
 
 
+# --- driver <-> trainer ranks: the rows a step learns from, and what the trainer scores of them first --------------
+
+
+@dataclass(frozen=True)
+class TrainingRow:
+    """One sequence of a trainer step, as the driver hands it to the ranks (pickled over Ray, lists as they are).
+
+    ``token_ids`` and ``loss_mask`` (1 on the tokens the loss covers) are all an SFT row has: a verified
+    demonstration or a generated copy exchange. An RL row adds the engine's ``logprobs`` (0.0 off the policy's tokens),
+    per-token ``advantages``, PPO's value targets ``returns``, and, when a step takes several mini-batches,
+    ``old_logprobs``: the trainer's own log-probs at the step's start (``RowScores``), the ratio's denominator.
+    ``routed_experts`` is the engine's routing as ``Trajectory.routed_experts`` holds it (None: none known)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float] | None = None
+    advantages: list[float] | None = None
+    returns: list[float] | None = None
+    old_logprobs: list[float] | None = None
+    routed_experts: list | None = None
+
+
+@dataclass(frozen=True)
+class RowScores:
+    """What the trainer ranks know of a row before its step (``TrainerRank.score``), per token: ``kl_penalty`` (kl_coef
+    times the KL to the reference with ``trainer.kl_in: reward``; zeros otherwise), PPO's value estimates ``values``
+    (None without a value head) and ``old_logprobs``, the policy's log-probs now."""
+
+    kl_penalty: list[float]
+    values: list[float] | None
+    old_logprobs: list[float]
+
+
 # --- sandboxes ------------------------------------------------------------------------------------------------------
 
 

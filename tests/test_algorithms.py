@@ -16,6 +16,7 @@ from sandforge.trainer.algorithms import (
 )
 from sandforge.trainer.algorithms import advantages as A
 from sandforge.trainer.algorithms.losses import cispo_loss, gspo_loss, ppo_clip_loss
+from sandforge.types import TrainingRow
 
 L2 = math.log(2.0)
 
@@ -296,9 +297,10 @@ def rows_for(n=5):
         ids = torch.randint(1, 32, (length,), generator=g).tolist()
         mask = [0, 0] + [1] * (length - 2)
         mask[3] = 0  # a tool-output token in the middle
-        rows.append({"token_ids": ids, "loss_mask": mask,
-                     "logprobs": (torch.randn(length, generator=g) * 0.1 - 3).tolist(),
-                     "advantages": [float(i % 3 - 1)] * length, "returns": torch.rand(length, generator=g).tolist()})
+        rows.append(TrainingRow(token_ids=ids, loss_mask=mask,
+                                logprobs=(torch.randn(length, generator=g) * 0.1 - 3).tolist(),
+                                advantages=[float(i % 3 - 1)] * length,
+                                returns=torch.rand(length, generator=g).tolist()))
     return rows
 
 
@@ -315,7 +317,7 @@ def test_one_or_three_micro_batches_give_the_same_gradient(algorithm, loss_agg):
         for p in model.parameters():  # move the policy away from its reference, so the KL term has a gradient
             p.add_(torch.randn_like(p) * 0.1)
     rows = rows_for()
-    totals = Totals(tokens=sum(sum(r["loss_mask"]) for r in rows), sequences=len(rows))
+    totals = Totals(tokens=sum(sum(r.loss_mask) for r in rows), sequences=len(rows))
     params = list(model.parameters()) + (list(head.parameters()) if head else [])
     grads, losses = [], []
     for n in (1, 3):
@@ -332,7 +334,7 @@ def test_one_or_three_micro_batches_give_the_same_gradient(algorithm, loss_agg):
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     # a mean of micro-batch means would not agree
-    wrong = sum(TrainerRank._micro_batch_loss(rank, part, Totals(sum(sum(r["loss_mask"]) for r in part), len(part)),
+    wrong = sum(TrainerRank._micro_batch_loss(rank, part, Totals(sum(sum(r.loss_mask) for r in part), len(part)),
                                               "rl")[0].item() for part in split_micro_batches(rows, 3)) / 3
     assert wrong != pytest.approx(losses[0], rel=1e-3)
 
@@ -362,18 +364,18 @@ def test_token_scores_entropy_and_hidden_line_up_with_the_logprobs():
 
 
 def test_micro_batches_cover_every_row_once():
-    rows = [{"token_ids": [0] * n} for n in [5, 1, 9, 3, 7]]
+    rows = [TrainingRow(token_ids=[0] * n, loss_mask=[1] * n) for n in [5, 1, 9, 3, 7]]
     parts = split_micro_batches(rows, 2)
     assert len(parts) == 2
-    assert sorted(len(r["token_ids"]) for p in parts for r in p) == [1, 3, 5, 7, 9]
+    assert sorted(len(r.token_ids) for p in parts for r in p) == [1, 3, 5, 7, 9]
     assert split_micro_batches(rows[:1], 3)[1:] == [[], []]
 
 
 def test_padded_micro_batches_take_runs_of_similar_length():
-    rows = [{"token_ids": [0] * n} for n in (100, 2400, 300, 2300, 500, 900, 120, 2200)]
+    rows = [TrainingRow(token_ids=[0] * n, loss_mask=[1] * n) for n in (100, 2400, 300, 2300, 500, 900, 120, 2200)]
     parts = split_micro_batches(rows, 3, padded=True)
-    assert [[len(r["token_ids"]) for r in p] for p in parts] == [[2400, 2300, 2200], [900, 500, 300], [120, 100]]
-    padded = sum(len(p) * max(len(r["token_ids"]) for r in p) for p in parts)
-    dealt = sum(len(p) * max(len(r["token_ids"]) for r in p) for p in split_micro_batches(rows, 3))
+    assert [[len(r.token_ids) for r in p] for p in parts] == [[2400, 2300, 2200], [900, 500, 300], [120, 100]]
+    padded = sum(len(p) * max(len(r.token_ids) for r in p) for p in parts)
+    dealt = sum(len(p) * max(len(r.token_ids) for r in p) for p in split_micro_batches(rows, 3))
     assert padded < 0.6 * dealt  # the forward's slots: 10.1k instead of 18.5k
     assert split_micro_batches(rows[:1], 3, padded=True)[1:] == [[], []]

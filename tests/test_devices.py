@@ -11,8 +11,10 @@ import torch
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.batches import forward_scores, pad_right, token_batch
 from sandforge.trainer.routing_replay import routed_ids
+from sandforge.types import TrainingRow
 
-ROWS = [{"token_ids": [5, 6, 7, 8, 9], "routed_experts": [[[0, 1]]] * 5}, {"token_ids": [3, 4], "routed_experts": None}]
+ROWS = [TrainingRow(token_ids=[5, 6, 7, 8, 9], loss_mask=[1] * 5, routed_experts=[[[0, 1]]] * 5),
+        TrainingRow(token_ids=[3, 4], loss_mask=[1] * 2)]
 
 
 def test_batches_are_built_on_the_requested_device():
@@ -51,8 +53,9 @@ def test_a_forward_takes_every_input_from_the_models_device(packed):
     """The padded and the packed forward (segment ids, packed rows, replayed routing) hand the policy only tensors on
     its device, and return scores in the padded layout."""
     model = DeviceCheckingPolicy()
-    rows = [{"token_ids": list(range(1, 1 + n)), "routed_experts": [[[0, 1]]] * n} for n in (20, 9, 13)]
-    lengths = [len(r["token_ids"]) for r in rows]
+    rows = [TrainingRow(token_ids=list(range(1, 1 + n)), loss_mask=[1] * n, routed_experts=[[[0, 1]]] * n)
+            for n in (20, 9, 13)]
+    lengths = [len(r.token_ids) for r in rows]
     layout = PackedLayout.pack(lengths, model.pack_align) if packed else PackedLayout.padded(lengths)
     forced = routed_ids(rows, 20, "meta")
     scores = forward_scores(model, rows, layout, 0.7, forced, device="meta", entropy="metric", hidden=True)

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from sandforge.config import ModelConfig
 from sandforge.job.fleet.lifecycle import free_port
+from sandforge.types import TrainingRow
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "terminal.yaml"
@@ -238,7 +239,7 @@ def test_whole_k3_model_matches_the_dense_model(ep_run):
 # ---- DeepSpeed: TrainerRank with trainer.expert_parallel ------------------------------------------------------------
 
 
-def training_rows() -> list[dict]:
+def training_rows() -> list[TrainingRow]:
     """Eight sequences of different lengths, prompts masked out, mixed advantages; off-policy enough to clip some."""
     g = torch.Generator().manual_seed(3)
     rows = []
@@ -247,8 +248,8 @@ def training_rows() -> list[dict]:
         ids = torch.randint(0, 250, (n,), generator=g).tolist()
         adv = [0.0] * 4 + [1.0 if i % 3 else -1.0] * (n - 4)
         old = (-5.6 + 0.3 * torch.randn(n, generator=g)).tolist()
-        rows.append({"token_ids": ids, "loss_mask": [0] * 4 + [1] * (n - 4), "logprobs": old, "advantages": adv,
-                     "advantage": adv[-1], "returns": [0.0] * n})
+        rows.append(TrainingRow(token_ids=ids, loss_mask=[0] * 4 + [1] * (n - 4), logprobs=old, advantages=adv,
+                                returns=[0.0] * n))
     return rows
 
 
@@ -261,7 +262,7 @@ def ds_worker(rank: int, world: int, port: int, expert_parallel: int, zero_stage
                         world_size=world, expert_parallel=expert_parallel)
     trainer = TrainerRank(rank, world, "127.0.0.1", port, MODEL, cfg, RolloutShape(1.0, 64), seed=0, num_threads=1)
     rows = training_rows()
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
     metrics = [trainer.train_step(rows[rank::world], total, "rl") for _ in range(3)]  # grpo: token-mean
     out = {"metrics": metrics, "weights": trainer.get_weights(),
            "held": sum(p.numel() for p in trainer.engine.module.parameters())}

@@ -1,6 +1,8 @@
 """GRPO learns: a tiny K3 policy, sampled through ``generate``, is rewarded for spelling a fixed token sequence and
 trained with the trainer's own micro-batch loss (advantages, clipped surrogate, TIS, aggregation) and AdamW."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.k3.model import K3Config, K3Model
 from sandforge.trainer.rank import TrainerRank
 from sandforge.trainer.algorithms import Totals, resolve, token_advantages
+from sandforge.types import TrainingRow
 from test_algorithms import fake_rank
 
 TARGET = [5, 9, 3]
@@ -44,15 +47,14 @@ def test_grpo_raises_the_mean_reward(one_thread):
         samples = generate_batch_naive(model, [PROMPT] * (group_size * tasks), params, generator)
         rewards = [reward(s.token_ids) for s in samples]
         means.append(sum(rewards) / len(rewards))
-        rows = [{"token_ids": PROMPT + s.token_ids, "loss_mask": [0] + [1] * len(s.token_ids),
-                 "logprobs": [0.0] + s.logprobs} for s in samples]
+        rows = [TrainingRow(token_ids=PROMPT + s.token_ids, loss_mask=[0] + [1] * len(s.token_ids),
+                            logprobs=[0.0] + s.logprobs) for s in samples]
         groups = [f"{i // group_size}" for i in range(len(rows))]
-        adv, _ = token_advantages(settings.algorithm.advantages, rewards, groups, [r["loss_mask"] for r in rows])
-        for row, a in zip(rows, adv):
-            row["advantages"] = a
+        adv, _ = token_advantages(settings.algorithm.advantages, rewards, groups, [r.loss_mask for r in rows])
+        rows = [replace(row, advantages=a) for row, a in zip(rows, adv)]
         model.train()
         optimizer.zero_grad()
-        totals = Totals(tokens=sum(sum(r["loss_mask"]) for r in rows), sequences=len(rows))
+        totals = Totals(tokens=sum(sum(r.loss_mask) for r in rows), sequences=len(rows))
         loss, _, _ = TrainerRank._micro_batch_loss(rank, rows, totals, "rl")
         loss.backward()
         optimizer.step()

@@ -5,6 +5,7 @@ reloaded from it takes the same next step."""
 
 import asyncio
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from sandforge.config import (ConfigError, EngineConfig, LoraConfig, ModelConfig
                               load_config)
 from sandforge.job.fleet.lifecycle import free_port  # noqa: E402
 from sandforge.trainer.rank import ADAPTERS_FILE, RolloutShape  # noqa: E402
+from sandforge.types import TrainingRow  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRAINER = TrainerConfig(lr=1e-2, zero_stage=2, grad_accum_steps=2, kl_coef=0.1)
@@ -63,16 +65,14 @@ def make_rows(rank, advantages):
     for i, adv in enumerate(advantages):
         n = 12 + 3 * i
         ids = torch.randint(3, len(rank.tokenizer), (n,), generator=g).tolist()
-        rows.append({"token_ids": ids, "loss_mask": [0] * 6 + [1] * (n - 6), "advantages": [adv] * n})
+        rows.append(TrainingRow(token_ids=ids, loss_mask=[0] * 6 + [1] * (n - 6), advantages=[adv] * n))
     with torch.no_grad():
         lp, _ = token_logprobs(rank.engine.module.eval(), *token_batch(rows))
-    for i, r in enumerate(rows):
-        r["logprobs"] = lp[i, : len(r["token_ids"])].tolist()
-    return rows
+    return [replace(r, logprobs=lp[i, : len(r.token_ids)].tolist()) for i, r in enumerate(rows)]
 
 
 def step(rank, rows):
-    return rank.train_step(rows, sum(sum(r["loss_mask"]) for r in rows), mode="rl")
+    return rank.train_step(rows, sum(sum(r.loss_mask) for r in rows), mode="rl")
 
 
 def logits(model, ids):
@@ -126,7 +126,7 @@ def test_the_kl_reference_stays_the_frozen_base_until_reset(trained, base_dir):
     trained.reset_reference()  # the warm start's end: RL is measured from here
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(trained.reference, *batch)[0], policy, atol=1e-6, rtol=0)
-    assert trained.score(rows)[0]["kl_penalty"] is not None
+    assert trained.score(rows)[0].kl_penalty is not None
 
 
 def sync(rank, engine, mode: str, version: int) -> int:

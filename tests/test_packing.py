@@ -11,6 +11,7 @@ from sandforge.models.k3.kda import kda_chunked
 from sandforge.models.k3.naive import kda_naive
 from sandforge.models.k3.model import K3Model
 from sandforge.models.packing import PackedLayout
+from sandforge.types import TrainingRow
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -181,15 +182,15 @@ def rank():
                        seed=0, num_threads=1)
 
 
-def _rows(n_vocab: int = 256) -> list[dict]:
+def _rows(n_vocab: int = 256) -> list[TrainingRow]:
     g = torch.Generator().manual_seed(5)
     rows = []
     for i, n in enumerate(LENGTHS):
         prompt = max(1, n // 3)
-        rows.append({"token_ids": torch.randint(1, n_vocab, (n,), generator=g).tolist(),
-                     "loss_mask": [0] * prompt + [1] * (n - prompt),
-                     "logprobs": (-torch.rand(n, generator=g) * 6).tolist(),  # off-policy: ratios, clipping, TIS act
-                     "advantages": [(-1.0) ** i * (1 + i / 4)] * n})
+        rows.append(TrainingRow(token_ids=torch.randint(1, n_vocab, (n,), generator=g).tolist(),
+                                loss_mask=[0] * prompt + [1] * (n - prompt),
+                                logprobs=(-torch.rand(n, generator=g) * 6).tolist(),  # off-policy: ratios, clipping
+                                advantages=[(-1.0) ** i * (1 + i / 4)] * n))
     return rows
 
 
@@ -198,7 +199,7 @@ def test_packed_training_loss_stats_and_gradients_equal_padded(rank):
 
     rows = _rows()
     assert rank.layout(rows).n_rows < len(rows)  # packing is on and actually packs
-    totals = Totals(tokens=sum(sum(r["loss_mask"]) for r in rows), sequences=len(rows))
+    totals = Totals(tokens=sum(sum(r.loss_mask) for r in rows), sequences=len(rows))
     # gradients from a plain copy of the policy: DeepSpeed's own backward would reduce them into its buffers
     policy = K3Model(rank.engine.module.config)
     policy.load_state_dict(rank.engine.module.state_dict())
@@ -237,4 +238,4 @@ def test_packed_scores_equal_padded(rank):
     rank.cfg.pack_sequences = True
     packed = rank.score(rows)
     for a, b in zip(packed, padded):
-        assert a["old_logprobs"] == pytest.approx(b["old_logprobs"], abs=1e-5)
+        assert a.old_logprobs == pytest.approx(b.old_logprobs, abs=1e-5)

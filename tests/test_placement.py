@@ -11,6 +11,7 @@ import torch
 from sandforge.config import EngineConfig, JobConfig, ModelConfig, RemoteEngineConfig, TrainerConfig
 from sandforge.job.console import JobError
 from sandforge.job.fleet.placement import GPU_SHARE, describe, placement_group, resolve_placement
+from sandforge.types import TrainingRow
 
 
 def job(world: int = 1, trainer: str = "auto", engine: str = "auto", colocate: bool = False, **trainer_keys) -> JobConfig:
@@ -232,8 +233,8 @@ def test_colocated_weight_sync_copies_rank_0s_own_memory_into_the_engine(logical
             got = ray.get(engine.served_weights.remote())
             want = ray.get(rank.get_weights.remote())
             assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)
-            rows = [{"token_ids": list(range(3, 19)), "loss_mask": [0] * 4 + [1] * 12, "logprobs": [0.0] * 16,
-                     "advantages": [1.0] * 16}]
+            rows = [TrainingRow(token_ids=list(range(3, 19)), loss_mask=[0] * 4 + [1] * 12, logprobs=[0.0] * 16,
+                                advantages=[1.0] * 16)]
             ray.get(rank.train_step.remote(rows, 12))
         assert not all(torch.equal(want[k], v) for k, v in weights.items())  # the step moved the weights
     finally:

@@ -46,12 +46,12 @@ def test_rows_train_on_the_answer_only_and_use_no_heldout_words():
     chat = load_chat(ModelConfig())
     rows = copy_rows(chat, env_tools(ENVS), random.Random(1), 200)
     for row in rows:
-        mask = row["loss_mask"]
-        assert len(mask) == len(row["token_ids"]) and mask[-1] == 1
+        mask = row.loss_mask
+        assert len(mask) == len(row.token_ids) and mask[-1] == 1
         first = mask.index(1)
         assert not any(mask[:first]) and all(mask[first:])  # one contiguous answer at the end
-        assert row["token_ids"][first] == chat.think
-    text = " ".join(chat.tokenizer.decode(r["token_ids"]) for r in rows).lower()
+        assert row.token_ids[first] == chat.think
+    text = " ".join(chat.tokenizer.decode(r.token_ids) for r in rows).lower()
     syllable_words = set(re.findall(r"\b(?:[bdfgklmnprstvz][aeiou])+\b", text))
     assert len(syllable_words) > 100
     assert {split_of(w) for w in syllable_words} == {"train"}  # held-out tasks' words never appear
@@ -66,10 +66,10 @@ def test_a_share_of_exchanges_lists_the_environments_tools_as_an_episode_does():
         rows = copy_rows(chat, tools, random.Random(2), 100, listed=listed)
         n = 0
         for row in rows:
-            ids = row["token_ids"]
+            ids = row.token_ids
             hits = [env for env, head in listings.items() if ids[: len(head)] == head]
             n += bool(hits)
             if hits:  # the requested tool is one of the listed environment's
-                call = chat.parse_assistant(ids[row["loss_mask"].index(1):])[0].tool_calls[0]
+                call = chat.parse_assistant(ids[row.loss_mask.index(1):])[0].tool_calls[0]
                 assert any(call.name == t["name"] for env in hits for t in tools[env])
         assert lo <= n <= hi, (listed, n)

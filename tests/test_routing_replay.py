@@ -13,6 +13,7 @@ from sandforge.models.k3.latent_moe import LatentMoE
 from sandforge.models.k3.model import PRESETS, K3Model
 from sandforge.engine import EngineCore
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, replaying, routed_ids
+from sandforge.types import TrainingRow
 
 CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
 
@@ -20,7 +21,7 @@ CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def episode(model: K3Model) -> dict:
+def episode(model: K3Model) -> TrainingRow:
     """Two engine turns of one session, assembled as the agent loop does: a row with routing at every fed position."""
 
     async def main():
@@ -44,7 +45,7 @@ def episode(model: K3Model) -> dict:
     mask = [0] * len(prompt) + [1] * len(a["token_ids"]) + [0] * 3 + [1] * len(b["token_ids"])
     logprobs = [0.0] * len(prompt) + a["logprobs"] + [0.0] * 3 + b["logprobs"]
     assert b["cached_tokens"] > 0  # the second turn continued the session's cache
-    return {"token_ids": tokens, "loss_mask": mask, "logprobs": logprobs, "routed_experts": routed}
+    return TrainingRow(token_ids=tokens, loss_mask=mask, logprobs=logprobs, routed_experts=routed)
 
 
 def shifted_biases(model: K3Model, scale: float = 0.3) -> K3Model:
@@ -58,7 +59,7 @@ def shifted_biases(model: K3Model, scale: float = 0.3) -> K3Model:
 
 
 def score(model, row, replay: bool):
-    ids = torch.tensor([row["token_ids"]])
+    ids = torch.tensor([row.token_ids])
     attn = torch.ones_like(ids)
     engine_ids = routed_ids([row], ids.shape[1])
     with torch.no_grad(), RouterRecorder(model) as router:
@@ -69,15 +70,15 @@ def score(model, row, replay: bool):
 
 
 def policy_error(lp, row) -> float:
-    on = torch.tensor(row["loss_mask"]).bool()
-    return float((lp[on] - torch.tensor(row["logprobs"])[on]).abs().max())
+    on = torch.tensor(row.loss_mask).bool()
+    return float((lp[on] - torch.tensor(row.logprobs)[on]).abs().max())
 
 
 def test_replay_reproduces_the_engine_logprobs_after_the_biases_moved():
     torch.manual_seed(0)
     engine_model = K3Model(CFG).eval()
     row = episode(engine_model)
-    assert all(e is not None for e in row["routed_experts"][:-1]) and row["routed_experts"][-1] is None
+    assert all(e is not None for e in row.routed_experts[:-1]) and row.routed_experts[-1] is None
 
     same_lp, same_rate = score(engine_model, row, replay=False)
     assert policy_error(same_lp, row) <= 1e-4 and same_rate == 0.0  # same weights: nothing to replay
@@ -94,12 +95,12 @@ def test_unknown_routing_routes_by_itself():
     torch.manual_seed(0)
     model = K3Model(CFG).eval()
     row = episode(model)
-    unknown = {**row, "routed_experts": [None] * len(row["token_ids"])}
+    unknown = replace(row, routed_experts=[None] * len(row.token_ids))
     lp, _ = score(model, unknown, replay=True)
-    plain, _ = score(model, {**row, "routed_experts": None}, replay=False)
+    plain, _ = score(model, replace(row, routed_experts=None), replay=False)
     assert routed_ids([unknown], 4) is None and torch.equal(lp, plain)
-    half = {**row, "routed_experts": row["routed_experts"][:5] + [None] * (len(row["token_ids"]) - 5)}
-    forced = routed_ids([half], len(row["token_ids"]) + 2)
-    assert forced.shape[:2] == (1, len(row["token_ids"]) + 2) and (forced[0, 5:] == -1).all()
+    half = replace(row, routed_experts=row.routed_experts[:5] + [None] * (len(row.token_ids) - 5))
+    forced = routed_ids([half], len(row.token_ids) + 2)
+    assert forced.shape[:2] == (1, len(row.token_ids) + 2) and (forced[0, 5:] == -1).all()
     lp_half, _ = score(model, half, replay=True)
     assert policy_error(lp_half, row) <= 1e-4

@@ -2,6 +2,7 @@
 (weights, optimizer moments, balancing biases, RNG); routing replay and the router mismatch rate in a real step."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from sandforge.config import ModelConfig, TrainerConfig
 from sandforge.trainer.rank import RolloutShape
 from sandforge.job.fleet.lifecycle import free_port
+from sandforge.types import TrainingRow
 
 MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
                     k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
@@ -23,7 +25,7 @@ def new_rank():
     return TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, TRAINER, SHAPE, seed=0, num_threads=2)
 
 
-def make_rows(rank) -> list[dict]:
+def make_rows(rank) -> list[TrainingRow]:
     """Three sequences scored by the rank's own model, with the routing it chose (as an engine would record it)."""
     from sandforge.trainer.batches import pad_right
 
@@ -32,25 +34,24 @@ def make_rows(rank) -> list[dict]:
     for i, adv in enumerate([1.0, -1.0, 0.5]):
         n = 12 + 3 * i
         ids = torch.randint(80 * i, 80 * (i + 1), (n,), generator=g).tolist()
-        rows.append({"token_ids": ids, "loss_mask": [0] * 6 + [1] * (n - 6), "advantages": [adv] * n,
-                     "advantage": adv})  # per token (trainer/algorithms); per sequence (trainer/grpo.py)
-    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
-    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
+        rows.append(TrainingRow(token_ids=ids, loss_mask=[0] * 6 + [1] * (n - 6), advantages=[adv] * n))
+    ids = pad_right([r.token_ids for r in rows], 0, torch.long)
+    attn = pad_right([[1] * len(r.token_ids) for r in rows], 0, torch.long)
     model = rank.engine.module.eval()
     with torch.no_grad():
         out = model(ids, attention_mask=attn)
     logp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
     for i, r in enumerate(rows):
-        n = len(r["token_ids"])
-        r["logprobs"] = [0.0] + logp[i, : n - 1].tolist()
-        r["routed_experts"] = out.router_ids[i, : n - 1].tolist() + [None]  # the last token is never fed
+        n = len(r.token_ids)
+        rows[i] = replace(r, logprobs=[0.0] + logp[i, : n - 1].tolist(),
+                          routed_experts=out.router_ids[i, : n - 1].tolist() + [None])  # the last token is never fed
     return rows
 
 
 def test_a_reloaded_rank_takes_the_same_next_step(tmp_path):
     a = new_rank()
     rows = make_rows(a)
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
     a.save_checkpoint(str(tmp_path), "step_0", {"step": 0})  # the policy RL starts from: the KL reference
     first = a.train_step(rows, total, mode="rl")
     assert first["router/mismatch_rate"] == 0.0  # the routing came from these very weights

@@ -1,6 +1,7 @@
 """A real DeepSpeed engine (ZeRO-2, CPU, gloo) in this process: the GRPO and SFT steps move the policy the right way."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from sandforge.config import ModelConfig, TrainerConfig
 from sandforge.trainer.rank import RolloutShape
 from sandforge.job.fleet.lifecycle import free_port
+from sandforge.types import TrainingRow
 
 MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes",
                     k3=dict(d_model=32, n_heads=2, head_dim=16, d_ff=32, d_expert=16))
@@ -31,9 +33,9 @@ def masked_logprobs(rank, rows):
     from sandforge.models.sampling import token_logprobs
     from sandforge.trainer.batches import pad_right
 
-    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long)
-    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long)
-    mask = pad_right([r["loss_mask"] for r in rows], 0, torch.float32)
+    ids = pad_right([r.token_ids for r in rows], 0, torch.long)
+    attn = pad_right([[1] * len(r.token_ids) for r in rows], 0, torch.long)
+    mask = pad_right([r.loss_mask for r in rows], 0, torch.float32)
     with torch.no_grad():
         lp, _ = token_logprobs(rank.engine.module, ids, attn)
     return lp, mask
@@ -46,19 +48,18 @@ def make_rows(rank, advantages):
         n = 12 + 3 * i
         # each row draws from its own token range, so one step's update on one row barely moves the others
         ids = torch.randint(80 * i, 80 * (i + 1), (n,), generator=g).tolist()
-        rows.append({"token_ids": ids, "loss_mask": [0] * 6 + [1] * (n - 6), "logprobs": [0.0] * n,
-                     "advantages": [adv] * n})
+        rows.append(TrainingRow(token_ids=ids, loss_mask=[0] * 6 + [1] * (n - 6), logprobs=[0.0] * n,
+                                advantages=[adv] * n))
     lp, _ = masked_logprobs(rank, rows)
-    for i, r in enumerate(rows):  # on-policy: old log-probs are the current policy's
-        r["logprobs"] = lp[i, : len(r["token_ids"])].tolist()
-    return rows
+    # on-policy: old log-probs are the current policy's
+    return [replace(r, logprobs=lp[i, : len(r.token_ids)].tolist()) for i, r in enumerate(rows)]
 
 
 def test_grpo_step_raises_good_and_lowers_bad_sequences(rank):
     rows = make_rows(rank, [1.0, -1.0, 1.0])
     before, mask = masked_logprobs(rank, rows)
     weights_before = {k: v.clone() for k, v in rank.get_weights().items()}
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
     metrics = rank.train_step(rows, total, mode="rl")
     after, _ = masked_logprobs(rank, rows)
     delta = ((after - before) * mask).sum(dim=1)
@@ -66,7 +67,7 @@ def test_grpo_step_raises_good_and_lowers_bad_sequences(rank):
     assert metrics["grad_norm"] > 0
     # weights change only at the accumulation boundary, so every micro-batch is exactly on-policy: ratio 1, loss -mean(A)
     assert metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-4)
-    want = -sum(sum(r["loss_mask"]) * r["advantages"][0] for r in rows) / total
+    want = -sum(sum(r.loss_mask) * r.advantages[0] for r in rows) / total
     assert metrics["loss"] == pytest.approx(want, abs=1e-4)
     assert metrics["tis/mean"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["mismatch/kl"] == pytest.approx(0.0, abs=1e-6)
@@ -78,7 +79,7 @@ def test_grpo_step_raises_good_and_lowers_bad_sequences(rank):
 
 def test_sft_steps_lower_the_nll(rank):
     rows = make_rows(rank, [0.0, 0.0])
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
     first = rank.train_step(rows, total, mode="sft")["loss"]
     for _ in range(5):
         last = rank.train_step(rows, total, mode="sft")["loss"]
@@ -90,16 +91,14 @@ def test_ppo_value_head_learns_the_returns_and_scores_rows():
 
     ppo = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, trainer(algorithm="ppo", lr=1e-2), SHAPE,
                       seed=0, num_threads=2)
-    rows = make_rows(ppo, [1.0, -1.0])
-    for r in rows:
-        r["returns"] = [1.0] * len(r["token_ids"])
-    assert all(v == 0.0 for s in ppo.score(rows) for v in s["values"])  # the head starts at zero
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    rows = [replace(r, returns=[1.0] * len(r.token_ids)) for r in make_rows(ppo, [1.0, -1.0])]
+    assert all(v == 0.0 for s in ppo.score(rows) for v in s.values)  # the head starts at zero
+    total = sum(sum(r.loss_mask) for r in rows)
     losses = [ppo.train_step(rows, total, mode="rl", total_sequences=2)["value/loss"] for _ in range(3)]
     assert losses[0] == pytest.approx(0.5) and losses[-1] < losses[0]  # 0.5 (0 - 1)^2 at first, then lower
     scored = ppo.score(rows)
-    assert [len(s["values"]) for s in scored] == [len(r["token_ids"]) for r in rows]
-    assert scored[0]["values"][-1] > 0.1
+    assert [len(s.values) for s in scored] == [len(r.token_ids) for r in rows]
+    assert scored[0].values[-1] > 0.1
 
 
 def test_checkpoint_holds_a_loadable_policy(rank, tmp_path):
@@ -116,16 +115,16 @@ def test_later_mini_batches_take_their_ratio_against_the_steps_start(rank):
     """trainer.mini_batches: score() gives the step's old log-probs; after the first optimizer step the second
     mini-batch's ratio moves away from 1 (and can be clipped), while without old log-probs it would read exactly 1."""
     rows = make_rows(rank, [1.0, -1.0, 1.0])
-    for r, s in zip(rows, rank.score(rows)):
-        assert s["old_logprobs"] == pytest.approx(r["logprobs"], abs=1e-5)  # score sees the policy the engine had
-        r["old_logprobs"] = s["old_logprobs"]
+    for i, (r, s) in enumerate(zip(rows, rank.score(rows))):
+        assert s.old_logprobs == pytest.approx(r.logprobs, abs=1e-5)  # score sees the policy the engine had
+        rows[i] = replace(r, old_logprobs=s.old_logprobs)
     first, second = rows[:1], rows[1:]
-    m1 = rank.train_step(first, sum(sum(r["loss_mask"]) for r in first), mode="rl")
+    m1 = rank.train_step(first, sum(sum(r.loss_mask) for r in first), mode="rl")
     assert m1["ratio/min"] == pytest.approx(1.0, abs=1e-5) and m1["ratio/max"] == pytest.approx(1.0, abs=1e-5)
-    total = sum(sum(r["loss_mask"]) for r in second)
-    plain = [{k: v for k, v in r.items() if k != "old_logprobs"} for r in second]
+    total = sum(sum(r.loss_mask) for r in second)
+    plain = [replace(r, old_logprobs=None) for r in second]
     lp_now, mask = masked_logprobs(rank, second)
-    moved = max(abs(a - b) for r, row in zip(second, lp_now) for a, b in zip(r["old_logprobs"][6:], row[6:].tolist()))
+    moved = max(abs(a - b) for r, row in zip(second, lp_now) for a, b in zip(r.old_logprobs[6:], row[6:].tolist()))
     assert moved > 1e-4  # the first mini-batch's step changed the policy on these rows too
     m2 = rank.train_step(second, total, mode="rl")
     assert m2["ratio/max"] - m2["ratio/min"] > 1e-4
@@ -152,7 +151,7 @@ def test_lr_follows_the_schedule_over_rl_steps_only_and_survives_a_checkpoint(tm
     cfg = trainer(lr=1e-3, lr_schedule="linear", lr_warmup_steps=2, steps=3, mini_batches=2)
     a = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, cfg, SHAPE, seed=0, num_threads=2)
     rows = make_rows(a, [1.0, -1.0])
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
     a.set_lr(5e-3)
     assert a.train_step(rows, total, mode="sft")["lr"] == 5e-3
     got = [a.train_step(rows, total, mode="rl")["lr"] for _ in range(3)]
@@ -187,14 +186,12 @@ def test_a_bf16_step_on_cpu_keeps_log_probs_values_and_moe_biases_in_fp32():
     assert next(r.engine.module.parameters()).dtype == torch.bfloat16
     biases = [b for n, b in r.engine.module.named_buffers() if n.endswith("ffn.bias")]
     assert biases and all(b.dtype == torch.float32 for b in biases)
-    rows = make_rows(r, [1.0, -1.0])
-    for row in rows:
-        row["returns"] = [1.0] * len(row["token_ids"])
-    ids = pad_right([row["token_ids"] for row in rows], 0, torch.long)
-    attn = pad_right([[1] * len(row["token_ids"]) for row in rows], 0, torch.long)
+    rows = [replace(row, returns=[1.0] * len(row.token_ids)) for row in make_rows(r, [1.0, -1.0])]
+    ids = pad_right([row.token_ids for row in rows], 0, torch.long)
+    attn = pad_right([[1] * len(row.token_ids) for row in rows], 0, torch.long)
     with torch.no_grad():
         assert token_scores(r.engine, ids, attn).logprobs.dtype == torch.float32
-    total = sum(sum(row["loss_mask"]) for row in rows)
+    total = sum(sum(row.loss_mask) for row in rows)
     m1 = r.train_step(rows, total, mode="rl", total_sequences=2)
     m2 = r.train_step(rows, total, mode="rl", total_sequences=2)
     assert m1["grad_norm"] > 0 and m2["value/loss"] < m1["value/loss"] == pytest.approx(0.5)
@@ -211,5 +208,5 @@ def test_without_kl_weight_or_logging_the_reference_forward_is_skipped():
 
     r.reference.forward = refuse
     rows = make_rows(r, [1.0, -1.0])
-    m = r.train_step(rows, sum(sum(row["loss_mask"]) for row in rows), mode="rl", total_sequences=2)
+    m = r.train_step(rows, sum(sum(row.loss_mask) for row in rows), mode="rl", total_sequences=2)
     assert m["grad_norm"] > 0 and "kl" not in m

@@ -20,13 +20,13 @@ def z3_worker(rank: int, world: int, port: int, zero_stage: int, checkpoint: str
                         world_size=world)
     trainer = TrainerRank(rank, world, "127.0.0.1", port, MODEL, cfg, RolloutShape(1.0, 64), seed=0, num_threads=1)
     rows = training_rows()
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
     metrics = [trainer.train_step(rows[rank::world], total, "rl") for _ in range(2)]
     out = {"metrics": metrics, "weights": trainer.get_weights(),
            "held": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
                        for p in trainer.engine.module.parameters()),
            # 3 rows on rank 0, 1 on rank 1: the ranks' forwards (each an all-gather under ZeRO-3) must still pair up
-           "scored": [s["old_logprobs"] for s in trainer.score(rows[: 3 - 2 * rank])]}
+           "scored": [s.old_logprobs for s in trainer.score(rows[: 3 - 2 * rank])]}
     trainer.reset_reference()  # a collective under ZeRO-3: the reference is a whole local copy of the policy
     out["reference"] = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
     if checkpoint:

@@ -11,10 +11,11 @@ import torch
 from sandforge.models.sampling import TokenScores, token_scores
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.routing_replay import UNKNOWN, replaying
+from sandforge.types import TrainingRow
 
 # an empty micro-batch's stand-in: no loss tokens, so it adds nothing but keeps the ranks' backward counts equal
-DUMMY_ROW = {"token_ids": [0, 0], "loss_mask": [0, 0], "logprobs": [0.0, 0.0], "advantages": [0.0, 0.0],
-             "returns": [0.0, 0.0]}
+DUMMY_ROW = TrainingRow(token_ids=[0, 0], loss_mask=[0, 0], logprobs=[0.0, 0.0], advantages=[0.0, 0.0],
+                        returns=[0.0, 0.0])
 
 
 def pad_right(rows: list[list], value, dtype, device: torch.device | str | None = None) -> torch.Tensor:
@@ -24,14 +25,14 @@ def pad_right(rows: list[list], value, dtype, device: torch.device | str | None 
     return out if device is None else out.to(device, non_blocking=True)
 
 
-def token_batch(rows: list[dict], device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(rows: list[TrainingRow], device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded token ids and their attention mask [B, T] for a micro-batch of rows, on ``device``."""
-    ids = pad_right([r["token_ids"] for r in rows], 0, torch.long, device)
-    attn = pad_right([[1] * len(r["token_ids"]) for r in rows], 0, torch.long, device)
+    ids = pad_right([r.token_ids for r in rows], 0, torch.long, device)
+    attn = pad_right([[1] * len(r.token_ids) for r in rows], 0, torch.long, device)
     return ids, attn
 
 
-def forward_scores(model, rows: list[dict], layout: PackedLayout, temperature: float = 1.0,
+def forward_scores(model, rows: list[TrainingRow], layout: PackedLayout, temperature: float = 1.0,
                    forced: torch.Tensor | None = None, device: torch.device | str | None = None,
                    **kwargs) -> TokenScores:
     """``token_scores`` of right-padded ``rows``, computed in ``layout`` (packed rows, or one row each) and returned
@@ -50,11 +51,11 @@ def forward_scores(model, rows: list[dict], layout: PackedLayout, temperature: f
                        None if s.hidden is None else unpack(s.hidden))
 
 
-def split_micro_batches(rows: list[dict], n: int, padded: bool = False) -> list[list[dict]]:
+def split_micro_batches(rows: list[TrainingRow], n: int, padded: bool = False) -> list[list[TrainingRow]]:
     """n micro-batches. Packed rows: sequences dealt longest-first, so the micro-batches' sizes stay close. Padded
     rows (``padded``: every row padded to the micro-batch's longest): runs of similar length, longest first, so short
     sequences are not padded to a long one's length (agentic episodes range from hundreds to thousands of tokens)."""
-    order = sorted(rows, key=lambda r: len(r["token_ids"]), reverse=True)
+    order = sorted(rows, key=lambda r: len(r.token_ids), reverse=True)
     if padded:
         size, extra = divmod(len(order), n)
         bounds = [i * size + min(i, extra) for i in range(n + 1)]

@@ -25,6 +25,7 @@ from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_
 from sandforge.trainer.batches import DUMMY_ROW, forward_scores, pad_right, split_micro_batches, token_batch
 from sandforge.trainer.rank_state import ADAPTERS_FILE, extra_state, load_reference, restore_extra_state
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, routed_ids
+from sandforge.types import RowScores, TrainingRow
 
 
 
@@ -178,13 +179,13 @@ class TrainerRank:
         for group in self.value_optimizer.param_groups if self.value_optimizer else []:
             group["lr"] = lr
 
-    def train_step(self, rows: list[dict], total_tokens: int, mode: str = "rl",
+    def train_step(self, rows: list[TrainingRow], total_tokens: int, mode: str = "rl",
                    total_sequences: int | None = None) -> dict[str, float]:
         """One optimizer step over this rank's rows. ``total_tokens`` (loss tokens) and ``total_sequences`` count over
         all ranks, so each micro-batch's loss is its exact share of the step's aggregated loss.
 
-        RL rows carry ``token_ids``, ``loss_mask``, the engine's ``logprobs``, per-token ``advantages`` and, for PPO,
-        per-token ``returns``."""
+        RL rows carry the engine's ``logprobs``, per-token ``advantages`` and, for PPO, per-token ``returns``; SFT rows
+        only their tokens and loss mask (``TrainingRow``)."""
         gas = self.cfg.grad_accum_steps
         totals = Totals(tokens=total_tokens, sequences=total_sequences or len(rows))
         scale = gas * self.world_size  # undo DeepSpeed's 1/gas and 1/world averaging: each loss is already a share
@@ -213,20 +214,20 @@ class TrainerRank:
         longest (Hugging Face policies, whose attention cannot keep packed sequences apart on every backend)."""
         return self.cfg.pack_sequences and getattr(self.engine.module, "pack_align", None) is not None
 
-    def layout(self, rows: list[dict]) -> PackedLayout:
+    def layout(self, rows: list[TrainingRow]) -> PackedLayout:
         """How a micro-batch's sequences share forward rows (``packs``)."""
-        lengths = [len(r["token_ids"]) for r in rows]
+        lengths = [len(r.token_ids) for r in rows]
         align = getattr(self.engine.module, "pack_align", None)
         if self.cfg.pack_sequences and align is not None:
             return PackedLayout.pack(lengths, align)
         return PackedLayout.padded(lengths)
 
-    def _micro_batch_loss(self, micro: list[dict], totals: Totals,
+    def _micro_batch_loss(self, micro: list[TrainingRow], totals: Totals,
                           mode: str) -> tuple[torch.Tensor, Stats, torch.Tensor]:
         dev = self.device
         ids, attn = token_batch(micro, dev)
         layout = self.layout(micro)
-        mask = pad_right([r["loss_mask"] for r in micro], 0, torch.float32, dev)
+        mask = pad_right([r.loss_mask for r in micro], 0, torch.float32, dev)
         if mode == "sft":
             scores = forward_scores(self.engine, micro, layout, device=dev)
             return *sft_objective(scores.logprobs, mask, totals), scores.aux_loss
@@ -243,24 +244,24 @@ class TrainerRank:
                 ref = forward_scores(self.reference, micro, layout, temperature, device=dev).logprobs
         batch = MicroBatch(
             logprobs=scores.logprobs,
-            engine_logprobs=pad_right([r["logprobs"] for r in micro], 0.0, torch.float32, dev),
-            advantages=pad_right([r["advantages"] for r in micro], 0.0, torch.float32, dev),
+            engine_logprobs=pad_right([r.logprobs for r in micro], 0.0, torch.float32, dev),
+            advantages=pad_right([r.advantages for r in micro], 0.0, torch.float32, dev),
             mask=mask,
             ref_logprobs=ref,
             entropy=scores.entropy,
         )
-        if all("old_logprobs" in r for r in micro):  # later mini-batches of a step: ratio against the step's start
-            batch.old_logprobs = pad_right([r["old_logprobs"] for r in micro], 0.0, torch.float32, dev)
+        if all(r.old_logprobs is not None for r in micro):  # later mini-batches of a step: ratio against its start
+            batch.old_logprobs = pad_right([r.old_logprobs for r in micro], 0.0, torch.float32, dev)
         if self.value_head is not None:
             batch.values = self.value_head(scores.hidden.float()).squeeze(-1)
-            batch.returns = pad_right([r["returns"] for r in micro], 0.0, torch.float32, dev)
+            batch.returns = pad_right([r.returns for r in micro], 0.0, torch.float32, dev)
         loss, st = rl_objective(batch, self.settings, totals)
         own = router.own_ids()
         st.sums |= mismatch_counts(None if own is None else layout.unpack(own), engine_ids, attn)
         return loss, st, scores.aux_loss
 
     @torch.no_grad()
-    def score(self, rows: list[dict]) -> list[dict]:
+    def score(self, rows: list[TrainingRow]) -> list[RowScores]:
         """What the trainer knows before its step, per row and token: ``kl_penalty`` (kl_coef times KL to the
         reference, with ``trainer.kl_in: reward``), ``values`` (PPO's value head) and ``old_logprobs`` (the ratio's
         denominator when the step takes several mini-batches). Eval mode: no MoE statistics accumulate."""
@@ -275,7 +276,7 @@ class TrainerRank:
             batches += [[DUMMY_ROW]] * (self.cfg.grad_accum_steps - len(batches))
         for micro in batches:
             layout = self.layout(micro)
-            width = max(len(r["token_ids"]) for r in micro)
+            width = max(len(r.token_ids) for r in micro)
             forced = routed_ids(micro, width, self.device) if self.cfg.routing_replay else None
             scores = forward_scores(self.engine, micro, layout, temperature, forced, device=self.device,
                                     hidden=self.value_head is not None)
@@ -285,10 +286,10 @@ class TrainerRank:
                 penalty = s.kl_coef * kl_estimate(scores.logprobs, ref, s.kl_estimator)
             values = None if self.value_head is None else self.value_head(scores.hidden.float()).squeeze(-1)
             for i, r in enumerate(micro):
-                n = len(r["token_ids"])
-                out.append({"kl_penalty": penalty[i, :n].tolist(),
-                            "values": None if values is None else values[i, :n].tolist(),
-                            "old_logprobs": scores.logprobs[i, :n].tolist()})
+                n = len(r.token_ids)
+                out.append(RowScores(kl_penalty=penalty[i, :n].tolist(),
+                                     values=None if values is None else values[i, :n].tolist(),
+                                     old_logprobs=scores.logprobs[i, :n].tolist()))
         return out[: len(rows)]  # the stand-ins' scores dropped
 
     def _step_value_head(self) -> None:

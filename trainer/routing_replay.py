@@ -16,13 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from sandforge.types import TrainingRow
+
 UNKNOWN = -1
 
 
-def routed_ids(rows: list[dict], width: int, device: torch.device | str | None = None) -> Tensor | None:
+def routed_ids(rows: list[TrainingRow], width: int, device: torch.device | str | None = None) -> Tensor | None:
     """The engine's routing of right-padded rows: [B, width, n_moe_layers, top_k] on ``device``, -1 where unknown; None
     when no row carries any."""
-    routed = [r.get("routed_experts") or [] for r in rows]
+    routed = [r.routed_experts or [] for r in rows]
     first = next((e for rr in routed for e in rr if e is not None), None)
     if first is None:
         return None

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import random
 
+from sandforge.types import RowScores, TrainingRow
 
-def train(ranks: list, rows: list[dict], mode: str) -> dict[str, float]:
+
+def train(ranks: list, rows: list[TrainingRow], mode: str) -> dict[str, float]:
     """One optimizer step over ``rows`` ("rl" or "sft" rows); rank 0's metrics (they are reduced over ranks)."""
     import ray
 
-    total = sum(sum(r["loss_mask"]) for r in rows)
+    total = sum(sum(r.loss_mask) for r in rows)
     world = len(ranks)
     results = ray.get([rank.train_step.remote(rows[i::world], total, mode, len(rows)) for i, rank in enumerate(ranks)])
     return results[0]
 
 
-def update(ranks: list, rows: list[dict], mini_batches: int, rng: random.Random) -> dict[str, float]:
+def update(ranks: list, rows: list[TrainingRow], mini_batches: int, rng: random.Random) -> dict[str, float]:
     """One RL step's optimizer steps: ``mini_batches`` of them over a shuffled split of ``rows``, each against the
     log-probs the trainer had before the first. Metrics are averaged over them (``ratio/min|max``: the extremes), so
     ``ratio/*`` and ``clip_frac`` show how far the later mini-batches moved."""
@@ -37,14 +39,14 @@ def update(ranks: list, rows: list[dict], mini_batches: int, rng: random.Random)
     return out
 
 
-def score(ranks: list, rows: list[dict]) -> list[dict]:
+def score(ranks: list, rows: list[TrainingRow]) -> list[RowScores]:
     """Each row's per-token KL penalty, value estimates and log-probs from the trainer (``TrainerRank.score``), in row
     order."""
     import ray
 
     world = len(ranks)
     shards = ray.get([rank.score.remote(rows[i::world]) for i, rank in enumerate(ranks)])
-    out: list[dict] = [{}] * len(rows)
+    out: list[RowScores | None] = [None] * len(rows)
     for i, shard in enumerate(shards):
         out[i::world] = shard
     return out

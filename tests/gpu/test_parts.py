@@ -11,6 +11,7 @@ from sandforge.config import EngineConfig, ModelConfig, TrainerConfig
 from sandforge.job.fleet.lifecycle import free_port
 from sandforge.engine import EngineActor
 from sandforge.trainer.rank import RolloutShape, TrainerRank
+from sandforge.types import TrainingRow
 
 MODEL = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes")
 
@@ -22,8 +23,8 @@ def test_a_cuda_rank_trains_in_bf16_with_everything_on_its_gpu():
     assert next(rank.engine.module.parameters()).dtype == torch.bfloat16
     assert next(rank.reference.parameters()).device.type == "cuda"
     before = {k: v.clone() for k, v in rank.get_weights().items()}
-    rows = [{"token_ids": list(range(3, 40)), "loss_mask": [0] * 5 + [1] * 32, "logprobs": [-1.0] * 37,
-             "advantages": [1.0] * 37}] * 4
+    rows = [TrainingRow(token_ids=list(range(3, 40)), loss_mask=[0] * 5 + [1] * 32, logprobs=[-1.0] * 37,
+                        advantages=[1.0] * 37)] * 4
     metrics = rank.train_step(rows, 4 * 32)
     assert metrics["grad_norm"] > 0
     after = rank.get_weights()
