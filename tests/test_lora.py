@@ -19,7 +19,8 @@ from test_hf import build_tokenizer  # noqa: E402
 from sandforge.config import (ConfigError, EngineConfig, LoraConfig, ModelConfig, TrainerConfig,  # noqa: E402
                               load_config)
 from sandforge.job.fleet.lifecycle import free_port  # noqa: E402
-from sandforge.trainer.rank import ADAPTERS_FILE, RolloutShape  # noqa: E402
+from sandforge.trainer.checkpoint import ADAPTERS_FILE  # noqa: E402
+from sandforge.trainer.rank import RolloutShape  # noqa: E402
 from sandforge.types import TrainingRow  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

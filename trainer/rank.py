@@ -4,17 +4,16 @@ N ranks form one torch.distributed group (gloo on CPU, NCCL on GPU: job/fleet/pl
 its own, which it sees as cuda:0; its batches, reference model and value head live there too). Each rank receives its shard of the step's sequences, splits it
 into exactly ``grad_accum_steps`` micro-batches (empty ones run a zero-weighted dummy so every rank does the same number
 of backward passes), and DeepSpeed averages gradients across ranks and steps the optimizer at the boundary. The loss
-itself (clipping, aggregation, KL, importance weights) lives in ``trainer/algorithms``; this file is plumbing.
+itself (clipping, aggregation, KL, importance weights) lives in ``trainer/algorithms``; this file is plumbing. What
+the rank gives the engine and writes as a policy is trainer/weight_export.py; its checkpoints, trainer/checkpoint.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -23,11 +22,10 @@ from sandforge.models.lora import AdapterSnapshot
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_objective, sft_objective
 from sandforge.trainer.batches import DUMMY_ROW, forward_scores, pad_right, split_micro_batches, token_batch
-from sandforge.trainer.rank_state import ADAPTERS_FILE, extra_state, load_reference, restore_extra_state
+from sandforge.trainer.checkpoint import RankCheckpoint, load_reference
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, routed_ids
+from sandforge.trainer.weight_export import WeightExport
 from sandforge.types import RowScores, TrainingRow
-
-
 
 
 @dataclass(frozen=True)
@@ -103,8 +101,6 @@ class TrainerRank:
 
         self.expert_parallel = trainer.expert_parallel
         self.zero3 = trainer.zero_stage == 3  # parameters partitioned over ranks: forwards all-gather them
-        # building the whole model is a collective: every rank must call get_weights / save_checkpoint together
-        self.gathers = self.expert_parallel > 1 or self.zero3
         if self.expert_parallel > 1:  # keep this rank's experts only; the reference copy shares the expert groups
             from sandforge.trainer.expert_parallel import optimizer_groups, shard_model
 
@@ -147,6 +143,11 @@ class TrainerRank:
                                                      weight_decay=trainer.weight_decay)
         self.steps = 0
         self.rl_updates = 0  # RL optimizer steps taken: where the lr schedule stands (trainer/lr_schedule.py)
+        self.export = WeightExport(self.engine.module, rank, self.tokenizer, self.lora, self.expert_parallel,
+                                   self.zero3)
+        self.gathers = self.export.gathers  # the model is spread over the ranks: exports and forwards are collectives
+        self.checkpoint = RankCheckpoint(self.engine, self.export, rank, self.lora, cuda, self.value_head,
+                                         self.value_optimizer)
 
     def reset_reference(self) -> None:
         """Make the current policy the KL reference (after a warm start, RL is measured from there). With ZeRO-3 or
@@ -157,15 +158,7 @@ class TrainerRank:
         if self.expert_parallel > 1:  # the reference holds this rank's experts, as the policy does
             self.reference.load_state_dict(self.engine.module.state_dict())
             return
-        self.reference.load_state_dict(self.get_weights())
-
-    def full_parameters(self):
-        """A context in which the module's parameters are whole (ZeRO-3 gathers them: a collective, on every rank)."""
-        if not self.zero3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
+        self.reference.load_state_dict(self.export.weights())
 
     def rl_lr(self, update: int) -> float:
         from sandforge.trainer.lr_schedule import lr_factor
@@ -334,50 +327,6 @@ class TrainerRank:
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
 
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        """What the engine needs of the policy, on CPU, in fp32 as the engine holds it (bf16 training keeps bf16
-        copies): the whole policy's weights, or with LoRA only the adapters (models/lora.py ``adapter_weights``; the
-        engine merges them into its base). With expert parallelism every rank must call it: experts are gathered."""
-        if self.lora:
-            from sandforge.models.lora import adapter_weights
-
-            weights = {k: v.detach().to("cpu", copy=True) for k, v in adapter_weights(self.engine.module).items()}
-        elif self.expert_parallel > 1:
-            from sandforge.models.k3.expert_parallel import full_state_dict
-
-            weights = full_state_dict(self.engine.module)
-        else:
-            with self.full_parameters():
-                weights = {k: v.detach().to("cpu", copy=True) for k, v in self.engine.module.state_dict().items()}
-        return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
-
-    def share_weights(self) -> bytes:
-        """Handles to the policy's own tensors (LoRA: its adapters) for an engine on this rank's device to copy from
-        (models/shared_weights.py, ``trainer.weight_sync: colocated``); the engine casts them to its dtype. Not with
-        expert parallelism or ZeRO-3, where rank 0 does not hold the whole model."""
-        from sandforge.models.shared_weights import share
-
-        if self.gathers:
-            raise ValueError("weight_sync colocated needs the whole model on rank 0; with expert_parallel > 1 or "
-                             "zero_stage 3 it is spread over the ranks (use weight_sync collective)")
-        if self.lora:
-            from sandforge.models.lora import adapter_weights
-
-            return share(adapter_weights(self.engine.module))
-        return share(self.engine.module.state_dict())
-
-    def open_weight_channel(self, host: str, port: int) -> None:
-        """Rank 0's end of the collective weight sync (models/weight_channel.py); the engine opens the other end."""
-        from sandforge.models.weight_channel import WeightChannel
-
-        self.channel = WeightChannel(host, port, rank=0)
-
-    def send_weights(self, version: int) -> int:
-        """Broadcast the policy to the engine over the weight channel (every rank calls it: with expert parallelism or
-        ZeRO-3 the whole model is gathered first; rank 0 sends)."""
-        weights = self.get_weights()
-        return self.channel.send(weights, version) if self.rank == 0 else version
-
     def device_name(self) -> str:
         """Where this rank runs, as the run's placement line states it (``cuda:<GPU id>`` or ``cpu``)."""
         return self.where
@@ -387,45 +336,37 @@ class TrainerRank:
 
         return policy_config(self.engine.module)
 
-    def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
-        """DeepSpeed checkpoint (all ranks) plus, on rank 0, a standalone policy (config.json + safetensors). With LoRA
-        the DeepSpeed checkpoint leaves out the frozen base (the config rebuilds it), the policy is saved merged, and
-        the adapters go beside it (``adapters.safetensors``: a later resume's KL reference when this is step 0)."""
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client_state or {},
-                                    exclude_frozen_parameters=self.lora)
-        policy_dir = Path(directory) / tag / "policy"
-        if self.lora and self.rank == 0:
-            from safetensors.torch import save_file
+    # --- weight export (trainer/weight_export.py) and checkpoints (trainer/checkpoint.py), as the driver calls them
 
-            save_file(self.get_weights(), str(Path(directory) / tag / ADAPTERS_FILE))
-        self.save_policy(str(policy_dir))
-        torch.save(extra_state(self), Path(directory) / tag / f"trainer_rank_{self.rank}.pt")
-        return str(policy_dir)
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights for the engine, on CPU in fp32 (LoRA: the adapters only). With expert parallelism or
+        ZeRO-3 every rank must call it."""
+        return self.export.weights()
+
+    def share_weights(self) -> bytes:
+        """Handles to the policy's own tensors for an engine sharing this rank's device (weight_sync colocated)."""
+        return self.export.share()
+
+    def open_weight_channel(self, host: str, port: int) -> None:
+        """Rank 0's end of the collective weight sync; the engine opens the other end."""
+        self.export.open_channel(host, port)
+
+    def send_weights(self, version: int) -> int:
+        """Broadcast the policy to the engine as ``version`` (every rank calls it; rank 0 sends)."""
+        return self.export.send(version)
 
     def save_policy(self, directory: str) -> str:
-        """The standalone policy (config.json + safetensors, merged with LoRA), written by rank 0: what a checkpoint
-        keeps, and what a remote inference server loads after each step. With expert parallelism or ZeRO-3 a
-        collective: every rank takes part."""
-        from sandforge.models.build import save_policy
+        """The standalone policy, written by rank 0 (what a remote inference server loads after each step)."""
+        return self.export.save_policy(directory)
 
-        whole = self.get_weights() if self.gathers or self.rank == 0 else None
-        with self.full_parameters():  # a Hugging Face policy saves its own (gathered) parameters
-            if self.rank == 0:
-                save_policy(self.engine.module, directory, tokenizer=self.tokenizer, state_dict=whole)
-        return directory
+    def save_checkpoint(self, directory: str, tag: str, client_state: dict | None = None) -> str:
+        """This rank's share of checkpoint ``tag`` (every rank calls it); returns the policy directory."""
+        return self.checkpoint.save(directory, tag, client_state or {}, self.steps, self.rl_updates)
 
     def load_checkpoint(self, directory: str, tag: str, reference: str | None = None) -> dict:
-        """Restore what ``save_checkpoint`` wrote (weights, balancing biases, optimizer, RNG, value head); returns the
-        client state. ``reference``: a policy directory to restore the frozen KL reference from."""
-        if not (Path(directory) / tag).is_dir():
-            raise FileNotFoundError(f"no checkpoint {tag!r} in {directory}")
-        path, client_state = self.engine.load_checkpoint(directory, tag=tag, load_optimizer_states=True,
-                                                         load_lr_scheduler_states=True,
-                                                         load_module_strict=not self.lora)  # LoRA: no base saved
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
-        extra = torch.load(Path(directory) / tag / f"trainer_rank_{self.rank}.pt", weights_only=False)
-        restore_extra_state(self, extra)
+        """Restore what ``save_checkpoint`` wrote; returns the client state. ``reference``: a policy directory to
+        restore the frozen KL reference from."""
+        client_state, self.steps, self.rl_updates = self.checkpoint.load(directory, tag)
         if reference:
-            load_reference(self, reference)
-        return client_state or {}
+            load_reference(self.reference, reference, self.lora, self.expert_parallel)
+        return client_state
