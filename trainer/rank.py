@@ -90,10 +90,8 @@ class TrainerRank:
         self.cfg, self.temperature = trainer, shape.temperature
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.tokenizer = load_chat(model).tokenizer
-        self.lora = model.lora is not None  # only the adapters train, and only they travel to the engine
-        if self.lora and trainer.zero_stage == 3:
-            raise ValueError("model.lora needs trainer.zero_stage 0, 1 or 2 (got 3): the KL reference runs the policy "
-                             "under other adapters, which ZeRO-3's partitioned parameters do not allow")
+        # only the adapters train, and only they travel to the engine (never under ZeRO-3: sandforge/config_checks.py)
+        self.lora = model.lora is not None
         policy = trainable_policy(model, len(self.tokenizer))
         if policy.config.vocab_size < len(self.tokenizer):
             raise ValueError(f"tokenizer {model.tokenizer_source()!r} has {len(self.tokenizer)} ids but the model only "
