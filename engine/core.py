@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from sandforge.types import GenerateRequest, Sample
+
 from .batch import DecodeBatch, Prefill, cat_caches, prefill, sample_rows
 from .requests import Request, Row, parse_request
 from .sessions import CacheEntry, SessionStore
@@ -80,8 +82,8 @@ class EngineCore:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
 
     # ---------------------------------------------------------------- API
-    async def generate(self, request: dict) -> list[dict]:
-        """Sample ``request["n"]`` completions of ``request["prompt_ids"]``; see the module docstring."""
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        """Sample ``request.n`` completions of ``request.prompt_ids``; see the module docstring."""
         loop = self._start()
         try:
             req = parse_request(request, loop, self.vocab_size, self.max_seq_len, self.max_batch_size)
@@ -417,16 +419,16 @@ class EngineCore:
         elif row.session_id is not None and not req.failed:
             self.store.put(row.session_id, CacheEntry(cache, req.prompt + row.token_ids[:-1]))
         routed = torch.cat(row.routed).tolist() if row.routed else None
-        req.results[row.sample] = {
-            "token_ids": row.token_ids,
-            "logprobs": row.logprobs,
-            "finish_reason": row.finish_reason,
-            "version": req.version,
-            "token_versions": row.versions,  # per token: the weights that sampled it (differs after an interrupt)
-            "cached_tokens": row.cached,
-            "prefill_tokens": len(req.prompt) - row.cached,
-            "routed_experts": routed,
-        }
+        req.results[row.sample] = Sample(
+            token_ids=row.token_ids,
+            logprobs=row.logprobs,
+            finish_reason=row.finish_reason,
+            version=req.version,
+            token_versions=row.versions,  # per token: the weights that sampled it (differs after an interrupt)
+            cached_tokens=row.cached,
+            prefill_tokens=len(req.prompt) - row.cached,
+            routed_experts=routed,
+        )
         if all(r is not None for r in req.results) and not req.failed:
             self._resolve(req.loop, req.future, req.results)
 

@@ -1,7 +1,7 @@
 """The engine as a Ray actor: builds the policy from its config and serves ``EngineCore`` on the actor's event loop.
 
     engine = ray.remote(num_cpus=0)(EngineActor).remote(policy_config, cfg.engine, seed, threads, "cpu")
-    [sample] = await engine.generate.remote({"prompt_ids": [...], "session_id": "ep-3", "max_tokens": 256, ...})
+    [sample] = await engine.generate.remote(GenerateRequest(prompt_ids=[...], session_id="ep-3", max_tokens=256))
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from sandforge.config import EngineConfig
+from sandforge.types import GenerateRequest, Sample
 
 from .core import EngineCore
 
@@ -40,7 +41,7 @@ class EngineActor:
         model = model.to(getattr(torch, engine.dtype))  # loads cast the trainer's fp32 weights (load_state_dict)
         self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed)
 
-    async def generate(self, request: dict) -> list[dict]:
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
         return await self.core.generate(request)
 
     async def close_session(self, session_id: str) -> None:

@@ -27,6 +27,8 @@ import json
 
 import aiohttp
 
+from sandforge.types import GenerateRequest, Sample
+
 RETRY_BACKOFF_S = 0.5  # the first retry's wait; each further one waits twice as long
 
 # What each server needs to send token ids back, for the error a server without them gets.
@@ -41,7 +43,7 @@ class RemoteEngineError(RuntimeError):
 
 
 class RemoteEngine:
-    """``generate(request) -> list[dict]`` like ``EngineCore``, against a server at ``base_url``.
+    """``generate(GenerateRequest) -> list[Sample]`` like ``EngineCore``, against a server at ``base_url``.
 
     ``model``: the served model name; by default the first one ``GET /v1/models`` lists. ``session_ids``: send each
     request's ``session_id`` so ``sandforge serve`` reuses that episode's cache between turns; by default only when
@@ -66,34 +68,33 @@ class RemoteEngine:
         self.requests = 0
         self.version = -1
 
-    async def generate(self, request: dict) -> list[dict]:
-        """One completion per sample (``request["n"]``, default 1), in the embedded engine's result format."""
-        request = {k: v for k, v in request.items() if v is not None}  # None means the default, as in EngineCore
-        prompt = [int(t) for t in request["prompt_ids"]]
-        n = int(request.get("n", 1))
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        """One completion per sample (``request.n``), in the embedded engine's result format."""
+        prompt = [int(t) for t in request.prompt_ids]
+        n = int(request.n)
         if self.model is None or self.session_ids is None:
             await self._discover()
         body = {
             "model": self.model,
             "prompt": prompt,
-            "max_tokens": int(request.get("max_tokens", 64)),
-            "temperature": float(request.get("temperature", 1.0)),
-            "top_p": float(request.get("top_p", 1.0)),
-            "top_k": int(request.get("top_k", 0)) or -1,  # off: -1 on every server (0 is refused by older vLLM)
+            "max_tokens": int(request.max_tokens),
+            "temperature": float(request.temperature),
+            "top_p": float(request.top_p),
+            "top_k": int(request.top_k) or -1,  # off: -1 on every server (0 is refused by older vLLM)
             "n": n,
-            "stop_token_ids": [int(t) for t in request.get("stop_ids", ())],
-            **({"seed": int(request["seed"])} if "seed" in request else {}),  # vLLM and sandforge serve honour it
+            "stop_token_ids": [int(t) for t in request.stop_ids],
+            **({"seed": int(request.seed)} if request.seed is not None else {}),  # vLLM and sandforge serve honour it
             "ignore_eos": True,  # stop exactly at stop_ids, as the embedded engine does; the caller lists EOS there
             "logprobs": 1,
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        if self.session_ids and request.get("session_id"):
-            body["session_id"] = request["session_id"]
+        if self.session_ids and request.session_id:
+            body["session_id"] = request.session_id
         data = await self._call("POST", "/v1/completions", body)
         self.requests += 1
         results = parse_completion(data, prompt, n, self.base_url + "/v1/completions", self.version)
-        self.version = max([self.version] + [r["version"] for r in results])
+        self.version = max([self.version] + [r.version for r in results])
         return results
 
     def close_session(self, session_id: str) -> None:
@@ -223,7 +224,7 @@ def _token_ids(choice: dict) -> list[int] | None:
     return None
 
 
-def parse_completion(data: dict, prompt: list[int], n: int, url: str, version: int = -1) -> list[dict]:
+def parse_completion(data: dict, prompt: list[int], n: int, url: str, version: int = -1) -> list[Sample]:
     """A ``/v1/completions`` response to one prompt -> the embedded engine's results, one per choice (by index).
     ``version``: the weights' version where the server does not report one (``sandforge serve`` does, per token)."""
     choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
@@ -257,18 +258,17 @@ def parse_completion(data: dict, prompt: list[int], n: int, url: str, version: i
         if reason not in ("stop", "length"):
             raise RemoteEngineError(f"{url} finished choice {i} with {reason!r} (expected 'stop' or 'length')")
         hit = int(mine.get("cached_tokens", cached))
-        result = {
-            "token_ids": ids,
-            "logprobs": [float(lp) for lp in logprobs],
-            "finish_reason": reason,
-            "version": int(mine.get("version", ext.get("version", version))),
-            "cached_tokens": hit,
-            "prefill_tokens": int(mine.get("prefill_tokens", len(prompt) - hit)),
-            # one [layer][k] entry per token fed (prompt[cached_tokens:] + token_ids[:-1]), as the embedded engine's
-            "routed_experts": mine.get("routed_experts"),
-        }
         versions = mine.get("token_versions")
-        if isinstance(versions, list) and len(versions) == len(ids):
-            result["token_versions"] = [int(v) for v in versions]
-        results.append(result)
+        results.append(Sample(
+            token_ids=ids,
+            logprobs=[float(lp) for lp in logprobs],
+            finish_reason=reason,
+            version=int(mine.get("version", ext.get("version", version))),
+            token_versions=[int(v) for v in versions] if isinstance(versions, list) and len(versions) == len(ids)
+            else None,
+            cached_tokens=hit,
+            prefill_tokens=int(mine.get("prefill_tokens", len(prompt) - hit)),
+            # one [layer][k] entry per token fed (prompt[cached_tokens:] + token_ids[:-1]), as the embedded engine's
+            routed_experts=mine.get("routed_experts"),
+        ))
     return results

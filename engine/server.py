@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from sandforge.types import GenerateRequest
+
 log = logging.getLogger(__name__)
 
 MAX_BODY = 64 << 20  # token-id prompts of long contexts are large JSON
@@ -57,7 +59,7 @@ class RequestError(Exception):
 
 @dataclass
 class Served:
-    # EngineCore, or anything with its ``async generate(request) -> list[dict]``, ``stats()`` and
+    # EngineCore, or anything with its ``async generate(GenerateRequest) -> list[Sample]``, ``stats()`` and
     # ``async load_weights(state_dict, version) -> int``
     engine: Any
     name: str
@@ -86,7 +88,7 @@ def served_from(engine, model, tokenizer, name: str) -> Served:
 @dataclass
 class Completion:
     prompts: list[list[int]]
-    engine_request: dict  # everything but prompt_ids
+    sampling: dict  # GenerateRequest's fields but prompt_ids
     n: int
     logprobs: int | None
     return_token_ids: bool
@@ -176,7 +178,7 @@ def parse_request(body: dict, served: Served) -> Completion:
     if not body.get("ignore_eos") and served.eos_id is not None and served.eos_id not in stops:
         stops.append(served.eos_id)  # like vLLM: the model's EOS ends a completion unless ignore_eos
     top_k = _integer(body, "top_k", 0, low=-1)
-    request = {
+    sampling = {
         "session_id": session_id,
         "max_tokens": _integer(body, "max_tokens", 16, low=1),
         "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
@@ -186,7 +188,7 @@ def parse_request(body: dict, served: Served) -> Completion:
         "n": n,
         "seed": _integer(body, "seed", None, low=0, high=2**63 - 1),
     }
-    return Completion(prompts, request, n, logprobs, bool(body.get("return_token_ids")),
+    return Completion(prompts, sampling, n, logprobs, bool(body.get("return_token_ids")),
                       bool(body.get("return_tokens_as_token_ids")), session_id)
 
 
@@ -200,29 +202,29 @@ def _logprobs(ids: list[int], logprobs: list[float], served: Served, as_ids: boo
 async def complete(served: Served, req: Completion) -> dict:
     """Run every prompt through the engine at once (it batches them) and answer in OpenAI's completions shape."""
     try:
-        outs = await asyncio.gather(*(served.engine.generate({"prompt_ids": p, **req.engine_request})
+        outs = await asyncio.gather(*(served.engine.generate(GenerateRequest(prompt_ids=p, **req.sampling))
                                       for p in req.prompts))
     except ValueError as e:  # the engine's word on a request it cannot run (too long for the context, ...)
         raise RequestError(str(e)) from None
     choices, mine = [], []
     for i, (prompt, results) in enumerate(zip(req.prompts, outs)):
         for j, r in enumerate(results):
-            ids, stopped = r["token_ids"], r["finish_reason"] == "stop"
+            ids, stopped = r.token_ids, r.finish_reason == "stop"
             choice = {
                 "index": i * req.n + j,
                 "text": served.decode(ids[:-1] if stopped and ids else ids),  # the stop token is not text
-                "logprobs": None if req.logprobs is None else _logprobs(ids, r["logprobs"], served, req.tokens_as_ids),
-                "finish_reason": r["finish_reason"],
+                "logprobs": None if req.logprobs is None else _logprobs(ids, r.logprobs, served, req.tokens_as_ids),
+                "finish_reason": r.finish_reason,
                 "stop_reason": ids[-1] if stopped and ids else None,
             }
             if req.return_token_ids:
                 choice["token_ids"], choice["prompt_token_ids"] = ids, prompt
             choices.append(choice)
-            mine.append({k: r[k] for k in ("version", "cached_tokens", "prefill_tokens", "token_versions",
-                                           "routed_experts") if r.get(k) is not None})
+            mine.append({k: getattr(r, k) for k in ("version", "cached_tokens", "prefill_tokens", "token_versions",
+                                                    "routed_experts") if getattr(r, k) is not None})
     prompt_tokens = sum(len(p) for p in req.prompts)
-    completion_tokens = sum(len(r["token_ids"]) for results in outs for r in results)
-    cached = sum(min(r["cached_tokens"] for r in results) for results in outs)  # what the cache held before the call
+    completion_tokens = sum(len(r.token_ids) for results in outs for r in results)
+    cached = sum(min(r.cached_tokens for r in results) for results in outs)  # what the cache held before the call
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",

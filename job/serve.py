@@ -9,17 +9,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandforge.config import EngineConfig, JobConfig, RunConfig
+from sandforge.types import GenerateRequest, Sample
 
 
 class ActorEngine:
-    """The engine contract (``async generate(request) -> list[dict]``, ``stats()``, ``async load_weights``) over the
+    """The engine contract (``async generate(GenerateRequest) -> list[Sample]``, ``stats()``, ``async load_weights``) over the
     engine actor; the engine's own errors (a request too long for the context, weights of another model) come back as
     themselves, not wrapped by Ray."""
 
     def __init__(self, handle) -> None:
         self.handle = handle
 
-    async def generate(self, request: dict) -> list[dict]:
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
         import ray
 
         try:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from sandforge.config import RolloutConfig
 from sandforge.rollout.policy_client import Policy, PolicyError, check_sample
 from sandforge.rollout.tool_calls import ToolHang, ToolOutcome, run_tool_calls
-from sandforge.types import Message, Reward, SandboxError, Task, Trajectory, Turn
+from sandforge.types import GenerateRequest, Message, Reward, Sample, SandboxError, Task, Trajectory, Turn
 from sandforge.verifiers.checks import VerifierError, score_task
 
 NO_TOOL_CALL = "no tool call found. Call one of the tools, or call submit() when the task is done."
@@ -119,13 +119,13 @@ def _extend(traj: Trajectory, ids: list[int], version: int | None = None, logpro
         traj.routed_experts += [None] * n
 
 
-def _place_routing(traj: Trajectory, prompt_len: int, sample: dict) -> None:
+def _place_routing(traj: Trajectory, prompt_len: int, sample: Sample) -> None:
     """Routing of the tokens this request fed, ``prompt[cached:] + generated[:-1]``, at their positions."""
-    routing = sample.get("routed_experts")
+    routing = sample.routed_experts
     if routing is None:
         return
-    start = int(sample.get("cached_tokens") or 0)
-    fed = prompt_len - start + max(0, len(sample["token_ids"]) - 1)
+    start = int(sample.cached_tokens or 0)
+    fed = prompt_len - start + max(0, len(sample.token_ids) - 1)
     if not isinstance(routing, list) or len(routing) != fed or start < 0:
         # misaligned routing would silently replay the wrong experts: drop it and say so
         traj.metadata["routing_errors"] = traj.metadata.get("routing_errors", 0) + 1
@@ -183,11 +183,10 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         if left is not None and left <= 0:
             return "timeout"
         traj.turns.append(turn)
-        request = {"prompt_ids": list(traj.token_ids), "session_id": session, "max_tokens": budget,
-                   "temperature": limits.temperature, "top_p": limits.top_p, "top_k": limits.top_k,
-                   "stop_ids": list(limits.stop_ids), "n": 1}
-        if seed is not None:
-            request["seed"] = turn_seed(seed, index)
+        request = GenerateRequest(prompt_ids=traj.token_ids, session_id=session, max_tokens=budget,
+                                  temperature=limits.temperature, top_p=limits.top_p, top_k=limits.top_k,
+                                  stop_ids=limits.stop_ids, n=1,
+                                  seed=None if seed is None else turn_seed(seed, index))
         t0 = time.monotonic()
         try:
             sample = check_sample(await asyncio.wait_for(policy.generate(request), left))
@@ -195,14 +194,14 @@ async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
             turn.finish_reason, turn.seconds_generate = "timeout", time.monotonic() - t0
             return "timeout"
         t1 = time.monotonic()
-        ids = [int(i) for i in sample["token_ids"]]
-        turn.version = int(sample["version"])
-        turn.cached_tokens, turn.prefill_tokens = int(sample["cached_tokens"]), int(sample["prefill_tokens"])
-        versions = sample.get("token_versions")  # an engine that swapped weights mid-reply says which sampled what
+        ids = [int(i) for i in sample.token_ids]
+        turn.version = int(sample.version)
+        turn.cached_tokens, turn.prefill_tokens = int(sample.cached_tokens), int(sample.prefill_tokens)
+        versions = sample.token_versions  # an engine that swapped weights mid-reply says which sampled what
         versions = versions if isinstance(versions, list) and len(versions) == len(ids) else None
-        _extend(traj, ids, version=turn.version, logprobs=sample["logprobs"], versions=versions)
+        _extend(traj, ids, version=turn.version, logprobs=sample.logprobs, versions=versions)
         _place_routing(traj, prompt_len, sample)
-        finish = sample["finish_reason"]
+        finish = sample.finish_reason
         if finish == "length" and len(ids) >= budget and budget < limits.max_new_tokens:
             finish = "context"
         turn.generated_tokens, turn.finish_reason, turn.seconds_generate = len(ids), finish, t1 - t0

@@ -1,13 +1,7 @@
-"""How an episode asks a policy for tokens: one request dict in, one sample dict out.
+"""How an episode asks a policy for tokens: one ``GenerateRequest`` in, one ``Sample`` out (both in sandforge.types).
 
-The request is the engine contract (``engine/``, the in-process ``EngineCore`` and the OpenAI-compatible
-``RemoteEngine`` all answer it)::
-
-    {"prompt_ids": [int] (the whole sequence so far), "session_id": str | None, "max_tokens": int,
-     "temperature": float, "top_p": float, "top_k": int, "stop_ids": [int], "n": 1,
-     "seed": int (optional: sample i of the request draws from a generator seeded from it, whatever else is batched)}
-    -> [{"token_ids", "logprobs", "finish_reason": "stop" | "length", "version": int, "cached_tokens": int,
-         "prefill_tokens": int, "routed_experts": list | None}, ...]   (one dict per sample)
+The engine contract: ``generate(GenerateRequest) -> list[Sample]``, one per ``n``; the in-process ``EngineCore``, the
+``EngineActor`` around it and the OpenAI-compatible ``RemoteEngine`` all answer it (sandforge.engine).
 
 ``EnginePolicy`` is the only adapter: it takes a Ray actor handle or any object with ``async generate(request)``
 (and optionally ``close_session(session_id)``). ``scripted_policy`` answers the same calls with a task's reference
@@ -20,7 +14,7 @@ import inspect
 import logging
 from typing import Any, Protocol
 
-from sandforge.types import Message, Task
+from sandforge.types import GenerateRequest, Message, Sample, Task
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +24,7 @@ class PolicyError(RuntimeError):
 
 
 class Policy(Protocol):
-    async def generate(self, request: dict) -> dict:
+    async def generate(self, request: GenerateRequest) -> Sample:
         """One sample for ``request`` (the engine contract above)."""
         ...
 
@@ -54,14 +48,14 @@ class EnginePolicy:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    async def generate(self, request: dict) -> dict:
-        try:
+    async def generate(self, request: GenerateRequest) -> Sample:
+        try:  # a remote answer that is not a sample fails while its Sample is built, in here
             samples = await _call(self.engine, "generate", request)
         except Exception as e:  # noqa: BLE001 - a dead actor, an HTTP error, a bad request: this episode only
             raise PolicyError(f"engine: {type(e).__name__}: {e}") from e
-        if isinstance(samples, dict):  # an engine that answers one sample bare
+        if isinstance(samples, Sample):  # an engine that answers one sample bare
             samples = [samples]
-        if not isinstance(samples, list) or not samples or not isinstance(samples[0], dict):
+        if not isinstance(samples, list) or not samples:
             raise PolicyError(f"engine: expected a list of samples, got {type(samples).__name__}")
         return check_sample(samples[0])
 
@@ -74,15 +68,11 @@ class EnginePolicy:
             log.warning("engine: close_session(%s) failed: %s", session_id, e)
 
 
-def check_sample(sample: dict) -> dict:
-    """The sample with defaults for optional keys; PolicyError when token ids and logprobs do not line up."""
-    ids, logprobs = sample.get("token_ids"), sample.get("logprobs")
-    if not isinstance(ids, list) or not isinstance(logprobs, list) or len(ids) != len(logprobs):
-        got = {k: (len(v) if isinstance(v, list) else type(v).__name__) for k, v in sample.items()}
-        raise PolicyError(f"engine: a sample needs token_ids and logprobs of equal length, got {got}")
-    if sample.get("finish_reason") not in ("stop", "length"):
-        raise PolicyError(f"engine: finish_reason must be 'stop' or 'length', got {sample.get('finish_reason')!r}")
-    return {"version": -1, "cached_tokens": 0, "prefill_tokens": 0, "routed_experts": None, **sample}
+def check_sample(sample: Any) -> Sample:
+    """The policy's answer, which must be a ``Sample`` (whose construction checked its shape); else PolicyError."""
+    if not isinstance(sample, Sample):
+        raise PolicyError(f"engine: expected a Sample, got {type(sample).__name__} {str(sample)[:120]}")
+    return sample
 
 
 class ScriptedPolicy:
@@ -97,15 +87,15 @@ class ScriptedPolicy:
         self.chat = chat
         self.version = version
 
-    async def generate(self, request: dict) -> dict:
+    async def generate(self, request: GenerateRequest) -> Sample:
         call = self.calls.pop(0) if self.calls else None
         if call is None:
             msg = Message(role="assistant", reasoning="done")
         else:
             msg = Message(role="assistant", reasoning=f"I will use {call.name}.", tool_calls=[call])
         ids = self.chat.render_assistant(msg)
-        return {"token_ids": ids, "logprobs": [0.0] * len(ids), "finish_reason": "stop", "version": self.version,
-                "cached_tokens": 0, "prefill_tokens": len(request["prompt_ids"]), "routed_experts": None}
+        return Sample(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop", version=self.version,
+                      prefill_tokens=len(request.prompt_ids))
 
     async def close_session(self, session_id: str) -> None:
         return None

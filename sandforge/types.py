@@ -40,6 +40,89 @@ class Message:
         return cls(**{**d, "tool_calls": calls})
 
 
+# --- agent <-> engine: what an episode asks the policy for, and what one sample of it is ---------------------------
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Sample ``n`` continuations of ``prompt_ids`` (the episode's whole token sequence so far). ``session_id`` lets the
+    engine keep the episode's cache between turns; ``seed`` makes sample i draw from a generator seeded (seed, i),
+    whatever else is batched with it. The in-process ``EngineCore``, the Ray ``EngineActor``, ``RemoteEngine`` and
+    ``sandforge serve`` all answer it; over HTTP it travels as ``to_dict()``."""
+
+    prompt_ids: list[int]
+    session_id: str | None = None
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:  # copies: the caller's sequence goes on growing while the request is in flight
+        for name in ("prompt_ids", "stop_ids"):  # anything else is left for the engine to refuse by name
+            if isinstance(getattr(self, name), (list, tuple)):
+                object.__setattr__(self, name, list(getattr(self, name)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GenerateRequest:
+        """A request from JSON; unknown keys are refused by name (ValueError), missing ones take the defaults."""
+        if not isinstance(d, dict) or "prompt_ids" not in d:
+            raise ValueError(f"a request is an object with prompt_ids and sampling keys {sorted(_REQUEST_KEYS)}; "
+                             f"got {d!r:.80}")
+        unknown = sorted(set(d) - _REQUEST_KEYS)
+        if unknown:
+            raise ValueError(f"unknown request keys {unknown}; a request has {sorted(_REQUEST_KEYS)}")
+        try:
+            return cls(**{k: v for k, v in d.items() if v is not None or k == "session_id"})
+        except TypeError as e:  # e.g. prompt_ids not a list
+            raise ValueError(f"bad request: {e}") from e
+
+
+_REQUEST_KEYS = frozenset(GenerateRequest.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled continuation: the token ids the engine produced (the stop id included when ``finish_reason`` is
+    "stop"), their log-probabilities, the weight version that sampled them (``token_versions`` per token, where the
+    weights changed mid-reply), how much of the prompt came from the session's cache, and the experts each fed token
+    was routed to (``[tokens][moe layers][top_k]``, for routing replay; None when the policy has no MoE or the engine
+    does not say). Construction checks the shape, so a broken engine fails its episode with a readable reason."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    version: int = -1
+    token_versions: list[int] | None = None
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    routed_experts: list | None = None
+
+    def __post_init__(self) -> None:
+        ids, logprobs = self.token_ids, self.logprobs
+        if not isinstance(ids, list) or not isinstance(logprobs, list) or len(ids) != len(logprobs):
+            got = {k: (len(v) if isinstance(v, list) else type(v).__name__) for k, v in
+                   (("token_ids", ids), ("logprobs", logprobs))}
+            raise ValueError(f"a sample needs token_ids and logprobs of equal length, got {got}")
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Sample:
+        return cls(**{k: v for k, v in d.items() if k in _SAMPLE_KEYS})
+
+
+_SAMPLE_KEYS = frozenset(Sample.__dataclass_fields__)
+
+
 @dataclass
 class Reward:
     """What a verifier concluded. ``value`` is the scalar the trainer uses; ``breakdown`` explains it."""

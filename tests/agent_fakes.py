@@ -11,7 +11,7 @@ from sandforge.environments.tools import tool
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits
-from sandforge.types import Message, Reward, Task, ToolCall
+from sandforge.types import GenerateRequest, Message, Reward, Sample, Task, ToolCall
 
 CHAT = ChatFormat(ByteTokenizer())
 TASK = Task(id="fake/1", env="fake", family="fake", seed=1, instruction="Do the thing.")
@@ -92,10 +92,10 @@ class ReplayPolicy:
         self.samples = list(samples)
         self.version = version
         self.delay = delay
-        self.requests: list[dict] = []
+        self.requests: list[GenerateRequest] = []
         self.closed: list[str] = []
 
-    async def generate(self, request: dict) -> dict:
+    async def generate(self, request: GenerateRequest) -> Sample:
         self.requests.append(request)
         item = self.samples.pop(0) if self.samples else reply(ToolCall("submit"))
         if callable(item):
@@ -106,11 +106,10 @@ class ReplayPolicy:
             await asyncio.sleep(item)
             item = reply(ToolCall("submit"))
         sample = item if isinstance(item, dict) else {"token_ids": item}
-        ids = sample["token_ids"] = sample["token_ids"][: request["max_tokens"]]  # an engine never exceeds it
-        base = {"logprobs": [-0.5] * len(ids), "version": self.version, "cached_tokens": 0,
-                "prefill_tokens": len(request["prompt_ids"]), "routed_experts": None,
+        ids = sample["token_ids"] = sample["token_ids"][: request.max_tokens]  # an engine never exceeds it
+        base = {"logprobs": [-0.5] * len(ids), "version": self.version, "prefill_tokens": len(request.prompt_ids),
                 "finish_reason": "stop" if ids and ids[-1] in CHAT.stop_ids else "length"}
-        return {**base, **sample}
+        return Sample(**{**base, **sample})
 
     async def close_session(self, session_id: str) -> None:
         self.closed.append(session_id)

@@ -16,7 +16,7 @@ from sandforge.rollout.agent import NO_TOOL_CALL, run_episode
 from sandforge.job.rollout_metrics import rollout_metrics
 from sandforge.rollout.policy_client import EnginePolicy, scripted_policy
 from sandforge.rollout.tool_calls import truncate_output
-from sandforge.types import ToolCall, Trajectory
+from sandforge.types import Sample, ToolCall, Trajectory
 
 
 def episode(env, policy, chat=CHAT, **kw):
@@ -39,7 +39,7 @@ def test_turn_records_versions_and_token_spans():
     assert (t1.version, t1.index, t1.executed, t0.executed) == (4, 1, 1, 1)
     assert t0.observations == ["hi"] and t0.seconds_generate >= 0 and t0.seconds_tools >= 0
     # each request is the whole sequence so far; generated spans carry their version, all else -1
-    assert policy.requests[1]["prompt_ids"] == traj.token_ids[: t1.prompt_tokens]
+    assert policy.requests[1].prompt_ids == traj.token_ids[: t1.prompt_tokens]
     assert t1.prompt_tokens == t0.prompt_tokens + t0.generated_tokens + t0.observation_tokens
     assert traj.token_ids[t0.prompt_tokens : t0.prompt_tokens + len(first)] == first
     for t, v in ((t0, 3), (t1, 4)):
@@ -47,8 +47,8 @@ def test_turn_records_versions_and_token_spans():
         assert set(traj.token_versions[span]) == {v} and set(traj.loss_mask[span]) == {1}
     assert sum(traj.loss_mask) == t0.generated_tokens + t1.generated_tokens
     assert traj.token_versions.count(-1) == n - sum(traj.loss_mask)
-    assert policy.requests[0]["session_id"] == "s-1" and policy.requests[0]["n"] == 1
-    assert policy.requests[0]["stop_ids"] == CHAT.stop_ids and policy.requests[0]["max_tokens"] == 512
+    assert policy.requests[0].session_id == "s-1" and policy.requests[0].n == 1
+    assert policy.requests[0].stop_ids == CHAT.stop_ids and policy.requests[0].max_tokens == 512
     back = Trajectory.from_dict(json.loads(json.dumps(traj.to_dict())))
     assert back == traj
 
@@ -59,7 +59,7 @@ def test_routed_experts_align_with_fed_positions():
 
     def engine(ids):
         def answer(request):
-            prompt = request["prompt_ids"]
+            prompt = request.prompt_ids
             cached = sum(fed_log[-1]) if fed_log else 4  # a prefix hit on turn 0, then the session's own cache
             fed = len(prompt) - cached + len(ids) - 1
             fed_log.append((cached, fed))
@@ -192,7 +192,7 @@ def test_context_and_turn_limits():
     policy = ReplayPolicy([long] * 10)
     traj = episode(FakeEnv(), policy, max_context=cap, max_turns=10, max_new_tokens=len(long))
     assert traj.finish_reason == "context" and len(traj.token_ids) <= cap
-    budgets = [r["max_tokens"] for r in policy.requests]
+    budgets = [r.max_tokens for r in policy.requests]
     assert budgets[0] == len(long) and 0 < budgets[-1] < len(long)  # the last turn only gets what is left
     assert traj.turns[-1].finish_reason == "context" and len(traj.turns) == 2
 
@@ -229,14 +229,15 @@ class ListEngine:
 @pytest.mark.parametrize("wrap", [lambda e: e, FakeHandle], ids=["object", "ray-handle"])
 def test_engine_policy_adapter_and_engine_failures(wrap):
     ids = reply(ToolCall("submit"))
-    ok = ListEngine(lambda r: {"token_ids": ids, "logprobs": [-1.0] * len(ids), "finish_reason": "stop", "version": 9,
-                               "cached_tokens": 0, "prefill_tokens": 3, "routed_experts": None})
+    ok = ListEngine(lambda r: Sample(token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop", version=9,
+                                     prefill_tokens=3))
     traj = episode(FakeEnv(), EnginePolicy(wrap(ok)))
     assert traj.finish_reason == "submit" and set(traj.token_versions) == {-1, 9} and ok.closed == ["s-1"]
 
     for answer, why in [(RuntimeError("actor died"), "engine: RuntimeError: actor died"),
-                        (lambda r: {"token_ids": [1, 2], "logprobs": [0.0], "finish_reason": "stop"}, "equal length"),
-                        (lambda r: {"token_ids": [1], "logprobs": [0.0], "finish_reason": "abort"}, "finish_reason")]:
+                        (lambda r: Sample(token_ids=[1, 2], logprobs=[0.0], finish_reason="stop"), "equal length"),
+                        (lambda r: Sample(token_ids=[1], logprobs=[0.0], finish_reason="abort"), "finish_reason"),
+                        (lambda r: {"token_ids": [1], "logprobs": [0.0], "finish_reason": "stop"}, "expected a Sample")]:
         env, engine = FakeEnv(), ListEngine(answer)
         traj = episode(env, EnginePolicy(wrap(engine)))
         assert traj.failed and why in traj.failure and traj.failure.startswith("engine:")

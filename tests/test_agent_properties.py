@@ -23,7 +23,7 @@ from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.tool_calls import truncate_output
-from sandforge.types import Message, ToolCall
+from sandforge.types import GenerateRequest, Message, Sample, ToolCall
 
 
 @functools.cache
@@ -85,7 +85,7 @@ class ScriptPolicy:
     def __init__(self, chat, script):
         self.chat, self.script = chat, script
         self.gens: list[list[int]] = []
-        self.requests: list[dict] = []
+        self.requests: list[GenerateRequest] = []
 
     async def generate(self, request):
         self.requests.append(request)
@@ -93,11 +93,11 @@ class ScriptPolicy:
         ids = self.chat.render_assistant(msg)
         if cut < 1:
             ids = ids[: max(1, int(cut * len(ids)))]
-        ids = ids[: request["max_tokens"]]
+        ids = ids[: request.max_tokens]
         self.gens.append(ids)
         finish = "stop" if ids[-1] in self.chat.stop_ids else "length"
-        return {"token_ids": ids, "logprobs": [-0.25] * len(ids), "finish_reason": finish,
-                "version": len(self.gens), "cached_tokens": 0, "prefill_tokens": len(request["prompt_ids"])}
+        return Sample(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason=finish, version=len(self.gens),
+                      prefill_tokens=len(request.prompt_ids))
 
     async def close_session(self, session_id):
         pass
@@ -126,7 +126,7 @@ def check_episode(name, script, results, max_turns, room, max_output):
     expected = chat.render_prompt(env.tools, [traj.messages[0]])
     spans = []
     for turn, gen, request, (_, results) in zip(traj.turns, policy.gens, policy.requests, groups):
-        assert turn.prompt_tokens == len(expected) and request["prompt_ids"] == expected
+        assert turn.prompt_tokens == len(expected) and request.prompt_ids == expected
         spans.append(range(len(expected), len(expected) + len(gen)))
         expected += gen
         if turn.observation_tokens:

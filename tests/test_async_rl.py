@@ -55,15 +55,15 @@ def test_weights_swapped_mid_generation_continue_on_the_new_weights():
         return out
 
     out, stats = serve(peaky_k3(seed=0), fn)
-    ids, versions = out["token_ids"], out["token_versions"]
+    ids, versions = out.token_ids, out.token_versions
     switch = versions.count(1)
     assert 0 < switch < len(ids), "the load should land mid-generation"
     assert versions == [1] * switch + [2] * (len(ids) - switch)
-    assert out["version"] == 1 and stats["version"] == 2 and stats["interrupted_rows"] == 1
+    assert out.version == 1 and stats["version"] == 2 and stats["interrupted_rows"] == 1
     assert ids[:switch] == generate_batch_naive(old, [prompt], SamplingParams(switch, temperature=0.0))[0].token_ids
     rest = generate_batch_naive(new, [prompt + ids[:switch]], SamplingParams(len(ids) - switch, temperature=0.0))[0]
     assert ids[switch:] == rest.token_ids
-    torch.testing.assert_close(torch.tensor(out["logprobs"][switch:]), torch.tensor(rest.logprobs), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(out.logprobs[switch:]), torch.tensor(rest.logprobs), atol=1e-4, rtol=0)
     # the old weights would have continued differently: the switch is visible in the tokens, not only in the tags
     again = generate_batch_naive(old, [prompt], SamplingParams(len(ids), temperature=0.0))[0].token_ids
     assert again != ids

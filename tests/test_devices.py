@@ -74,13 +74,13 @@ def test_an_engine_releases_its_session_caches_on_request():
 
     async def turns(engine):
         [first] = await engine.generate(request([1, 2, 3], session_id="ep", max_tokens=4))
-        follow = [1, 2, 3] + first["token_ids"] + [7, 8]
+        follow = [1, 2, 3] + first.token_ids + [7, 8]
         held = engine.stats()["session_mb"]
         engine.release_memory()
         [second] = await engine.generate(request(follow, session_id="ep", max_tokens=4))
         return held, second, follow
 
     (held, second, follow), stats = serve(model, turns)
-    assert held > 0 and second["cached_tokens"] == 0 and second["prefill_tokens"] == len(follow)
+    assert held > 0 and second.cached_tokens == 0 and second.prefill_tokens == len(follow)
     [[fresh]], _ = serve(model, lambda e: asyncio.gather(e.generate(request(follow, max_tokens=4))))
-    assert second["token_ids"] == fresh["token_ids"]
+    assert second.token_ids == fresh.token_ids

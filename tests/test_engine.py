@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sandforge.types import GenerateRequest
 from sandforge.models.sampling import SamplingParams
 from sandforge.engine.naive import generate_batch_naive
 from sandforge.models.k3.model import PRESETS, K3Model
@@ -44,9 +45,8 @@ def serve(model, fn, **engine_kwargs):
     return asyncio.run(main())
 
 
-def request(prompt, **kw) -> dict:
-    return {"prompt_ids": prompt, "session_id": None, "max_tokens": 10, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-            "stop_ids": [], "n": 1, **kw}
+def request(prompt, **kw) -> GenerateRequest:
+    return GenerateRequest(**{"prompt_ids": prompt, "max_tokens": 10, "temperature": 0.0, **kw})
 
 
 PROMPTS = [[1 + i, 7, 9 + 2 * i, 3, 40 + i, 41, 300 - i, 8, 9][: 2 + (3 * i) % 8] for i in range(7)]
@@ -65,12 +65,12 @@ def test_concurrent_greedy_requests_share_decode_steps_and_match_unbatched_gener
     outs, stats = serve(model, fn, max_batch_size=4)
     for prompt, [out] in zip(PROMPTS, outs):
         [expected] = generate_batch_naive(model, [prompt], params)
-        assert out["token_ids"] == expected.token_ids
-        assert out["finish_reason"] == expected.finish_reason
-        torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(expected.logprobs), atol=1e-4, rtol=0)
-        assert out["cached_tokens"] == 0 and out["prefill_tokens"] == len(prompt) and out["version"] == -1
-    assert outs[2][0]["finish_reason"] == "stop" and outs[2][0]["token_ids"][-1] == stop
-    generated = sum(len(o[0]["token_ids"]) for o in outs)
+        assert out.token_ids == expected.token_ids
+        assert out.finish_reason == expected.finish_reason
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(expected.logprobs), atol=1e-4, rtol=0)
+        assert out.cached_tokens == 0 and out.prefill_tokens == len(prompt) and out.version == -1
+    assert outs[2][0].finish_reason == "stop" and outs[2][0].token_ids[-1] == stop
+    generated = sum(len(o[0].token_ids) for o in outs)
     assert stats["generated_tokens"] == generated
     assert stats["decode_steps"] < generated - len(PROMPTS)  # decode steps were shared
     assert 1 < stats["mean_batch_size"] <= 4  # and max_batch_size held
@@ -93,11 +93,11 @@ def test_rows_with_different_sampling_parameters_get_their_own_logprobs():
     outs, _ = serve(model, fn, seed=3)
     for i, (prompt, [out]) in enumerate(zip(PROMPTS, outs)):
         s = settings[i % 3]
-        logits = full_logits(model, prompt + out["token_ids"])[len(prompt) - 1 : -1] / s["temperature"]
-        expected = F.log_softmax(logits, -1).gather(-1, torch.tensor(out["token_ids"])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out["logprobs"]), expected, atol=1e-4, rtol=0)
+        logits = full_logits(model, prompt + out.token_ids)[len(prompt) - 1 : -1] / s["temperature"]
+        expected = F.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
         if s.get("top_k") == 1:
-            assert out["token_ids"] == generate_batch_naive(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
+            assert out.token_ids == generate_batch_naive(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
 
 
 def test_routed_experts_replay_the_engines_logprobs_over_two_turns():
@@ -108,26 +108,26 @@ def test_routed_experts_replay_the_engines_logprobs_over_two_turns():
 
     async def fn(engine):
         [first] = await engine.generate(request(prompt, session_id="ep", temperature=1.0))
-        turn2 = prompt + first["token_ids"] + observation
+        turn2 = prompt + first.token_ids + observation
         [second] = await engine.generate(request(turn2, session_id="ep", temperature=1.0))
         return first, turn2, second
 
     (first, turn2, second), _ = serve(model, fn, seed=5)
-    assert first["cached_tokens"] == 0 and second["cached_tokens"] == len(prompt) + len(first["token_ids"]) - 1
-    fed = [*prompt, *first["token_ids"][:-1], first["token_ids"][-1], *observation, *second["token_ids"][:-1]]
+    assert first.cached_tokens == 0 and second.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    fed = [*prompt, *first.token_ids[:-1], first.token_ids[-1], *observation, *second.token_ids[:-1]]
     for out, p in ((first, prompt), (second, turn2)):
-        assert len(out["routed_experts"]) == len(p) - out["cached_tokens"] + len(out["token_ids"]) - 1
-        assert all(len(e) == n_moe and all(len(layer) == top_k for layer in e) for e in out["routed_experts"])
-    routed = first["routed_experts"] + second["routed_experts"]
+        assert len(out.routed_experts) == len(p) - out.cached_tokens + len(out.token_ids) - 1
+        assert all(len(e) == n_moe and all(len(layer) == top_k for layer in e) for e in out.routed_experts)
+    routed = first.routed_experts + second.routed_experts
     assert len(routed) == len(fed)
     forced = torch.tensor([routed])  # [1, T, n_moe_layers, top_k]
     logits = full_logits(model, fed, forced)
     lp = F.log_softmax(logits, -1)
     for out, start in ((first, len(prompt)), (second, len(turn2))):
-        n = len(out["token_ids"])
+        n = len(out.token_ids)
         # the last generated token was never fed; its logprob comes from the position before it
-        expected = lp[start - 1 : start - 1 + n].gather(-1, torch.tensor(out["token_ids"])[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out["logprobs"]), expected, atol=1e-4, rtol=0)
+        expected = lp[start - 1 : start - 1 + n].gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
 
 
 def test_a_bad_request_fails_alone_and_the_engine_goes_on():
@@ -149,11 +149,11 @@ def test_a_bad_request_fails_alone_and_the_engine_goes_on():
         return results, after
 
     (results, after), stats = serve(model, fn)
-    assert len(results[0][0]["token_ids"]) == 10
+    assert len(results[0][0].token_ids) == 10
     errors = results[1:]
     assert all(isinstance(e, ValueError) for e in errors), errors
     assert "empty" in str(errors[0]) and "max_seq_len is 96" in str(errors[1]) and "[0, 512)" in str(errors[2])
-    assert len(after[0]["token_ids"]) == 10 and stats["requests"] == 2
+    assert len(after[0].token_ids) == 10 and stats["requests"] == 2
 
 
 def test_hf_tiny_qwen3_moe_greedy_and_sessions_match_generate(tmp_path):
@@ -170,7 +170,7 @@ def test_hf_tiny_qwen3_moe_greedy_and_sessions_match_generate(tmp_path):
     async def fn(engine):
         first = await asyncio.gather(*(engine.generate(request(p, session_id=f"e{i}", max_tokens=6))
                                        for i, p in enumerate(prompts)))
-        turn2 = [p + out[0]["token_ids"] + observation for p, out in zip(prompts, first)]
+        turn2 = [p + out[0].token_ids + observation for p, out in zip(prompts, first)]
         second = await asyncio.gather(*(engine.generate(request(p, session_id=f"e{i}", max_tokens=6))
                                         for i, p in enumerate(turn2)))
         return first, turn2, second
@@ -179,10 +179,10 @@ def test_hf_tiny_qwen3_moe_greedy_and_sessions_match_generate(tmp_path):
     for batch_prompts, outs in ((prompts, first), (turn2, second)):
         for prompt, [out] in zip(batch_prompts, outs):
             [expected] = generate_batch_naive(model, [prompt], params)
-            assert out["token_ids"] == expected.token_ids and out["routed_experts"] is None
-            torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(expected.logprobs), atol=1e-4,
+            assert out.token_ids == expected.token_ids and out.routed_experts is None
+            torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(expected.logprobs), atol=1e-4,
                                        rtol=0)
-    assert [o[0]["prefill_tokens"] for o in second] == [1 + len(observation)] * len(prompts)  # the sessions held
+    assert [o[0].prefill_tokens for o in second] == [1 + len(observation)] * len(prompts)  # the sessions held
     assert stats["mean_batch_size"] > 1
 
 
@@ -208,6 +208,6 @@ def test_the_ray_actor_serves_requests_and_takes_weights():
         ray.shutdown()
     model = peaky_k3()
     for prompt, [out] in zip(PROMPTS, outs):
-        assert out["version"] == 7
-        assert out["token_ids"] == generate_batch_naive(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
+        assert out.version == 7
+        assert out.token_ids == generate_batch_naive(model, [prompt], SamplingParams(10, temperature=0.0))[0].token_ids
     assert stats["version"] == 7 and stats["sessions"] == 2

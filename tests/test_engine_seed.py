@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sandforge.types import GenerateRequest
 from sandforge.models.k3.model import PRESETS, K3Model
 from sandforge.rollout.agent import turn_seed
 from sandforge.engine import EngineCore
@@ -27,7 +28,7 @@ def run(fn):
 
 
 def req(prompt, **kw):
-    return {"prompt_ids": prompt, "max_tokens": 16, "temperature": 1.0, **kw}
+    return GenerateRequest(prompt_ids=prompt, max_tokens=16, temperature=1.0, **kw)
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():
@@ -43,12 +44,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
         return got
 
     a, b = run(alone), run(crowded)
-    assert [s["token_ids"] for s in a] == [s["token_ids"] for s in b]
-    assert a[0]["token_ids"] != a[1]["token_ids"]  # the n samples draw from generators of their own
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    assert a[0].token_ids != a[1].token_ids  # the n samples draw from generators of their own
     for x, y in zip(a, b):
-        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < 1e-4
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
     other = run(lambda e: e.generate(req(prompt, seed=43)))
-    assert other[0]["token_ids"] != a[0]["token_ids"]
+    assert other[0].token_ids != a[0].token_ids
 
 
 def test_bad_seed_is_the_request_s_fault():

@@ -26,7 +26,7 @@ async def episode(engine, prompt, turns, rng, session_id, **kw):
     for t in range(turns):
         [out] = await engine.generate(request(seq, session_id=session_id, max_tokens=6, **kw))
         outs.append((list(seq), out))
-        seq = seq + out["token_ids"] + observation(rng)
+        seq = seq + out.token_ids + observation(rng)
     return outs
 
 
@@ -48,19 +48,19 @@ def test_continued_sessions_equal_reprefilling_the_whole_history():
     fresh, fresh_stats = serve(model, reprefill)
     for ep, ref in zip(episodes, fresh):
         for t, ((seq, out), again) in enumerate(zip(ep, ref)):
-            assert out["token_ids"] == again["token_ids"]
-            torch.testing.assert_close(torch.tensor(out["logprobs"]), torch.tensor(again["logprobs"]), atol=1e-4,
+            assert out.token_ids == again.token_ids
+            torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(again.logprobs), atol=1e-4,
                                        rtol=0)
             if t == 0:
-                assert out["cached_tokens"] == 0 and out["prefill_tokens"] == len(seq)
+                assert out.cached_tokens == 0 and out.prefill_tokens == len(seq)
             else:
                 prev_seq, prev = ep[t - 1]
-                assert out["cached_tokens"] == len(prev_seq) + len(prev["token_ids"]) - 1
-                assert out["prefill_tokens"] == len(seq) - out["cached_tokens"]
-    assert len({tuple(o["token_ids"]) for ep in episodes for _, o in ep}) > 6  # not one repeated answer
-    new_tokens = sum(out["prefill_tokens"] for ep in episodes for _, out in ep)
+                assert out.cached_tokens == len(prev_seq) + len(prev.token_ids) - 1
+                assert out.prefill_tokens == len(seq) - out.cached_tokens
+    assert len({tuple(o.token_ids) for ep in episodes for _, o in ep}) > 6  # not one repeated answer
+    new_tokens = sum(out.prefill_tokens for ep in episodes for _, out in ep)
     assert stats["prefill_tokens"] == new_tokens < fresh_stats["prefill_tokens"]
-    assert stats["cached_tokens"] == sum(out["cached_tokens"] for ep in episodes for _, out in ep)
+    assert stats["cached_tokens"] == sum(out.cached_tokens for ep in episodes for _, out in ep)
     assert stats["rebuilds"] == 0 and stats["sessions"] == len(prompts)
 
 
@@ -107,19 +107,19 @@ def test_group_sampling_prefills_the_prompt_once():
         together = await asyncio.gather(*(engine.generate(request(other, session_id=f"t{i}", max_tokens=6))
                                           for i in range(3)))
         late = await engine.generate(request(other, session_id="t3", max_tokens=6))
-        turn2 = prompt + greedy[2]["token_ids"] + [3, 4]
+        turn2 = prompt + greedy[2].token_ids + [3, 4]
         [continued] = await engine.generate(request(turn2, session_id="g#2", max_tokens=6))
         return greedy, after_group, sampled, together, late, continued
 
     (greedy, after_group, sampled, together, late, continued), stats = serve(model, fn)
-    assert [g["token_ids"] for g in greedy] == [expected.token_ids] * 4
+    assert [g.token_ids for g in greedy] == [expected.token_ids] * 4
     assert after_group["prefill_tokens"] == len(prompt) and after_group["shared_prefills"] == 3
     assert after_group["sessions"] == 4  # g#0 .. g#3
-    assert len({tuple(s["token_ids"]) for s in sampled}) > 1
-    answers = [o[0]["token_ids"] for o in together] + [late[0]["token_ids"]]
+    assert len({tuple(s.token_ids) for s in sampled}) > 1
+    answers = [o[0].token_ids for o in together] + [late[0].token_ids]
     assert answers == [answers[0]] * 4
-    assert all(len(o[0]["routed_experts"]) == 4 + 5 for o in together + [late])  # prompt + 5 fed generated tokens
-    assert continued["cached_tokens"] == len(prompt) + 5
+    assert all(len(o[0].routed_experts) == 4 + 5 for o in together + [late])  # prompt + 5 fed generated tokens
+    assert continued.cached_tokens == len(prompt) + 5
     # prefilled: the greedy group's prompt, the sampled group's (a snapshot of it), `other` once, 1 + 2 continued
     assert stats["prefill_tokens"] == len(prompt) + 4 + 3
     assert stats["shared_prefills"] == 3 + 4 + 2 + 1
@@ -138,10 +138,10 @@ def test_evicted_sessions_rebuild_with_the_same_answers():
 
     roomy, roomy_stats = run(64)
     tight, tight_stats = run(0.001)  # 1 KB: no cache survives
-    assert [[o["token_ids"] for _, o in ep] for ep in tight] == [[o["token_ids"] for _, o in ep] for ep in roomy]
+    assert [[o.token_ids for _, o in ep] for ep in tight] == [[o.token_ids for _, o in ep] for ep in roomy]
     assert roomy_stats["evictions"] == roomy_stats["rebuilds"] == 0
     assert tight_stats["evictions"] >= 4 and tight_stats["rebuilds"] == 4  # every later turn re-prefilled
-    assert all(o["cached_tokens"] == 0 for ep in tight for _, o in ep)
+    assert all(o.cached_tokens == 0 for ep in tight for _, o in ep)
     assert tight_stats["sessions"] == 0 and tight_stats["session_mb"] <= 0.001
 
 
@@ -153,7 +153,7 @@ def test_new_weights_bump_the_version_and_drop_the_caches():
     async def fn(engine):
         assert await engine.load_weights(old.state_dict(), 1) == 1
         [a] = await engine.generate(request(prompt, session_id="s", max_tokens=6))
-        seq = prompt + a["token_ids"] + [9, 9]
+        seq = prompt + a.token_ids + [9, 9]
         # a long generation is in flight when the new weights arrive: it finishes under the old ones
         running = asyncio.ensure_future(engine.generate(request(seq, session_id="s", max_tokens=30)))
         while engine.stats()["running"] == 0 and not running.done():
@@ -167,12 +167,12 @@ def test_new_weights_bump_the_version_and_drop_the_caches():
     model = peaky_k3(seed=0)  # the engine's own weights before any load
     (a, seq, b, version, dropped, c), stats = serve(model, fn)
     assert version == 2 and stats["version"] == 2
-    assert a["version"] == 1 and a["token_ids"] == generate_batch_naive(old, [prompt], params)[0].token_ids
-    assert b["version"] == 1 and b["cached_tokens"] > 0
-    assert b["token_ids"] == generate_batch_naive(old, [seq], SamplingParams(30, temperature=0.0))[0].token_ids
+    assert a.version == 1 and a.token_ids == generate_batch_naive(old, [prompt], params)[0].token_ids
+    assert b.version == 1 and b.cached_tokens > 0
+    assert b.token_ids == generate_batch_naive(old, [seq], SamplingParams(30, temperature=0.0))[0].token_ids
     assert dropped["sessions"] == 0 and dropped["snapshots"] == 0
-    assert c["version"] == 2 and c["cached_tokens"] == 0  # rebuilt under the new weights
-    assert c["token_ids"] == generate_batch_naive(new, [seq], params)[0].token_ids != generate_batch_naive(old, [seq], params)[0].token_ids
+    assert c.version == 2 and c.cached_tokens == 0  # rebuilt under the new weights
+    assert c.token_ids == generate_batch_naive(new, [seq], params)[0].token_ids != generate_batch_naive(old, [seq], params)[0].token_ids
     assert stats["rebuilds"] == 1
 
 

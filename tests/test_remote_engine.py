@@ -6,6 +6,8 @@ One server (a subprocess on a tiny K3 checkpoint) serves the whole module.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import asyncio
 import json
 import re
@@ -21,6 +23,7 @@ from aiohttp import web
 
 from serve_process import serve_process  # noqa: E402 - tests/ is on sys.path
 
+from sandforge.types import GenerateRequest
 from sandforge.config import ModelConfig
 from sandforge.models.bpe import load_tokenizer
 from sandforge.models.build import build_policy, load_policy, save_policy
@@ -101,9 +104,9 @@ def remote(url: str, *requests: dict) -> list[list[dict]]:
 
 
 def assert_same(got: dict, want: dict) -> None:
-    assert got["token_ids"] == want["token_ids"]
-    assert got["finish_reason"] == want["finish_reason"]
-    assert torch.allclose(torch.tensor(got["logprobs"]), torch.tensor(want["logprobs"]), atol=1e-4, rtol=0)
+    assert got.token_ids == want.token_ids
+    assert got.finish_reason == want.finish_reason
+    assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
 
 
 def prompt_of(tokenizer, text: str) -> list[int]:
@@ -112,17 +115,17 @@ def prompt_of(tokenizer, text: str) -> list[int]:
 
 def test_remote_engine_reproduces_the_embedded_engine(server, embedded, tokenizer):
     prompt = prompt_of(tokenizer, "ls -la /tmp && cat notes.txt")
-    greedy = {"prompt_ids": prompt, "max_tokens": 10, "temperature": 0.0, "stop_ids": []}
+    greedy = GenerateRequest(prompt_ids=prompt, max_tokens=10, temperature=0.0, stop_ids=[])
     want = embedded(greedy)[0]
-    assert want["finish_reason"] == "length" and len(want["token_ids"]) == 10
-    stop_at = want["token_ids"][3]  # a stop id the greedy completion reaches: it must end there, stop id included
-    first = want["token_ids"].index(stop_at)
-    stopping = {**greedy, "stop_ids": [stop_at], "n": 3}
+    assert want.finish_reason == "length" and len(want.token_ids) == 10
+    stop_at = want.token_ids[3]  # a stop id the greedy completion reaches: it must end there, stop id included
+    first = want.token_ids.index(stop_at)
+    stopping = replace(greedy, stop_ids=[stop_at], n=3)
     want_stop = embedded(stopping)
-    assert want_stop[0]["token_ids"] == want["token_ids"][: first + 1] and want_stop[0]["finish_reason"] == "stop"
+    assert want_stop[0].token_ids == want.token_ids[: first + 1] and want_stop[0].finish_reason == "stop"
     # top_k 1 and a tiny top_p sample the argmax at temperature 1: only right if both reach the server
-    top_k = {**greedy, "temperature": 1.0, "top_k": 1, "n": 2}
-    top_p = {**greedy, "temperature": 1.0, "top_p": 1e-6}
+    top_k = replace(greedy, temperature=1.0, top_k=1, n=2)
+    top_p = replace(greedy, temperature=1.0, top_p=1e-6)
 
     got_greedy, got_stop, got_top_k, got_top_p = remote(server, greedy, stopping, top_k, top_p)
     assert len(got_greedy) == 1 and len(got_stop) == 3 and len(got_top_k) == 2 and len(got_top_p) == 1
@@ -131,29 +134,29 @@ def test_remote_engine_reproduces_the_embedded_engine(server, embedded, tokenize
     for got, expected in zip(got_stop, want_stop):
         assert_same(got, expected)
     # what routing replay needs crosses the wire: the experts of every token fed, and each token's weight version
-    assert want["routed_experts"] and got_greedy[0]["routed_experts"] == want["routed_experts"]
-    assert got_greedy[0]["version"] == want["version"] == 0
-    assert got_greedy[0]["token_versions"] == want["token_versions"] == [0] * 10
+    assert want.routed_experts and got_greedy[0].routed_experts == want.routed_experts
+    assert got_greedy[0].version == want.version == 0
+    assert got_greedy[0].token_versions == want.token_versions == [0] * 10
 
 
 def test_a_seeded_request_samples_what_the_embedded_engine_samples(server, embedded, tokenizer):
-    seeded = {"prompt_ids": prompt_of(tokenizer, "echo hi"), "max_tokens": 12, "temperature": 1.0, "stop_ids": [],
-              "seed": 7, "n": 2}
+    seeded = GenerateRequest(prompt_ids=prompt_of(tokenizer, "echo hi"), max_tokens=12, temperature=1.0, stop_ids=[],
+              seed=7, n=2)
     want = embedded(seeded)
     [got] = remote(server, seeded)
-    assert len(got) == 2 and want[0]["token_ids"] != want[1]["token_ids"]
+    assert len(got) == 2 and want[0].token_ids != want[1].token_ids
     for g, w in zip(got, want):
         assert_same(g, w)
 
 
 def test_a_session_reuses_the_cache_across_turns(server, embedded, tokenizer):
-    turn1 = {"prompt_ids": prompt_of(tokenizer, "first turn"), "max_tokens": 6, "temperature": 0.0, "stop_ids": [],
-             "session_id": "episode-1"}
+    turn1 = GenerateRequest(prompt_ids=prompt_of(tokenizer, "first turn"), max_tokens=6, temperature=0.0, stop_ids=[],
+             session_id="episode-1")
     first = remote(server, turn1)[0][0]
-    turn2 = {**turn1, "prompt_ids": turn1["prompt_ids"] + first["token_ids"] + tokenizer.encode(" observation")}
+    turn2 = replace(turn1, prompt_ids=turn1.prompt_ids + first.token_ids + tokenizer.encode(" observation"))
     second = remote(server, turn2)[0][0]
-    assert_same(second, embedded({**turn2, "session_id": None})[0])
-    assert second["cached_tokens"] > 0 and second["prefill_tokens"] < len(turn2["prompt_ids"])
+    assert_same(second, embedded(replace(turn2, session_id=None))[0])
+    assert second.cached_tokens > 0 and second.prefill_tokens < len(turn2.prompt_ids)
 
 
 def test_the_openai_client_gets_completions_from_token_ids_and_text(server, embedded, tokenizer, checkpoint):
@@ -164,16 +167,16 @@ def test_the_openai_client_gets_completions_from_token_ids_and_text(server, embe
                                        extra_body={"return_token_ids": True})
     by_text = client.completions.create(model=str(checkpoint), prompt="def main():", max_tokens=8, temperature=0,
                                         logprobs=1, extra_body={"return_token_ids": True})
-    want = embedded({"prompt_ids": prompt, "max_tokens": 8, "temperature": 0.0, "stop_ids": [tokenizer.eos_id]})[0]
+    want = embedded(GenerateRequest(prompt_ids=prompt, max_tokens=8, temperature=0.0, stop_ids=[tokenizer.eos_id]))[0]
     for resp in (by_ids, by_text):
         choice = resp.choices[0]
         assert choice.model_extra["prompt_token_ids"] == prompt  # text prompts get BOS, as chat prompts start
-        assert choice.model_extra["token_ids"] == want["token_ids"]
-        assert choice.finish_reason == want["finish_reason"]
-        assert choice.logprobs.token_logprobs == pytest.approx(want["logprobs"], abs=1e-4)
-        shown = want["token_ids"][:-1] if want["finish_reason"] == "stop" else want["token_ids"]
+        assert choice.model_extra["token_ids"] == want.token_ids
+        assert choice.finish_reason == want.finish_reason
+        assert choice.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        shown = want.token_ids[:-1] if want.finish_reason == "stop" else want.token_ids
         assert choice.text == tokenizer.decode(shown)
-        assert resp.usage.prompt_tokens == len(prompt) and resp.usage.completion_tokens == len(want["token_ids"])
+        assert resp.usage.prompt_tokens == len(prompt) and resp.usage.completion_tokens == len(want.token_ids)
     with pytest.raises(openai.BadRequestError, match="stop strings are not supported"):
         client.completions.create(model=str(checkpoint), prompt=prompt, max_tokens=4, stop=["\n"])
 
@@ -230,16 +233,16 @@ def test_remote_engine_errors_say_what_is_missing_and_where():
         try:
             async with RemoteEngine(url + "/v1", model="stub") as engine:
                 with pytest.raises(RemoteEngineError, match=r"no token ids .*return_token_ids"):
-                    await engine.generate({"prompt_ids": [5, 6], "max_tokens": 2})
+                    await engine.generate(GenerateRequest(prompt_ids=[5, 6], max_tokens=2))
                 with pytest.raises(RemoteEngineError, match=re.escape(f"{url}/v1/completions -> HTTP 400: prompt too")):
-                    await engine.generate({"prompt_ids": [1], "max_tokens": 2})
+                    await engine.generate(GenerateRequest(prompt_ids=[1], max_tokens=2))
                 with pytest.raises(NotImplementedError, match="takes weights from disk"):
                     await engine.load_weights({}, 1)
         finally:
             await runner.cleanup()
         async with RemoteEngine(url, model="stub", timeout=5, retries=1) as engine:  # the stub is gone now
             with pytest.raises(RemoteEngineError, match=r"cannot reach the server .*\(2 attempts\)"):
-                await engine.generate({"prompt_ids": [5], "max_tokens": 2})
+                await engine.generate(GenerateRequest(prompt_ids=[5], max_tokens=2))
 
     asyncio.run(run())
 
@@ -266,19 +269,19 @@ def test_a_server_that_answers_5xx_is_asked_again_a_bounded_number_of_times():
         runner, url = await stub_server(completions)
         try:
             async with RemoteEngine(url, model="stub", retries=2) as engine:
-                [got] = await engine.generate({"prompt_ids": [7], "max_tokens": 1})
-                assert got["token_ids"] == [3] and len(calls) == 3
-                assert got["version"] == -1  # a server that reports no version: the one pushed last (none yet)
+                [got] = await engine.generate(GenerateRequest(prompt_ids=[7], max_tokens=1))
+                assert got.token_ids == [3] and len(calls) == 3
+                assert got.version == -1  # a server that reports no version: the one pushed last (none yet)
                 engine.version = 4
-                assert (await engine.generate({"prompt_ids": [7], "max_tokens": 1}))[0]["version"] == 4
+                assert (await engine.generate(GenerateRequest(prompt_ids=[7], max_tokens=1)))[0].version == 4
                 calls.clear()
                 with pytest.raises(RemoteEngineError) as crashed:
-                    await engine.generate({"prompt_ids": [8], "max_tokens": 1})
+                    await engine.generate(GenerateRequest(prompt_ids=[8], max_tokens=1))
                 assert len(calls) == 3 and "\n" not in str(crashed.value)
                 assert str(crashed.value) == f"POST {url}/v1/completions -> HTTP 500: engine crashed (3 attempts)"
                 calls.clear()
                 with pytest.raises(RemoteEngineError, match="HTTP 400: bad prompt$"):
-                    await engine.generate({"prompt_ids": [9], "max_tokens": 1})
+                    await engine.generate(GenerateRequest(prompt_ids=[9], max_tokens=1))
                 assert len(calls) == 1
         finally:
             await runner.cleanup()
@@ -304,15 +307,15 @@ def test_a_hugging_face_checkpoint_serves_text_with_its_own_tokenizer(tmp_path):
         served = served_from(engine, model, tokenizer, "tiny")
         body = {"prompt": "def main():", "max_tokens": 6, "temperature": 0, "logprobs": 0, "return_token_ids": True}
         answer = await complete(served, parse_request(body, served))
-        want = (await engine.generate({"prompt_ids": tokenizer.encode("def main():"), "max_tokens": 6,
-                                       "temperature": 0.0, "stop_ids": [tokenizer.eos_token_id]}))[0]
+        want = (await engine.generate(GenerateRequest(prompt_ids=tokenizer.encode("def main():"), max_tokens=6,
+                                       temperature=0.0, stop_ids=[tokenizer.eos_token_id])))[0]
         await engine.shutdown()
         return answer["choices"][0], want
 
     choice, want = asyncio.run(run())
-    assert choice["prompt_token_ids"] == tokenizer.encode("def main():") and choice["token_ids"] == want["token_ids"]
-    shown = want["token_ids"][:-1] if want["finish_reason"] == "stop" else want["token_ids"]
-    assert choice["text"] == tokenizer.decode(shown) and choice["logprobs"]["token_logprobs"] == want["logprobs"]
+    assert choice["prompt_token_ids"] == tokenizer.encode("def main():") and choice["token_ids"] == want.token_ids
+    shown = want.token_ids[:-1] if want.finish_reason == "stop" else want.token_ids
+    assert choice["text"] == tokenizer.decode(shown) and choice["logprobs"]["token_logprobs"] == want.logprobs
 
 
 def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, checkpoint, tokenizer, tmp_path):
@@ -325,7 +328,7 @@ def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, che
     save_policy(build_policy(ModelConfig(), len(tokenizer)), other, tokenizer=tokenizer)
     bigger = tmp_path / "bigger"  # another shape: what the server serves cannot take it
     save_policy(build_policy(ModelConfig(k3={"d_model": 96}), len(tokenizer)), bigger, tokenizer=tokenizer)
-    greedy = {"prompt_ids": prompt_of(tokenizer, "cat notes.txt"), "max_tokens": 8, "temperature": 0.0, "stop_ids": []}
+    greedy = GenerateRequest(prompt_ids=prompt_of(tokenizer, "cat notes.txt"), max_tokens=8, temperature=0.0, stop_ids=[])
     policy = load_policy(other)
     want = asyncio.run(_generate_with(policy, greedy))
 
@@ -344,9 +347,9 @@ def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, che
 
     try:
         before, after, still = asyncio.run(run())
-        assert before["version"] == 0 and after["version"] == 5 and after["token_versions"] == [5] * 8
-        assert_same(after, want) and after["token_ids"] != before["token_ids"]
-        assert still["version"] == 5 and still["token_ids"] == after["token_ids"]
+        assert before.version == 0 and after.version == 5 and after.token_versions == [5] * 8
+        assert_same(after, want) and after.token_ids != before.token_ids
+        assert still.version == 5 and still.token_ids == after.token_ids
         assert get(server + "/get_weight_version") == (200, {"weight_version": "5"})
         assert get(server + "/v1/models")[1]["data"][0]["weight_version"] == "5"
         status, answer = post(server + "/update_weights_from_disk", {"weight_version": 7})

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from sandforge.types import GenerateRequest
 from sandforge.models.sampling import token_logprobs
 from sandforge.models.k3.latent_moe import LatentMoE
 from sandforge.models.k3.model import PRESETS, K3Model
@@ -28,23 +29,23 @@ def episode(model: K3Model) -> TrainingRow:
         engine = EngineCore(model, seed=3)
         try:
             prompt = [1, 5, 9, 200, 17, 33, 4]
-            req = {"prompt_ids": prompt, "session_id": "ep", "max_tokens": 12, "temperature": 1.0, "seed": 11}
+            req = GenerateRequest(prompt_ids=prompt, session_id="ep", max_tokens=12, temperature=1.0, seed=11)
             [a] = await engine.generate(req)
-            seq = prompt + a["token_ids"] + [60, 61, 62]  # an observation appended
-            [b] = await engine.generate({**req, "prompt_ids": seq, "seed": 12})
+            seq = prompt + a.token_ids + [60, 61, 62]  # an observation appended
+            [b] = await engine.generate(replace(req, prompt_ids=seq, seed=12))
             return prompt, a, seq, b
         finally:
             await engine.shutdown()
 
     prompt, a, seq, b = asyncio.run(main())
-    tokens = seq + b["token_ids"]
+    tokens = seq + b.token_ids
     routed = [None] * len(tokens)
-    routed[: len(prompt) + len(a["token_ids"]) - 1] = a["routed_experts"]
-    start = b["cached_tokens"]
-    routed[start : start + len(b["routed_experts"])] = b["routed_experts"]
-    mask = [0] * len(prompt) + [1] * len(a["token_ids"]) + [0] * 3 + [1] * len(b["token_ids"])
-    logprobs = [0.0] * len(prompt) + a["logprobs"] + [0.0] * 3 + b["logprobs"]
-    assert b["cached_tokens"] > 0  # the second turn continued the session's cache
+    routed[: len(prompt) + len(a.token_ids) - 1] = a.routed_experts
+    start = b.cached_tokens
+    routed[start : start + len(b.routed_experts)] = b.routed_experts
+    mask = [0] * len(prompt) + [1] * len(a.token_ids) + [0] * 3 + [1] * len(b.token_ids)
+    logprobs = [0.0] * len(prompt) + a.logprobs + [0.0] * 3 + b.logprobs
+    assert b.cached_tokens > 0  # the second turn continued the session's cache
     return TrainingRow(token_ids=tokens, loss_mask=mask, logprobs=logprobs, routed_experts=routed)
 
 

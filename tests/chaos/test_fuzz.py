@@ -20,7 +20,7 @@ from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.models.bpe import load_tokenizer
 from sandforge.models.chat import ChatFormat
 from sandforge.rollout.agent import EpisodeLimits, run_episode
-from sandforge.types import Message, ToolCall
+from sandforge.types import GenerateRequest, Message, Sample, ToolCall
 
 pytestmark = [pytest.mark.chaos, pytest.mark.docker, pytest.mark.slow]
 
@@ -83,11 +83,11 @@ class FuzzPolicy:
         self.outputs = outputs
         self.used = 0
 
-    async def generate(self, request: dict) -> dict:
+    async def generate(self, request: GenerateRequest) -> Sample:
         ids = self.outputs[self.used] if self.used < len(self.outputs) else []
         self.used += 1
-        return {"token_ids": ids, "logprobs": [0.0] * len(ids), "finish_reason": "stop", "version": 0,
-                "cached_tokens": 0, "prefill_tokens": len(request["prompt_ids"]), "routed_experts": None}
+        return Sample(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop", version=0,
+                      prefill_tokens=len(request.prompt_ids))
 
     async def close_session(self, session_id: str) -> None:
         return None

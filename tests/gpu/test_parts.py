@@ -7,6 +7,7 @@ import asyncio
 import torch
 import torch.multiprocessing as mp
 
+from sandforge.types import GenerateRequest
 from sandforge.config import EngineConfig, ModelConfig, TrainerConfig
 from sandforge.job.fleet.lifecycle import free_port
 from sandforge.engine import EngineActor
@@ -41,13 +42,13 @@ def test_a_cuda_engine_generates_on_its_gpu():
 
     async def one():
         try:
-            return await engine.generate({"prompt_ids": [1, 2, 3], "session_id": None, "max_tokens": 8,
-                                          "temperature": 1.0, "top_p": 1.0, "top_k": 0, "stop_ids": [], "n": 1})
+            return await engine.generate(GenerateRequest(prompt_ids=[1, 2, 3], session_id=None, max_tokens=8,
+                                          temperature=1.0, top_p=1.0, top_k=0, stop_ids=[], n=1))
         finally:
             await engine.core.shutdown()
 
     [sample] = asyncio.run(one())
-    assert len(sample["token_ids"]) == 8
+    assert len(sample.token_ids) == 8
 
 
 def _receiver(blob: bytes, out) -> None:
