@@ -27,7 +27,7 @@ def kda_naive(
 ) -> tuple[Tensor, Tensor | None]:
     """Token-by-token KDA in fp32: q, k, g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; state [B,H,K,V] -> o [B,T,H,V].
 
-    Uses S_t = D_t S_{t-1} + k_t [beta_t (v_t - k_t^T D_t S_{t-1})]^T, which is the update above multiplied out.
+    Uses S_t = D_t S_{t-1} + k_t [beta_t (v_t - k_t^T D_t S_{t-1})]^T, which is the update of kda.py's docstring multiplied out.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
