@@ -119,4 +119,15 @@ def before_rl(job: RLJob) -> None:
     if job.cfg.warmup.steps:
         warmup(job)
         job.bar.console.print(job.clock.line(), soft_wrap=True)
+    if (job.cfg.pretrain.steps or job.cfg.warmup.steps) and job.cfg.trainer.fresh_optimizer:
+        fresh_optimizer(job)
     save_checkpoint(job, 0)
+
+
+def fresh_optimizer(job: RLJob) -> None:
+    """RL starts from a fresh optimizer (``trainer.fresh_optimizer``): the moments the supervised steps left would
+    otherwise go on moving the policy SFT's way, and their second moment would shrink RL's own steps."""
+    import ray
+
+    reset = ray.get([rank.reset_optimizer.remote() for rank in job.ranks])
+    job.logger.log("rl_start", {"rl_start/optimizer_states_reset": float(sum(reset))})

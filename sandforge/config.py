@@ -264,6 +264,10 @@ class TrainerConfig(Section):
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     lr_warmup_steps: int = Field(0, ge=0)  # optimizer steps of linear ramp-up before the schedule
     weight_decay: float = Field(0.0, ge=0)
+    # RL starts from a fresh AdamW: the moments and step counts pretraining and the warm start left are zeroed when RL
+    # begins (false: RL goes on with them; SFT's momentum then carries on moving the policy, and its second moment
+    # shrinks RL's steps)
+    fresh_optimizer: bool = True
     grad_clip: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)  # symmetric PPO clip; clip_eps_low / clip_eps_high override either side
     clip_eps_low: float | None = Field(None, gt=0)

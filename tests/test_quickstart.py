@@ -97,3 +97,5 @@ def test_wandb_offline_run_has_the_same_curves(run):
     assert any(f"success/{env}" in r for r in history for env in ENVS)
     assert [r["warmup/loss"] for r in history if "warmup/loss" in r] == pytest.approx(
         [r["warmup/loss"] for r in metrics if r["phase"] == "warmup"])
+    (fresh,) = [r for r in metrics if r["phase"] == "rl_start"]  # trainer.fresh_optimizer
+    assert fresh["rl_start/optimizer_states_reset"] > 0

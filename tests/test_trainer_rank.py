@@ -86,6 +86,40 @@ def test_sft_steps_lower_the_nll(rank):
     assert last < first
 
 
+def first_step_sizes(rank, rows) -> torch.Tensor:
+    """|change| / lr of every weight element one RL step moved."""
+    before = {k: v.clone() for k, v in rank.get_weights().items()}
+    rank.train_step(rows, sum(sum(r.loss_mask) for r in rows), mode="rl")
+    moved = torch.cat([(v - before[k]).abs().flatten() for k, v in rank.get_weights().items()])
+    return moved[moved > 0] / rank.cfg.lr
+
+
+def test_rl_starts_from_a_fresh_optimizer_after_supervised_steps():
+    """A fresh AdamW's first step moves each weight by lr (m/sqrt(v) = g/|g| after bias correction). After warm-start
+    steps, reset_optimizer gives RL exactly that step; without it, SFT's moments set the step instead."""
+    from sandforge.trainer.rank import TrainerRank
+
+    def warm_started() -> TrainerRank:
+        r = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL, trainer(lr=1e-3, grad_accum_steps=1), SHAPE, seed=0,
+                        num_threads=2)
+        sft = make_rows(r, [0.0, 0.0])
+        for _ in range(4):
+            r.train_step(sft, sum(sum(x.loss_mask) for x in sft), mode="sft")
+        return r
+
+    fresh, carried = warm_started(), warm_started()
+    assert fresh.reset_optimizer() > 0
+    base = fresh.optimizer.optimizer  # DeepSpeed's ZeRO optimizer around the torch AdamW
+    assert base.state and all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+                              for s in base.state.values())
+    rl = make_rows(fresh, [1.0, -1.0, 1.0])
+    steps = first_step_sizes(fresh, rl)
+    assert (steps - 1).abs().lt(0.01).float().mean() > 0.95, steps  # a fresh Adam step: lr per weight
+    assert all(float(s["step"]) == 1 for s in base.state.values())
+    kept = first_step_sizes(carried, rl)
+    assert (kept - 1).abs().lt(0.01).float().mean() < 0.5, kept  # SFT's moments decided the step
+
+
 def test_ppo_value_head_learns_the_returns_and_scores_rows():
     from sandforge.trainer.rank import TrainerRank
 

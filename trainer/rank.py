@@ -59,6 +59,26 @@ def deepspeed_config(trainer: TrainerConfig, cuda: bool) -> dict:
     return ds_config
 
 
+def reset_optimizer_state(optimizer) -> int:
+    """Zero the state of ``optimizer`` and of the torch optimizer it wraps (DeepSpeed's ZeRO and bf16 optimizers hold
+    it as ``.optimizer``, over their fp32 partitions). In place rather than cleared, so that whatever DeepSpeed holds
+    of the state stays valid and its checkpoints keep their layout; a step count of 0 gives Adam's bias correction of
+    a first step."""
+    reset, seen = 0, set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        value.zero_()
+                    elif isinstance(value, (int, float)):
+                        state[key] = type(value)(0)
+                reset += 1
+        optimizer = getattr(optimizer, "optimizer", None)
+    return reset
+
+
 class TrainerRank:
     """``model``: the policy to build (or ``model.init_from`` to load); ``trainer``: the whole trainer section;
     ``shape``: what the rollout fixes about the scored tokens; ``device``: "cpu", or "cuda" when Ray placed the rank
@@ -157,6 +177,13 @@ class TrainerRank:
             self.reference.load_state_dict(self.engine.module.state_dict())
             return
         self.reference.load_state_dict(self.export.weights())
+
+    def reset_optimizer(self) -> int:
+        """A fresh optimizer, in place: every moment and step count of the AdamW (and of PPO's value head) back to
+        zero, as if no step had been taken; the weights, fp32 masters included, stay. RL calls it once, after the
+        warm start. Returns how many parameter states were reset."""
+        reset = reset_optimizer_state(self.optimizer)
+        return reset + (reset_optimizer_state(self.value_optimizer) if self.value_optimizer else 0)
 
     def rl_lr(self, update: int) -> float:
         from sandforge.trainer.lr_schedule import lr_factor
