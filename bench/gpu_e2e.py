@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 
 from sandforge.config import EngineConfig, ModelConfig, TrainerConfig
-from sandforge.job.fleet.lifecycle import free_port
-from sandforge.models.sampling import SamplingParams
-from sandforge.engine.naive import generate_batch_naive
-from sandforge.models.lora import adapter_weights
 from sandforge.engine import EngineActor
+from sandforge.engine.naive import generate_batch_naive
+from sandforge.job.fleet.lifecycle import free_port
+from sandforge.models.lora import adapter_weights
+from sandforge.models.sampling import SamplingParams
 from sandforge.trainer.rank import RolloutShape, TrainerRank
-from sandforge.types import TrainingRow
+from sandforge.types import GenerateRequest, Sample, TrainingRow
 
 SMOLLM2 = Path.home() / ".cache/sandforge/models/catalog/smollm2-135m"
 
@@ -100,11 +100,11 @@ def timed(fn, device: torch.device):
     return out, time.perf_counter() - t0
 
 
-def decode(engine: EngineActor, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+def decode(engine: EngineActor, prompts: list[list[int]], new_tokens: int) -> list[Sample]:
     async def run():
         try:
-            reqs = [{"prompt_ids": p, "session_id": f"s{i}", "max_tokens": new_tokens, "temperature": 1.0,
-                     "top_p": 1.0, "top_k": 0, "stop_ids": [], "n": 1, "seed": i} for i, p in enumerate(prompts)]
+            reqs = [GenerateRequest(prompt_ids=p, session_id=f"s{i}", max_tokens=new_tokens, temperature=1.0, seed=i)
+                    for i, p in enumerate(prompts)]
             return [r[0] for r in await asyncio.gather(*(engine.generate(r) for r in reqs))]
         finally:
             await engine.core.shutdown()
@@ -155,13 +155,13 @@ def measure(name: str, args, scratch: Path) -> dict:
 
     decode(engine, prompts[:2], 4)  # warm-up: kernels, allocator
     samples, decode_s = timed(lambda: decode(engine, prompts, args.new_tokens), device)
-    decoded = sum(len(s["token_ids"]) for s in samples)
+    decoded = sum(len(s.token_ids) for s in samples)
     baseline_decode(engine.core.model, prompts[:2], 4)
     _, base_s = timed(lambda: baseline_decode(engine.core.model, prompts, args.new_tokens), device)
 
-    rows = [TrainingRow(token_ids=p + s["token_ids"], loss_mask=[0] * len(p) + [1] * len(s["token_ids"]),
-                        logprobs=[0.0] * len(p) + s["logprobs"],
-                        advantages=[float(i % 2) - 0.5] * (len(p) + len(s["token_ids"])))
+    rows = [TrainingRow(token_ids=p + s.token_ids, loss_mask=[0] * len(p) + [1] * len(s.token_ids),
+                        logprobs=[0.0] * len(p) + s.logprobs,
+                        advantages=[float(i % 2) - 0.5] * (len(p) + len(s.token_ids)))
             for i, (p, s) in enumerate(zip(prompts, samples))]
     loss_tokens = sum(sum(r.loss_mask) for r in rows)
     rank.train_step(rows[:2], sum(sum(r.loss_mask) for r in rows[:2]))  # warm-up step

@@ -4,8 +4,12 @@
 
 One step = forward, next-token cross-entropy, backward, AdamW step, LatentMoE bias update (Quantile Balancing). MFU counts
 6 FLOPs per active parameter per token (routed experts at top_k / n_experts, embeddings excluded) plus causal attention
-in the MLA layers, against the chip's dense bf16 peak (989 TFLOP/s for an H200 SXM by the datasheet). Runs from a bare
-checkout too (the model code only needs torch), so a lent GPU machine needs no install. Last line: one JSON object.
+in the MLA layers, against the chip's dense bf16 peak (989 TFLOP/s for an H200 SXM by the datasheet). The baseline, run
+in the same script on the same model: the same steps with the routed experts as their reference loop
+(``experts_naive``, ``LatentMoE.grouped_mm = False``) instead of grouped GEMMs; ``grouped_vs_loop`` is its step time
+over the grouped one's, the steps of the two alternated. Runs from a bare checkout too (the model code only needs
+torch), so a lent GPU machine needs no install. ``--device cpu --preset k3-nano`` is a smoke run (no meaningful
+numbers). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_model.py: no CUDA device here (--device cpu --preset k3-nano for a smoke run)")
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -65,6 +71,11 @@ def main() -> None:
     model = K3Model(cfg).to(device=device, dtype=dtype).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     gen = torch.Generator(device=device).manual_seed(0)
+
+    def set_grouped(on: bool) -> None:  # the routed experts as grouped GEMMs, or as the reference loop over experts
+        for module in model.modules():
+            if isinstance(module, LatentMoE):
+                module.grouped_mm = on
 
     def step() -> float:
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device, generator=gen)
@@ -76,15 +87,31 @@ def main() -> None:
         update_all_biases(model)
         return loss.item()  # syncs
 
-    losses = [step() for _ in range(args.warmup)]
+    def timed_step() -> tuple[float, float]:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()  # .item() syncs
+        return loss, time.perf_counter() - t0
+
+    losses = []
+    for grouped in (True, False):  # warm-up, both paths
+        set_grouped(grouped)
+        losses += [step() for _ in range(args.warmup)]
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for i in range(args.steps):
-        losses.append(step())
-        print(f"step {i + 1}/{args.steps}  loss {losses[-1]:.3f}", flush=True)
-    seconds = (time.perf_counter() - t0) / args.steps
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(args.steps):  # alternated, so a noisy neighbour slows both alike
+        for grouped in (True, False):
+            set_grouped(grouped)
+            loss, t = timed_step()
+            times[grouped].append(t)
+            losses.append(loss)
+        print(f"step {i + 1}/{args.steps}  loss {losses[-1]:.3f}  grouped {times[True][-1] * 1e3:.1f} ms  "
+              f"loop {times[False][-1] * 1e3:.1f} ms", flush=True)
+    seconds = sum(times[True]) / args.steps
+    baseline_seconds = sum(times[False]) / args.steps
 
     tokens_per_s = args.batch * args.seq / seconds
     achieved = step_flops(model, args.batch, args.seq) / seconds
@@ -98,6 +125,8 @@ def main() -> None:
         "active_params": active_parameters(model),
         "step_ms": round(seconds * 1e3, 1),
         "tokens_per_s": round(tokens_per_s, 1),
+        "baseline_step_ms": round(baseline_seconds * 1e3, 1),
+        "grouped_vs_loop": round(baseline_seconds / seconds, 3),
         "tflops": round(achieved / 1e12, 2),
         "mfu": round(achieved / (args.peak_tflops * 1e12), 4),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,

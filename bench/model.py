@@ -1,7 +1,7 @@
 """K3 model benchmarks on CPU: chunked KDA vs its token-by-token reference (same process, same inputs), KDA layer
 prefill/decode throughput, and whole-model forward tokens/s for the k3-nano and k3-mini presets.
 
-    python bench/model.py [--T 4096] [--heads 4] [--dim 64] [--threads 2] [--repeats 3]
+    python bench/model.py [--T 4096] [--heads 4] [--dim 64] [--threads 2] [--repeats 3] [--model-len 512]
 
 Prints a table, then as the last line a JSON object: kda_chunked_vs_recurrent (recurrent time / chunked time, fp32),
 kda_max_err (max abs output difference between the two), and k3_nano/k3_mini forward tokens/s.
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model-len", type=int, default=512, help="tokens per sequence of the whole-model forwards (4 rows)")
     args = ap.parse_args()
 
     torch.set_num_threads(min(args.threads, 2))
@@ -105,11 +106,11 @@ def main() -> None:
     for name in ("k3-nano", "k3-mini"):
         torch.manual_seed(0)
         model = K3Model(PRESETS[name]).eval()
-        ids = torch.randint(0, PRESETS[name].vocab_size, (4, 512))
+        ids = torch.randint(0, PRESETS[name].vocab_size, (4, args.model_len))
         with torch.inference_mode():
             t_m = best_time(lambda: model(ids), args.repeats)
         model_tps[name] = ids.numel() / t_m
-        table.add_row(f"{name} forward (4 x 512 tokens)", f"{t_m * 1e3:.1f} ms", f"{model_tps[name]:,.0f}")
+        table.add_row(f"{name} forward (4 x {args.model_len} tokens)", f"{t_m * 1e3:.1f} ms", f"{model_tps[name]:,.0f}")
     Console().print(table)
 
     result = {

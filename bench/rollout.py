@@ -2,11 +2,12 @@
 re-prefilling the whole history, and its decode throughput against HF-style static-batch generation.
 
     python bench/rollout.py [--preset k3-nano] [--episodes 32] [--turns 10] [--threads 1] [--seed 0]
-                            [--sandbox-concurrency 1,8,32,64]
+                            [--prefill-episodes 8] [--sandbox-concurrency 1,8,32,64] [--sections prefill decode]
 
 Sections (each returns a dict of JSON keys; ``main`` merges them):
-- prefill: simulated 10-turn episodes (observations of 20-60 tokens, generations of 16-48) through the engine with a
-  session per episode, and through the same engine with no sessions (every turn re-prefills the whole history).
+- prefill: ``--prefill-episodes`` simulated 10-turn episodes (observations of 20-60 tokens, generations of 16-48)
+  through the engine with a session per episode, and through the same engine with no sessions (every turn re-prefills
+  the whole history).
   prefill_ratio_10_turns = prefilled tokens / sequence tokens with sessions (target <= 1.1); prefill_ratio_reprefill
   the same without; fed_ratio_10_turns = (prefilled + decoded tokens) / sequence tokens (1.0: each token fed once).
 - decode: ``--episodes`` concurrent multi-turn episodes with varied generation lengths (mostly short tool calls, some
@@ -25,7 +26,8 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
   tokens (adds model time; its replies make no tool calls), keys ``episodes_per_s_c1_engine`` ... Every container is
   removed by its run label at the end.
 
-Prints a table, then as the last line a JSON object with the keys of every section.
+``--sections prefill decode`` runs only those. Prints a table, then as the last line a JSON object with the keys of every
+section run.
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from sandforge.models.sampling import SamplingParams, sample_next
-from sandforge.models.k3.model import PRESETS, K3Model, count_parameters
 from sandforge.engine import EngineCore
+from sandforge.models.k3.model import PRESETS, K3Model, count_parameters
+from sandforge.models.sampling import SamplingParams, sample_next
+from sandforge.types import GenerateRequest
 
 
 @dataclass
@@ -79,9 +82,9 @@ async def run_on_engine(engine: EngineCore, episodes: list[Episode], sessions: b
     async def one(i: int, ep: Episode) -> list[int]:
         seq = list(ep.prompt)
         for t, max_tokens in enumerate(ep.max_tokens):
-            [out] = await engine.generate({"prompt_ids": seq, "session_id": f"ep{i}" if sessions else None,
-                                           "max_tokens": max_tokens, "temperature": 0.0})
-            seq += out["token_ids"]
+            [out] = await engine.generate(GenerateRequest(prompt_ids=seq, session_id=f"ep{i}" if sessions else None,
+                                                          max_tokens=max_tokens, temperature=0.0))
+            seq += out.token_ids
             if t < len(ep.observations):
                 seq += ep.observations[t]
         engine.close_session(f"ep{i}")
@@ -156,7 +159,8 @@ def static_run(model, episodes: list[Episode], batch_size: int) -> tuple[list, C
 # ---------------------------------------------------------------- sections
 def prefill_section(model, args, table: Table) -> dict:
     vocab = model.config.vocab_size
-    episodes = make_episodes(8, 10, vocab, (64, 128), (20, 60), lambda r: r.randint(16, 48), args.seed)
+    episodes = make_episodes(args.prefill_episodes, 10, vocab, (64, 128), (20, 60), lambda r: r.randint(16, 48),
+                             args.seed)
     seqs, with_sessions, _ = engine_run(model, episodes, sessions=True, max_batch_size=args.batch)
     again, without, _ = engine_run(model, episodes, sessions=False, max_batch_size=args.batch)
     total = sum(map(len, seqs))
@@ -198,7 +202,7 @@ def _episodes_per_s(concurrency: int, n_episodes: int, model, images: dict, run_
     Returns (episodes/s, failed episodes)."""
     from sandforge.config import JobConfig
     from sandforge.environments.sandbox.labels import driver_labels
-    from sandforge.environments.terminal.tasks import make_task
+    from sandforge.environments.terminal.tasks import FAMILIES
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
     job = JobConfig.model_validate({
@@ -208,7 +212,7 @@ def _episodes_per_s(concurrency: int, n_episodes: int, model, images: dict, run_
     })
     setup = WorkerSetup(run_id=run_id, engine="in-process", images=images, labels=driver_labels(run_id),
                         environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox, model=job.model)
-    tasks = [asdict(make_task(("write_file", "count_words")[i % 2], i)) for i in range(n_episodes)]
+    tasks = [asdict(FAMILIES[("write_file", "count_words")[i % 2]](i)) for i in range(n_episodes)]
 
     async def go() -> tuple[float, int]:
         engine = object() if scripted else EngineCore(model, max_batch_size=64)  # scripted: never asked
@@ -288,8 +292,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="engine max_batch_size = the baseline's batch size")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefill-episodes", type=int, default=8, help="10-turn episodes of the prefill section")
     ap.add_argument("--sandbox-concurrency", default="1,8,32,64",
                     help="concurrent episodes for the real-sandbox section, comma-separated (empty: skip it)")
+    ap.add_argument("--sections", nargs="+", choices=[s.__name__.removesuffix("_section") for s in SECTIONS],
+                    help="run only these sections (default: all)")
     args = ap.parse_args()
     args.sandbox_concurrency = [int(c) for c in args.sandbox_concurrency.split(",") if c]
 
@@ -302,7 +309,8 @@ def main() -> None:
         table.add_column(column)
     result: dict = {}
     for section in SECTIONS:
-        result.update(section(model, args, table))
+        if args.sections is None or section.__name__.removesuffix("_section") in args.sections:
+            result.update(section(model, args, table))
     Console().print(table)
     print(json.dumps(result))
 

@@ -33,12 +33,8 @@ from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, Sandbox
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.labels import LABEL_RUN
 from sandforge.environments.sandbox.lifecycle import remove_run_containers
+from sandforge.environments.sandbox.pool import SandboxPool
 from sandforge.types import SandboxError
-
-try:
-    from sandforge.environments.sandbox.pool import SandboxPool
-except ImportError:  # the warm pool lands separately; until then "warm" is a container started beforehand
-    SandboxPool = None
 
 err = Console(stderr=True)
 
@@ -89,8 +85,8 @@ def bench_exec(client, spec: SandboxSpec, run_id: str, args) -> dict[str, list[f
         return samples
 
 
-def bench_acquire(client, spec: SandboxSpec, run_id: str, n: int) -> tuple[list[float], list[float], str]:
-    """(warm acquire seconds, cold containers.run seconds, what "warm" was)."""
+def bench_acquire(client, spec: SandboxSpec, run_id: str, n: int) -> tuple[list[float], list[float]]:
+    """(warm ``SandboxPool.acquire()`` seconds, cold ``containers.run`` seconds)."""
     cold = []
     for _ in range(n):  # cold first, while the daemon has nothing else to do
         start = time.perf_counter()
@@ -100,31 +96,20 @@ def bench_acquire(client, spec: SandboxSpec, run_id: str, n: int) -> tuple[list[
         cold.append(time.perf_counter() - start)
         container.remove(force=True)
     warm = []
-    if SandboxPool is not None:
-        pool = SandboxPool(spec, run_id, size=n, client=client, max_live=n)
-        try:
-            if not pool.wait_ready(timeout=300):
-                raise RuntimeError(f"the pool did not fill {n} sandboxes in 300 s")
-            held = []
-            for _ in range(n):
-                start = time.perf_counter()
-                held.append(pool.acquire())
-                warm.append(time.perf_counter() - start)
-            for sandbox in held:
-                pool.release(sandbox)
-        finally:
-            pool.close()
-        return warm, cold, "SandboxPool.acquire()"
-    # TODO(pool): SandboxPool (environments/sandbox/pool.py) is not importable; "warm" is a sandbox started beforehand
-    # plus the liveness check an acquire makes. Measure SandboxPool.acquire() here once it is in.
-    started = [DockerSandbox.create(spec, run_id, client=client) for _ in range(n)]
+    pool = SandboxPool(spec, run_id, size=n, client=client, max_live=n)
     try:
-        for sandbox in started:
-            warm.append(timed(lambda: sandbox.alive() or sandbox))
+        if not pool.wait_ready(timeout=300):
+            raise RuntimeError(f"the pool did not fill {n} sandboxes in 300 s")
+        held = []
+        for _ in range(n):
+            start = time.perf_counter()
+            held.append(pool.acquire())
+            warm.append(time.perf_counter() - start)
+        for sandbox in held:
+            pool.release(sandbox)
     finally:
-        for sandbox in started:
-            sandbox.close()
-    return warm, cold, "a container started beforehand (TODO: SandboxPool)"
+        pool.close()
+    return warm, cold
 
 
 def bench_concurrent(client, spec: SandboxSpec, run_id: str, args) -> dict:
@@ -190,7 +175,7 @@ def main() -> None:
     err.print(f"bench run {run_id} on {image}")
     try:
         samples = bench_exec(client, spec, run_id, args)
-        warm, cold, warm_kind = bench_acquire(client, spec, run_id, args.acquires)
+        warm, cold = bench_acquire(client, spec, run_id, args.acquires)
         concurrent = bench_concurrent(client, spec, run_id, args)
     finally:
         removed = remove_run_containers(run_id, client)
@@ -201,7 +186,8 @@ def main() -> None:
     for column in ("measure", "n", "p50 ms", "p99 ms"):
         table.add_column(column, justify="left" if column == "measure" else "right")
     many = f"sandforge exec, {args.sandboxes} sandboxes at once"
-    rows = {**samples, f"warm acquire: {warm_kind}": warm, "cold containers.run": cold, many: concurrent["latencies"]}
+    rows = {**samples, "warm acquire: SandboxPool.acquire()": warm, "cold containers.run": cold,
+            many: concurrent["latencies"]}
     for name, values in rows.items():
         p50_ms, p99_ms = (f"{percentile(values, q) * 1e3:.1f}" if values else "-" for q in (0.5, 0.99))
         table.add_row(name, str(len(values)), p50_ms, p99_ms)
@@ -219,7 +205,7 @@ def main() -> None:
         "exec_vs_sdk_p50": round(p50["sandforge exec"] / p50["docker SDK exec_run"], 3),
         "exec_vs_cli_p50": round(p50["sandforge exec"] / p50["docker exec CLI"], 3),
         "reference_vs_sdk_p50": round(p50["sandforge exec, reference path"] / p50["docker SDK exec_run"], 3),
-        "acquire_warm_vs_cold": round(p50[f"warm acquire: {warm_kind}"] / p50["cold containers.run"], 4),
+        "acquire_warm_vs_cold": round(p50["warm acquire: SandboxPool.acquire()"] / p50["cold containers.run"], 4),
         "concurrent": concurrent["completed"],
         "failures": len(concurrent["failures"]),
         "throughput_cmd_per_s": round(throughput, 1),
@@ -227,7 +213,7 @@ def main() -> None:
         "exec_p99_ms": round(percentile(samples["sandforge exec"], 0.99) * 1e3, 2),
         "sdk_p50_ms": round(p50["docker SDK exec_run"] * 1e3, 2),
         "cli_p50_ms": round(p50["docker exec CLI"] * 1e3, 2),
-        "warm": warm_kind,
+        "warm": "SandboxPool.acquire()",
     }
     print(json.dumps(result), flush=True)
 

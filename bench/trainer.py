@@ -1,7 +1,8 @@
 """Trainer and RL loop benchmarks on CPU.
 
     python bench/trainer.py [--sections weight_sync deepspeed_vs_torch]
-    python bench/trainer.py --sections async_vs_sync [--steps 6] [--delay 30] [--max-staleness 2] [--concurrency 6]
+    python bench/trainer.py --sections async_vs_sync [--steps 6] [--delay 30] [--max-staleness 2] [--workers 2]
+                            [--concurrency 6] [--tasks-per-step 2]
 
 Sections (each returns a dict of JSON keys; ``main`` merges them):
 - async_vs_sync: whole jobs of configs/terminal.yaml, shrunk, on real parts (Docker, Ray, DeepSpeed): the same job
@@ -78,8 +79,9 @@ def _job(mode: str, out: Path, args) -> list[dict]:
     cfg = load_config(ROOT / "configs/terminal.yaml", [
         f"run.output_dir={out}", f"trainer.steps={args.steps}", f"trainer.mode={mode}",
         f"trainer.max_staleness={args.max_staleness}", "warmup.steps=0", "logging.wandb.mode=disabled",
-        "rollout.workers=2", f"rollout.concurrency={args.concurrency}", "rollout.tasks_per_step=2",
-        "rollout.group_size=2", f"rollout.max_turns={args.turns}", f"rollout.max_new_tokens={args.tokens}",
+        f"rollout.workers={args.workers}", f"rollout.concurrency={args.concurrency}",
+        f"rollout.tasks_per_step={args.tasks_per_step}", "rollout.group_size=2", f"rollout.max_turns={args.turns}",
+        f"rollout.max_new_tokens={args.tokens}",
         "trainer.grad_accum_steps=1",
         f"sandbox.exec_timeout={args.delay + 30:g}", f"sandbox.warm_pool={args.concurrency}",
     ])
@@ -112,7 +114,7 @@ def async_vs_sync_section(args, table: Table) -> dict:
     table.add_row("sync: wall time of the RL steps", f"{wall_sync:.1f} s",
                   f"{len(sync)} steps, {args.delay:g} s setup per episode")
     table.add_row("async: wall time of the same steps", f"{wall_async:.1f} s",
-                  f"max_staleness {args.max_staleness}, {2 * args.concurrency} episodes in flight at most")
+                  f"max_staleness {args.max_staleness}, {args.workers * args.concurrency} episodes in flight at most")
     table.add_row("async_vs_sync", f"{ratio:.2f}x", "target >= 2")
     table.add_row("async staleness (episodes)", f"mean {staleness_mean:.2f}, max {staleness_max}",
                   "histogram " + ", ".join(f"{k}: {v}" for k, v in sorted(histogram.items())))
@@ -295,7 +297,8 @@ def episode_lengths(n: int, longest: int, seed: int = 0) -> list[int]:
 
 def packing_section(args, table: Table) -> dict:
     """Train tokens/s of TrainerRank.train_step with ``trainer.pack_sequences`` on over off (every sequence padded to
-    its micro-batch's longest), same rank, weights and batch of agentic lengths; plus the forward's slot use."""
+    its micro-batch's longest): two ranks in this process, each built with its setting, from the same initial weights,
+    on the same batch of agentic lengths, their steps alternated; plus the forward's slot use."""
     import os
     import time
 
@@ -308,9 +311,12 @@ def packing_section(args, table: Table) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     model_cfg = ModelConfig(arch="k3", preset="k3-nano", tokenizer="bytes")
     gas = 2
-    trainer_cfg = TrainerConfig(grad_accum_steps=gas)
-    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg, trainer_cfg, RolloutShape(1.0, 256), seed=0,
-                       num_threads=1)
+    # one rank per setting, built from its own typed config; the same seed gives both the same initial weights
+    ranks = {pack: TrainerRank(0, 1, "127.0.0.1", free_port(), model_cfg,
+                               TrainerConfig(grad_accum_steps=gas, pack_sequences=pack), RolloutShape(1.0, 256),
+                               seed=0, num_threads=1)
+             for pack in (True, False)}
+    rank = ranks[True]
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -324,9 +330,8 @@ def packing_section(args, table: Table) -> dict:
     timings: dict[bool, list[float]] = {True: [], False: []}
     for i in range(args.train_steps + 1):  # alternate, so machine noise hits both alike; step 0 warms up
         for pack in (True, False):
-            rank.cfg["pack_sequences"] = pack
             t0 = time.process_time()
-            rank.train_step(rows, total, mode="sft")
+            ranks[pack].train_step(rows, total, mode="sft")
             if i:
                 timings[pack].append(time.process_time() - t0)
     tps = {pack: tokens * len(v) / sum(v) for pack, v in timings.items()}
@@ -447,7 +452,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=1, help="rollout.max_turns")
     ap.add_argument("--tokens", type=int, default=8, help="rollout.max_new_tokens")
     ap.add_argument("--max-staleness", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=6, help="episodes per rollout worker (2 workers)")
+    ap.add_argument("--workers", type=int, default=2, help="rollout.workers")
+    ap.add_argument("--concurrency", type=int, default=6, help="episodes per rollout worker")
+    ap.add_argument("--tasks-per-step", type=int, default=2, help="rollout.tasks_per_step (each run 2 times)")
     ap.add_argument("--sync-preset", default="k3-mini", help="model whose weights the weight-sync section pushes")
     ap.add_argument("--sync-repeats", type=int, default=3)
     ap.add_argument("--train-rows", type=int, default=16)
