@@ -3,17 +3,19 @@ for ``sandforge eval CONFIG --checkpoint DIR`` (a policy directory, no trainer):
 episodes each, summarised per environment.
 
 The task set is the same every time it is built (seeds 0..n-1 of every family, split "heldout"), so numbers before
-and after training compare the same tasks. Success counts every episode (a failed one is a failure: it did not solve
-the task); pass@k uses the unbiased estimator of Chen et al. (2021) from n samples with c successes.
+and after training compare the same tasks, and are compared task by task (``paired``: the mean and standard error of
+each task's change in success rate). Success counts every episode (a failed one is a failure: it did not solve the
+task); pass@k uses the unbiased estimator of Chen et al. (2021) from n samples with c successes. Sampled episodes run at
+``eval.temperature`` (the rollout temperature unless set), greedy ones at 0.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
-from math import comb
+from math import comb, sqrt
 from pathlib import Path
-from statistics import fmean
+from statistics import fmean, stdev
 from typing import Callable
 
 from rich.table import Table
@@ -57,16 +59,22 @@ def stderr(wins: list[float]) -> float:
     return (p * (1 - p) / (n - 1)) ** 0.5
 
 
+def won(t: Trajectory) -> bool:
+    """The episode solved its task (a failed episode did not)."""
+    return not t.failed and t.reward is not None and t.reward.success
+
+
 def summarize(trajs: list[Trajectory], k: int) -> dict:
-    """{"success", "pass@k", "episodes", "failed", "per_env": {env: {...same...}}} over the episodes of held-out tasks
-    (grouped by task id; each task should have the same number of samples n >= k)."""
+    """{"success", "pass@k", "episodes", "failed", "per_env": {env: {...same...}}, "per_task": {task id: {"env",
+    "wins", "episodes"}}} over the episodes of held-out tasks (grouped by task id; each task should have the same
+    number of samples n >= k). ``per_task`` is what ``paired`` compares between two evaluations."""
     by_task: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
         by_task[t.task.id].append(t)
 
     def block(tasks: dict[str, list[Trajectory]]) -> dict:
         episodes = [t for ts in tasks.values() for t in ts]
-        wins = [float(not t.failed and t.reward is not None and t.reward.success) for t in episodes]
+        wins = [float(won(t)) for t in episodes]
         passes = [pass_at_k(len(ts), sum(not t.failed and t.reward.success for t in ts), min(k, len(ts)))
                   for ts in tasks.values()]
         return {"success": fmean(wins) if wins else 0.0, "pass@k": fmean(passes) if passes else 0.0,
@@ -76,7 +84,10 @@ def summarize(trajs: list[Trajectory], k: int) -> dict:
     envs: dict[str, dict[str, list[Trajectory]]] = defaultdict(dict)
     for task_id, ts in by_task.items():
         envs[ts[0].task.env][task_id] = ts
-    return {"k": k, **block(by_task), "per_env": {env: block(tasks) for env, tasks in sorted(envs.items())}}
+    per_task = {task_id: {"env": ts[0].task.env, "wins": sum(map(won, ts)), "episodes": len(ts)}
+                for task_id, ts in sorted(by_task.items())}
+    return {"k": k, **block(by_task), "per_env": {env: block(tasks) for env, tasks in sorted(envs.items())},
+            "per_task": per_task}
 
 
 def metric_row(summary: dict) -> dict[str, float]:
@@ -94,25 +105,33 @@ def metric_row(summary: dict) -> dict[str, float]:
     return row
 
 
+def eval_temperature(cfg: JobConfig) -> float:
+    """The temperature of held-out sampled episodes: ``eval.temperature``, else ``rollout.temperature``."""
+    return cfg.rollout.temperature if cfg.eval.temperature is None else cfg.eval.temperature
+
+
 def heldout_episodes(cfg: JobConfig, collect: Callable[..., list[Trajectory]], tag: str,
                      greedy: bool = False) -> tuple[list[Trajectory], dict]:
-    """Run ``eval.samples`` episodes of each held-out task through ``collect(tasks, groups, scripted, label, greedy)``
-    (groups named ``<tag>/<task id>``, which seeds their sampling); (the episodes, their summary). ``greedy``: one
-    episode per task at temperature 0 (more would repeat it)."""
+    """Run ``eval.samples`` episodes of each held-out task at ``eval_temperature`` through ``collect(tasks, groups,
+    scripted, label, temperature)`` (groups named ``<tag>/<task id>``, which seeds their sampling); (the episodes,
+    their summary, which records the temperature). ``greedy``: one episode per task at temperature 0 (more would
+    repeat it)."""
     e = cfg.eval
     tasks = heldout_tasks(cfg.environments, e.tasks_per_family)
     samples = 1 if greedy else e.samples
+    temperature = 0.0 if greedy else eval_temperature(cfg)
     episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(samples)]
     trajs = collect([x[0] for x in episodes], [x[1] for x in episodes], scripted=False,
-                    label=f"held-out eval{' (greedy)' if greedy else ''}: {len(tasks)} tasks x {samples}",
-                    greedy=greedy)
-    return trajs, summarize(trajs, samples)
+                    label=f"held-out eval{' (greedy)' if greedy else f' at T={temperature:g}'}: "
+                          f"{len(tasks)} tasks x {samples}",
+                    temperature=temperature)
+    return trajs, {"temperature": temperature, **summarize(trajs, samples)}
 
 
 def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
                tag: str) -> tuple[list[Trajectory], dict]:
-    """One held-out evaluation as configured: at the rollout temperature, plus greedy with ``eval.greedy`` (its
-    summary under ``"greedy"``, its episodes appended)."""
+    """One held-out evaluation as configured: at ``eval.temperature`` (the rollout temperature unless set), plus
+    greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended)."""
     trajs, summary = heldout_episodes(cfg, collect, tag)
     if cfg.eval.greedy:
         more, summary["greedy"] = heldout_episodes(cfg, collect, f"{tag}g", greedy=True)
@@ -132,8 +151,8 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
     with open_fleet(cfg, make_run_id(f"{cfg.run.name}-eval"), frozenset({"engine", "workers"}),
                     policy=checkpoint_policy(checkpoint)) as fleet, progress() as bar:
 
-        def collect(tasks, groups, scripted, label, greedy=False):
-            trajs = collect_episodes(fleet.workers, tasks, groups, cfg.run.seed, 0, scripted, bar, label, greedy)
+        def collect(tasks, groups, scripted, label, temperature=None):
+            trajs = collect_episodes(fleet.workers, tasks, groups, cfg.run.seed, 0, scripted, bar, label, temperature)
             stop_if_all_failed(trajs, label)
             return trajs
 
@@ -148,8 +167,9 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
 
 def summary_table(summary: dict) -> Table:
     k = summary["k"]
-    table = Table(title=f"held-out success: {summary['tasks']} tasks x {summary['episodes'] // max(summary['tasks'], 1)}"
-                        f" episodes")
+    at = f" at temperature {summary['temperature']:g}" if "temperature" in summary else ""
+    table = Table(title=f"held-out success{at}: {summary['tasks']} tasks x "
+                        f"{summary['episodes'] // max(summary['tasks'], 1)} episodes")
     for column in ("environment", "tasks", "success (pass@1)", f"pass@{k}", "failed episodes"):
         table.add_column(column)
     greedy = summary.get("greedy")
@@ -167,6 +187,8 @@ def eval_line(summary: dict) -> str:
     """One evaluation during a run, in one line."""
     envs = "  ".join(f"{env} {s['success']:.2f}" for env, s in summary["per_env"].items())
     when = "of the pretrained base" if summary.get("base") else f"after step {summary['step']}"
+    if "temperature" in summary:
+        when += f" (T={summary['temperature']:g})"
     greedy = f"  greedy {summary['greedy']['success']:.2f}" if "greedy" in summary else ""
     return (f"held-out eval {when}: success {summary['success']:.2f} ± {summary['stderr']:.2f}{greedy}  "
             f"pass@{summary['k']} {summary['pass@k']:.2f}  ({envs})")
@@ -184,15 +206,29 @@ def eval_summary(result: dict) -> str:
         return "—" if s is None else f"{100 * s['success']:.1f}%"
 
     first = f"{pct(base)} pretrained base -> " if base else ""
+    pair = result.get("paired") or {}
     lines = [f"held-out success (eval.json): {first}{pct(b)} after step {b['step']} -> {pct(a)} after step "
              f"{a['step']} ({result['delta_points']['success']:+.1f} points over RL)"]
+    if pair:
+        lines.append(f"  RL's share: {share(pair['success'])}")
     if "greedy" in a and "greedy" in b:
+        paired_greedy = f"; RL's share {share(pair['greedy']['success'])}" if "greedy" in pair else ""
         lines.append(f"  greedy: {pct(b['greedy'])} -> {pct(a['greedy'])} "
-                     f"({result['delta_points']['greedy']:+.1f} points over RL)")
+                     f"({result['delta_points']['greedy']:+.1f} points over RL){paired_greedy}")
     for env, delta in result["delta_points"]["per_env"].items():
         start = f"{pct(base, env)} -> " if base else ""
-        lines.append(f"  {env}: {start}{pct(b, env)} -> {pct(a, env)} ({delta:+.1f})")
+        paired_env = f"; RL's share {share(pair['per_env'][env])}" if env in pair.get("per_env", {}) else ""
+        lines.append(f"  {env}: {start}{pct(b, env)} -> {pct(a, env)} ({delta:+.1f}{paired_env})")
     return "\n".join(lines)
+
+
+def share(p: dict) -> str:
+    """A paired comparison in words: "+x.x ± y.y points (paired over N tasks)"."""
+    if p["mean_points"] is None:
+        return f"no task measured both times ({p['left_out']} on one side only)"
+    se = "" if p["stderr_points"] is None else f" ± {p['stderr_points']:.1f}"
+    left = f"; {p['left_out']} measured once left out" if p["left_out"] else ""
+    return f"{p['mean_points']:+.1f}{se} points (paired over {p['tasks']} task{'s' * (p['tasks'] != 1)}{left})"
 
 
 def points(after: dict, before: dict) -> dict:
@@ -203,6 +239,39 @@ def points(after: dict, before: dict) -> dict:
                                          - before["per_env"].get(env, {}).get("success", 0.0)), 2) for env in envs}}
     if "greedy" in after and "greedy" in before:
         out["greedy"] = points(after["greedy"], before["greedy"])["success"]
+    return out
+
+
+def paired_difference(after: dict[str, float], before: dict[str, float]) -> dict:
+    """RL's share task by task: over the tasks both evaluations measured, d_t = after_t - before_t (success rates, in
+    points); its mean, its standard error sd(d)/sqrt(n) (None under two tasks), n (``tasks``), and how many tasks only
+    one side measured (``left_out``). Pairing takes out how much tasks differ from each other, which the difference
+    of two unpaired means carries in its spread."""
+    both = sorted(after.keys() & before.keys())
+    d = [100 * (after[t] - before[t]) for t in both]
+    return {"mean_points": round(fmean(d), 2) if d else None,
+            "stderr_points": round(stdev(d) / sqrt(len(d)), 2) if len(d) >= 2 else None,
+            "tasks": len(both), "left_out": len(after.keys() ^ before.keys())}
+
+
+def task_rates(summary: dict, env: str | None = None) -> dict[str, float]:
+    """Task id -> success rate in one evaluation (its episodes' wins / episodes), of ``env``'s tasks alone if given."""
+    return {task: s["wins"] / s["episodes"] for task, s in summary["per_task"].items()
+            if s["episodes"] and env in (None, s["env"])}
+
+
+def paired(after: dict, before: dict) -> dict | None:
+    """eval.json's ``paired``: ``paired_difference`` overall (``success``), per environment (``per_env``), and the
+    same for greedy (``greedy``) where both evaluations have it. None when either summary has no ``per_task`` (an
+    eval.json written before summaries kept it)."""
+    if "per_task" not in after or "per_task" not in before:
+        return None
+    envs = sorted({s["env"] for s in [*after["per_task"].values(), *before["per_task"].values()]})
+    out = {"success": paired_difference(task_rates(after), task_rates(before)),
+           "per_env": {env: paired_difference(task_rates(after, env), task_rates(before, env)) for env in envs}}
+    greedy = paired(after["greedy"], before["greedy"]) if "greedy" in after and "greedy" in before else None
+    if greedy is not None:
+        out["greedy"] = greedy
     return out
 
 
@@ -237,7 +306,7 @@ class EvalRecord:
     def as_dict(self) -> dict:
         """eval.json: ``history``; ``before`` (RL's start: after the warm start) and ``after`` (the last); ``base``
         (the pretrained policy, with ``eval.base``); ``delta_points``: after - before, in points (RL's own share), and
-        ``over_base``: after - base (all training)."""
+        ``over_base``: after - base (all training); ``paired``: after vs before task by task (``paired``)."""
         out: dict = {"k": self.k, "tasks_per_family": self.per_family, "history": self.history}
         if self.base is not None:
             out["base"] = self.base
@@ -245,6 +314,8 @@ class EvalRecord:
             before, after = self.history[0], self.history[-1]
             out["before"], out["after"] = before, after
             out["delta_points"] = points(after, before)
+            if (pair := paired(after, before)) is not None:
+                out["paired"] = pair
             if self.base is not None:
                 out["over_base"] = points(after, self.base)
         return out

@@ -75,11 +75,12 @@ class RLJob:
         self.fleet.push_weights(self.version)
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str,
-                greedy: bool = False) -> list[Trajectory]:
-        """Spread episodes over the workers and gather them all, failed ones included (``greedy``: at temperature 0)."""
+                temperature: float | None = None) -> list[Trajectory]:
+        """Spread episodes over the workers and gather them all, failed ones included (``temperature``: instead of
+        ``rollout.temperature``, for held-out evaluation)."""
         t0 = time.monotonic()
         trajs = collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
-                                 label, greedy)
+                                 label, temperature)
         self.tick("scripted" if scripted else "episode", len(tasks), time.monotonic() - t0)
         remote = self.cfg.engine.remote
         if remote is not None and not scripted and trajs and all(

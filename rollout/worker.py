@@ -116,14 +116,14 @@ class RolloutWorker:
             asyncio.get_running_loop().set_default_executor(self.executor)
 
     async def run_episodes(self, tasks: list[dict], groups: list[str], version: int, scripted: bool = False,
-                           seeds: list[int] | None = None, greedy: bool = False) -> list[dict]:
+                           seeds: list[int] | None = None, temperature: float | None = None) -> list[dict]:
         """Run one episode per (task, group) pair, ``rollout.concurrency`` at a time; failures come back as data.
-        ``seeds`` (one per episode) make their sampling reproducible (see ``run_episode``); ``greedy``: decode at
-        temperature 0 (held-out evaluation of the policy's mode) instead of ``rollout.temperature``."""
+        ``seeds`` (one per episode) make their sampling reproducible (see ``run_episode``); ``temperature``: sample at
+        it instead of ``rollout.temperature`` (held-out evaluation: ``eval.temperature``, or 0 to decode greedily)."""
         self._threads()
         if self.remote is not None:  # the version pushed last: what a server that reports none (vLLM) serves now
             self.remote.version = version
-        limits = replace(self.limits, temperature=0.0) if greedy else self.limits
+        limits = self.limits if temperature is None else replace(self.limits, temperature=float(temperature))
         return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted, s, limits)
                                       for t, g, s in zip(tasks, groups, seeds or [None] * len(tasks))))
 

@@ -249,6 +249,9 @@ class EvalConfig(Section):
     tasks_per_family: int = Field(0, ge=0)  # 0: no evaluation
     samples: int = Field(4, ge=1)
     every: int = Field(0, ge=0)  # RL steps between evaluations; 0: only before and after
+    # the sampled episodes' temperature; null: rollout.temperature. Rollouts may explore at 1.0 while the held-out
+    # number is read at 0.7; greedy episodes stay at 0
+    temperature: float | None = Field(None, ge=0)
     greedy: bool = False  # each evaluation also decodes greedily (one episode per task): what the policy's mode solves
     base: bool = False  # also evaluate the policy as loaded, before pretraining or the warm start ("base" in eval.json)
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sandforge.config import EnvironmentConfig
-from sandforge.job.evaluation import EvalRecord, eval_summary, heldout_tasks, metric_row, pass_at_k, summarize
+from sandforge.config import EnvironmentConfig, JobConfig
+from sandforge.job.evaluation import (EvalRecord, eval_summary, evaluation, heldout_tasks, metric_row, paired,
+                                      paired_difference, pass_at_k, summarize)
 from sandforge.types import Reward, Task, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +89,117 @@ def test_eval_json_keeps_the_base_and_reports_rl_s_share_and_all_training_greedy
     assert "greedy: 50.0% -> 75.0% (+25.0 points over RL)" in text
     row = metric_row({**_summary(10, 0.6, 0.75, terminal=0.75), "failed": 0, "stderr": 0.1})
     assert row["eval/greedy/success"] == 0.75 and row["eval/greedy/success/terminal"] == 0.75
+
+
+def _eval_job(**eval_keys) -> JobConfig:
+    return JobConfig.model_validate({"environments": [{"name": "terminal"}], "rollout": {"temperature": 1.0},
+                                     "eval": {"tasks_per_family": 2, "samples": 3, "greedy": True, **eval_keys}})
+
+
+def _fake_collect(calls: list):
+    """collect() as the run's: every episode of the second task of each family wins; records each call's
+    temperature."""
+    def collect(tasks, groups, scripted, label, temperature=None):
+        calls.append((temperature, len(tasks), label))
+        return [_traj(t.env, t.id, t.seed == 1) for t in tasks]
+    return collect
+
+
+def test_eval_temperature_reaches_the_episodes_and_is_recorded():
+    calls: list = []
+    _, summary = evaluation(_eval_job(temperature=0.7), _fake_collect(calls), "eval0")
+    assert [c[:2] for c in calls] == [(0.7, 2 * 2 * 3), (0.0, 2 * 2)]  # sampled at eval.temperature, greedy at 0
+    assert "T=0.7" in calls[0][2]
+    assert summary["temperature"] == 0.7 and summary["greedy"]["temperature"] == 0.0
+    calls.clear()
+    _, summary = evaluation(_eval_job(), _fake_collect(calls), "eval0")  # unset: the rollout temperature, as before
+    assert [c[0] for c in calls] == [1.0, 0.0] and summary["temperature"] == 1.0
+    with pytest.raises(ValueError, match="temperature"):
+        _eval_job(temperature=-0.1)
+
+
+def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeypatch):
+    """The last hop: RolloutWorker.run_episodes gives its episodes limits at the requested temperature (no Docker:
+    the worker's client is a stand-in and its episodes record their limits instead of running)."""
+    import asyncio
+    from dataclasses import asdict
+
+    from sandforge.rollout import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "docker_client", lambda **_: None)
+    job = JobConfig.model_validate({"rollout": {"temperature": 1.0}})
+    setup = worker_module.WorkerSetup(run_id="t", engine="unused", images={}, labels={}, environments=(),
+                                      rollout=job.rollout, sandbox=job.sandbox, model=job.model)
+    w = worker_module.RolloutWorker(0, setup, engine=object())
+    got: list[float] = []
+
+    async def episode(task, group, version, scripted, seed=None, limits=None):
+        got.append((limits or w.limits).temperature)
+        return {}
+
+    monkeypatch.setattr(w, "_episode", episode)
+    task = asdict(_traj("terminal", "a", False).task)
+    for temperature in (0.7, 0.0, None):
+        asyncio.run(w.run_episodes([task], ["g"], 0, temperature=temperature))
+    assert got == [0.7, 0.0, 1.0]
+
+
+def test_paired_difference_on_known_per_task_numbers():
+    before = {"a": 0.0, "b": 0.5, "c": 0.25, "d": 1.0, "only_before": 0.5}
+    after = {"a": 0.5, "b": 0.5, "c": 1.0, "d": 0.75, "only_after": 1.0}
+    p = paired_difference(after, before)  # d = 50, 0, 75, -25 points
+    sd = ((25 ** 2 + 25 ** 2 + 50 ** 2 + 50 ** 2) / 3) ** 0.5
+    assert p == {"mean_points": 25.0, "stderr_points": pytest.approx(round(sd / 2, 2)), "tasks": 4, "left_out": 2}
+    assert p["stderr_points"] == pytest.approx(22.82)
+    one = paired_difference({"a": 1.0, "x": 0.0}, {"a": 0.25})  # one task in common: no standard error
+    assert one == {"mean_points": 75.0, "stderr_points": None, "tasks": 1, "left_out": 1}
+    assert paired_difference({"x": 1.0}, {"y": 0.0})["mean_points"] is None
+
+
+def _evaluated(wins: dict[str, tuple[str, list[bool]]]) -> dict:
+    """A summary made from episodes: task id -> (env, each episode's success)."""
+    trajs = [_traj(env, task, s) for task, (env, outcomes) in wins.items() for s in outcomes]
+    return summarize(trajs, k=2)
+
+
+def test_eval_json_pairs_before_and_after_task_by_task(tmp_path):
+    before = {"step": 0, **_evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
+                                       "t/2": ("terminal", [False, False]), "r/0": ("repo", [True, True]),
+                                       "r/gone": ("repo", [True, True])})}
+    after = {"step": 10, **_evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
+                                       "t/2": ("terminal", [True, False]), "r/0": ("repo", [False, True])})}
+    before["greedy"] = _evaluated({"t/0": ("terminal", [False]), "t/1": ("terminal", [True])})
+    after["greedy"] = _evaluated({"t/0": ("terminal", [True]), "t/1": ("terminal", [True])})
+    assert before["per_task"]["t/1"] == {"env": "terminal", "wins": 1, "episodes": 2}
+    record = EvalRecord(tmp_path / "eval.json", k=2, per_family=3)
+    record.add(before)
+    record.add(after)
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    p = saved["paired"]
+    # per task, in points: t/0 +100, t/1 0, t/2 +50, r/0 -50; r/gone was measured before only
+    d = [100.0, 0.0, 50.0, -50.0]
+    sd = (sum((x - 25) ** 2 for x in d) / 3) ** 0.5
+    assert p["success"] == {"mean_points": 25.0, "stderr_points": round(sd / 2, 2), "tasks": 4, "left_out": 1}
+    assert p["per_env"]["terminal"]["mean_points"] == 50.0 and p["per_env"]["terminal"]["tasks"] == 3
+    assert p["per_env"]["terminal"]["stderr_points"] == round(((50 ** 2 + 50 ** 2) / 2) ** 0.5 / 3 ** 0.5, 2)
+    assert p["per_env"]["repo"] == {"mean_points": -50.0, "stderr_points": None, "tasks": 1, "left_out": 1}
+    assert p["greedy"]["success"] == {"mean_points": 50.0, "stderr_points": 50.0, "tasks": 2, "left_out": 0}
+    assert set(saved["delta_points"]) == {"success", "per_env", "greedy"}  # the unpaired numbers stay as they were
+    text = eval_summary(saved)
+    assert f"RL's share: +25.0 ± {round(sd / 2, 2):.1f} points (paired over 4 tasks; 1 measured once left out)" in text
+    assert ("greedy: 50.0% -> 100.0% (+50.0 points over RL); RL's share +50.0 ± 50.0 points (paired over 2 tasks)"
+            in text)
+    assert "repo: 100.0% -> 50.0% (-50.0; RL's share -50.0 points (paired over 1 task" in text
+
+
+def test_an_eval_json_without_per_task_results_has_no_paired_block(tmp_path):
+    old = {"step": 0, "success": 0.5, "pass@k": 0.5, "k": 2, "per_env": {"terminal": {"success": 0.5}}}
+    assert paired(old, old) is None
+    record = EvalRecord(tmp_path / "eval.json", k=2, per_family=1)
+    record.add(old)
+    record.add({**old, "step": 5})
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert "paired" not in saved and "RL's share" not in eval_summary(saved)
 
 
 def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

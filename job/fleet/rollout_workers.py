@@ -94,9 +94,9 @@ def wait_ready(workers: list, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_seed: int, version: int,
-                     scripted: bool, bar: Progress, label: str, greedy: bool = False) -> list[Trajectory]:
+                     scripted: bool, bar: Progress, label: str, temperature: float | None = None) -> list[Trajectory]:
     """Spread episodes over rollout workers (Ray handles) and gather them all, failed ones included, with a bar.
-    ``greedy``: the policy decodes at temperature 0 (held-out evaluation of its mode)."""
+    ``temperature``: the policy samples at it, not at ``rollout.temperature`` (held-out evaluation; 0: greedy)."""
     import ray
 
     wait_ready(workers)
@@ -108,7 +108,7 @@ def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_se
         shards[i % len(workers)][1].append(group)
         shards[i % len(workers)][2].append(episode_seed(run_seed, group, seen[group]))
     pending = {
-        w.run_episodes.remote(ts, gs, version, scripted, ss, greedy): (i, ts, gs)
+        w.run_episodes.remote(ts, gs, version, scripted, ss, temperature): (i, ts, gs)
         for i, (w, (ts, gs, ss)) in enumerate(zip(workers, shards)) if ts
     }
     out: list[Trajectory] = []
