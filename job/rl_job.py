@@ -27,7 +27,8 @@ from sandforge.job.rollout_metrics import rollout_metrics
 from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed, worker_gone
 from sandforge.job.runlog import RunLogger
 from sandforge.job.tasks import TaskSampler
-from sandforge.trainer.algorithms import informative_groups, overlong_penalty, resolve, token_advantages
+from sandforge.trainer.algorithms import (TieBreak, informative_groups, overlong_penalty, resolve, signal_rewards,
+                                          token_advantages)
 from sandforge.trainer.rank import RolloutShape
 from sandforge.types import Task, TrainingRow, Trajectory
 
@@ -129,8 +130,9 @@ class RLJob:
     def sample_groups(self, step: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
         """G episodes for each of ``rollout.tasks_per_step`` tasks: (every episode, the ones to train on, metrics).
 
-        With dynamic sampling (DAPO), groups whose verifier rewards all match (nothing to learn from) are dropped and
-        the missing tasks sampled again, up to ``trainer.dynamic_sampling_max_rounds`` rounds in all."""
+        With dynamic sampling (DAPO), groups with nothing to learn from (every episode succeeded or every one failed;
+        with ``trainer.dynamic_sampling_on: reward``, every reward equal) are dropped and the missing tasks sampled
+        again, up to ``trainer.dynamic_sampling_max_rounds`` rounds in all; then the step trains on what it has."""
         r, s = self.cfg.rollout, self.settings
         rounds = s.dynamic_sampling_max_rounds if s.dynamic_sampling else 1
         trajs: list[Trajectory] = []
@@ -146,7 +148,8 @@ class RLJob:
             ok = [t for t in got if not t.failed]  # failed episodes never reach the gradient
             if not s.dynamic_sampling:
                 return trajs, ok, {}
-            useful = informative_groups([t.reward.value for t in ok], [t.group for t in ok])
+            useful = informative_groups([t.reward.value for t in ok], [t.reward.success for t in ok],
+                                        [t.group for t in ok], on=s.dynamic_sampling_on)
             filtered += len({t.group for t in got} - useful)
             keep += [t for t in ok if t.group in useful]
             need -= len(useful)
@@ -155,22 +158,26 @@ class RLJob:
         return trajs, keep, {"dapo/filtered_groups": filtered, "dapo/rounds": n + 1}
 
     def rl_rows(self, ok: list[Trajectory]) -> tuple[list[TrainingRow], dict[str, float]]:
-        """Training rows with per-token advantages (and PPO's value targets) from the algorithm."""
+        """Training rows with per-token advantages (and PPO's value targets) from the algorithm, on the reward signal
+        ``trainer.reward_signal`` picks (the verifier's value, or its success) plus the overlong penalty."""
         s = self.settings
         rows = training_rows(ok)
         penalties = [overlong_penalty(t.response_tokens, s.response_budget, s.overlong_buffer, s.overlong_penalty)
                      for t in ok]
+        values, successes = [t.reward.value for t in ok], [t.reward.success for t in ok]
+        signal = signal_rewards(s.reward_signal, values, successes)
         mini = self.cfg.trainer.mini_batches > 1
         scores = trainer_ranks.score(self.ranks, rows) if s.needs_scores or mini else None
         adv, returns = token_advantages(
             s.algorithm.advantages,
-            [t.reward.value + p for t, p in zip(ok, penalties)],
+            [r + p for r, p in zip(signal, penalties)],
             [t.group for t in ok],
             [t.loss_mask for t in ok],
             kl_penalty=[x.kl_penalty for x in scores] if scores else None,
             values=[x.values for x in scores] if scores and s.algorithm.value_head else None,
             gamma=s.gamma,
             lam=s.gae_lambda,
+            tiebreak=TieBreak(successes, values, s.tiebreak_weight) if s.reward_signal == "tiebreak" else None,
         )
         rows = [replace(row, advantages=adv[i], returns=None if returns is None else returns[i],
                         old_logprobs=scores[i].old_logprobs if mini else None) for i, row in enumerate(rows)]
@@ -187,8 +194,8 @@ class RLJob:
             rows, shaping = self.rl_rows(ok)
             metrics |= shaping | self.update(rows)
         else:
-            console.print(f"[yellow]step {step + 1}: no episode to learn from (all failed, or no group with differing "
-                          "rewards); no update this step[/]")
+            console.print(f"[yellow]step {step + 1}: no episode to learn from (all failed, or no group that "
+                          "dynamic sampling kept); no update this step[/]")
         t2 = time.perf_counter()
         self.version += 1
         self.push_weights()

@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 # rejects its own MoE layers with stage 3 for that reason).
 EXPERT_PARALLEL_ZERO_STAGES = (1, 2)
 
+# trainer.reward_signal tiebreak adds partial credit to one advantage per episode from its group (grpo's, dr_grpo's or
+# rloo's); the whitened per-token advantages of ppo and reinforce_pp have no group gap to keep it under
+TIEBREAK_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "gspo", "cispo", "dapo")
+
 
 class ConfigError(ValueError):
     """A config that cannot run. The message is one line that names the file and the dotted key."""
@@ -261,6 +265,12 @@ class TrainerConfig(Section):
     # trainer/algorithms/registry.py; null values below take the algorithm's default (docs/algorithms.md)
     algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo", "gspo", "cispo",
                        "dapo"] = "grpo"
+    # what advantages are computed from (docs/algorithms.md "Reward signal"): reward, the verifier's value with partial
+    # credit; success, 1 or 0; tiebreak, success, with partial credit only ordering episodes of equal success in a
+    # group, scaled by tiebreak_weight and never divided by the group's std
+    reward_signal: Literal["reward", "success", "tiebreak"] = "reward"
+    # tiebreak: at most half dr_grpo's gap between a success and a failure, so partial credit stays a tie-break
+    tiebreak_weight: float = Field(0.1, ge=0, le=0.5)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
     lr: float = Field(1e-4, gt=0)
     # over the RL run's optimizer steps (trainer.steps x trainer.mini_batches); the warm start keeps warmup.lr
@@ -285,7 +295,10 @@ class TrainerConfig(Section):
     value_coef: float = Field(0.5, ge=0)  # ppo: weight of the value head's loss
     gamma: float = Field(1.0, ge=0, le=1)  # ppo and reinforce_pp: discount over policy tokens
     gae_lambda: float = Field(0.95, ge=0, le=1)  # ppo
-    dynamic_sampling: bool | None = None  # drop groups whose rewards all match and sample more tasks (dapo)
+    dynamic_sampling: bool | None = None  # drop groups with nothing to learn from and sample more tasks (dapo)
+    # a group is informative when its episodes' success differs (success), or their reward values (reward: partial
+    # credit then keeps groups where nobody succeeded)
+    dynamic_sampling_on: Literal["success", "reward"] = "success"
     dynamic_sampling_max_rounds: int = Field(3, ge=1)  # sampling rounds per step at most, the first one included
     overlong_buffer: int | None = Field(None, ge=0)  # soft overlong penalty over the budget's last N tokens (0: off)
     overlong_penalty: float = Field(1.0, ge=0)  # the penalty at the budget: -overlong_penalty
@@ -311,6 +324,16 @@ class TrainerConfig(Section):
     # sync: each step rolls out, then trains; async: rollouts go on while the trainer steps (docs/trainer.md "Async mode")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)  # async: an episode may start only if consumed within this many versions
+
+    @field_validator("reward_signal")
+    @classmethod
+    def _tiebreak_has_a_group_gap(cls, signal: str, info: ValidationInfo) -> str:
+        algorithm = info.data.get("algorithm", "grpo")
+        if signal == "tiebreak" and algorithm not in TIEBREAK_ALGORITHMS:
+            raise ValueError(f"tiebreak needs one advantage per episode from its group "
+                             f"({', '.join(TIEBREAK_ALGORITHMS)}), not trainer.algorithm {algorithm}: use "
+                             "reward_signal success or one of those algorithms")
+        return signal
 
     @field_validator("expert_parallel")
     @classmethod

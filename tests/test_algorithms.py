@@ -7,7 +7,7 @@ from typing import get_args
 import pytest
 import torch
 
-from sandforge.config import TrainerConfig
+from sandforge.config import TIEBREAK_ALGORITHMS, TrainerConfig
 from sandforge.trainer.batches import split_micro_batches
 from sandforge.trainer.rank import TrainerRank
 from sandforge.trainer.algorithms import (
@@ -240,8 +240,104 @@ def test_sft_objective_is_token_mean_nll():
 
 
 # ---------------------------------------------------------------- DAPO
-def test_dynamic_sampling_keeps_only_groups_with_differing_rewards():
-    assert informative_groups([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.5], ["a", "a", "b", "b", "c", "c", "d"]) == {"a"}
+def test_dynamic_sampling_on_reward_keeps_only_groups_with_differing_rewards():
+    rewards, groups = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.5], ["a", "a", "b", "b", "c", "c", "d"]
+    assert informative_groups(rewards, [r == 1.0 for r in rewards], groups, on="reward") == {"a"}
+
+
+# the quickstart's all-fail group: three wrong answers at 0.30 and a capitalised copy at 0.338, nobody right
+ALL_FAIL = [0.30, 0.30, 0.30, 0.338]
+
+
+def test_dynamic_sampling_on_success_drops_an_all_fail_partial_credit_group_and_keeps_one_with_a_success():
+    rewards = ALL_FAIL + [1.0, 0.30, 0.30, 0.338] + [1.0] * 4
+    successes = [False] * 4 + [True, False, False, False] + [True] * 4
+    groups = ["fail"] * 4 + ["one"] * 4 + ["all"] * 4
+    assert informative_groups(rewards, successes, groups) == {"one"}  # on success, the default
+    assert informative_groups(rewards, successes, groups, on="reward") == {"fail", "one"}  # the old test keeps it
+    assert settings("dapo").dynamic_sampling_on == "success"
+
+
+# ---------------------------------------------------------------- trainer.reward_signal
+GROUP_ALGORITHMS = {"grpo": A.grpo, "dr_grpo": A.dr_grpo, "rloo": A.rloo}
+
+
+def signal_ep(signal, credit, successes, groups, weight=0.1, shaping=None):
+    """Episodes as rl_rows builds them: the signal's rewards (plus shaping, e.g. the overlong penalty) and, for
+    tiebreak, the partial credit that orders episodes of equal success."""
+    rewards = A.signal_rewards(signal, credit, successes)
+    rewards = [r + p for r, p in zip(rewards, shaping or [0.0] * len(rewards))]
+    tie = A.TieBreak(successes, credit, weight) if signal == "tiebreak" else None
+    return A.Episodes(rewards, groups, [torch.zeros(1, dtype=torch.float64) for _ in rewards], tiebreak=tie)
+
+
+def test_std_normalised_partial_credit_blows_an_all_fail_group_up_to_1_73():
+    # why reward_signal exists: 0.30/0.30/0.30/0.338 -> mean 0.3095, std 0.01645 -> -0.577 x 3, +1.732
+    adv, _ = A.grpo(signal_ep("reward", ALL_FAIL, [False] * 4, ["g"] * 4))
+    assert flat(adv) == pytest.approx([-0.57735] * 3 + [1.73205], abs=1e-3)  # eps 1e-6 against std 0.016
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_ALGORITHMS))
+def test_reward_signal_success_gives_an_all_fail_partial_credit_group_zero_advantage(name):
+    fn = GROUP_ALGORITHMS[name]
+    adv, _ = fn(signal_ep("success", ALL_FAIL, [False] * 4, ["g"] * 4))
+    assert flat(adv) == [0.0] * 4
+    # a success among them still stands out, whatever partial credit the failures had
+    adv, _ = fn(signal_ep("success", [1.0, 0.30, 0.30, 0.338], [True, False, False, False], ["g"] * 4))
+    a = flat(adv)
+    assert a[0] > 0 and a[1] == a[2] == a[3] < 0
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_ALGORITHMS))
+def test_tiebreak_orders_an_all_fail_group_by_partial_credit_within_the_weight(name):
+    adv, _ = GROUP_ALGORITHMS[name](signal_ep("tiebreak", ALL_FAIL, [False] * 4, ["g"] * 4, weight=0.1))
+    a = flat(adv)
+    # never divided by the group's std: 0.1 x (credit - 0.3095) = -0.00095 x 3, +0.00285, not -0.577 / +1.732
+    assert a == pytest.approx([-0.00095] * 3 + [0.00285], abs=1e-9)
+    assert max(map(abs, a)) < 0.1 and a[3] > a[0]
+    adv, _ = GROUP_ALGORITHMS[name](signal_ep("tiebreak", [1.0, 0.0, 0.0, 1.0], [False] * 4, ["g"] * 4, weight=0.1))
+    assert max(map(abs, flat(adv))) < 0.1  # the widest credit spread there is stays under the weight
+
+
+@pytest.mark.parametrize("name", sorted(GROUP_ALGORITHMS))
+@pytest.mark.parametrize("shaped", [False, True])
+def test_tiebreak_never_gives_a_failed_episode_more_advantage_than_a_success_of_its_group(name, shaped):
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(2, 9, (1,), generator=rng))
+        successes = (torch.rand(n, generator=rng) < 0.4).tolist()
+        credit = [1.0 if s else float(torch.rand(1, generator=rng)) for s in successes]
+        # shaping (the overlong penalty, KL in the reward) can bring a success's signal down to a failure's: partial
+        # credit must then not tip the failure over it
+        shaping = (-torch.rand(n, generator=rng)).tolist() if shaped else None  # up to overlong_penalty 1
+        weight = [0.1, 0.5][trial % 2]
+        adv, _ = GROUP_ALGORITHMS[name](signal_ep("tiebreak", credit, successes, ["g"] * n, weight, shaping))
+        a = flat(adv)
+        wins, fails = [x for x, s in zip(a, successes) if s], [x for x, s in zip(a, successes) if not s]
+        if wins and fails:
+            assert max(fails) <= min(wins) + 1e-12, (name, successes, credit, shaping, a)
+        if not shaped and not wins:
+            assert max(map(abs, a)) < weight  # an all-fail group: the tie-break only
+
+
+def test_tiebreak_orders_failures_inside_a_mixed_group_without_touching_the_success_gap():
+    e = signal_ep("tiebreak", [1.0, 0.0, 0.30, 0.338], [True, False, False, False], ["g"] * 4)
+    a = flat(A.dr_grpo(e)[0])
+    # success signal [1, 0, 0, 0] -> [0.75, -0.25 x 3]; the failures' credit 0, 0.3, 0.338 (mean 0.2127) adds 0.1 x
+    # (credit - mean): the success, alone in its class, gets nothing
+    assert a == pytest.approx([0.75, -0.25 - 0.02127, -0.25 + 0.00873, -0.25 + 0.01253], abs=1e-5)
+
+
+def test_reward_signal_tiebreak_needs_an_algorithm_with_one_advantage_per_episode():
+    for name, algo in ALGORITHMS.items():
+        per_episode = algo.advantages in GROUP_ALGORITHMS.values()
+        assert (name in TIEBREAK_ALGORITHMS) == per_episode, name
+        if per_episode:
+            assert settings(name, reward_signal="tiebreak", tiebreak_weight=0.2).tiebreak_weight == 0.2
+        else:
+            with pytest.raises(ValueError, match="reward_signal"):
+                TrainerConfig(algorithm=name, reward_signal="tiebreak")
+    assert settings("grpo").reward_signal == "reward"  # today's behaviour unless a job asks
 
 
 def test_overlong_penalty_by_hand():

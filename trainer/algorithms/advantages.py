@@ -5,6 +5,10 @@ episode, tool output and prompt tokens are skipped, so the step after a policy t
 returns one advantage per policy token, plus value targets for PPO. The verifier's reward arrives at the last policy
 token; with ``trainer.kl_in: reward`` every policy token also carries -kl_coef * KL(policy || reference).
 
+What the reward is (``trainer.reward_signal``, ``signal_rewards``): the verifier's value, partial credit included; or
+success as 1/0, where ``tiebreak`` then lets partial credit order episodes of equal success within a group
+(``tie_break``), scaled by ``trainer.tiebreak_weight`` and added after the algorithm's normalisation.
+
 ``token_advantages`` maps them back onto full sequences (0 off the loss mask) for the trainer.
 """
 
@@ -18,12 +22,22 @@ import torch
 from torch import Tensor
 
 
+@dataclass(frozen=True)
+class TieBreak:
+    """``trainer.reward_signal: tiebreak``: the partial credit that orders episodes of equal success in a group."""
+
+    successes: list[bool]
+    credit: list[float]  # per episode: the verifier's value in [0, 1]
+    weight: float  # trainer.tiebreak_weight
+
+
 @dataclass
 class Episodes:
-    rewards: list[float]  # per episode: verifier reward (after overlong shaping)
+    rewards: list[float]  # per episode: the reward signal (after overlong shaping)
     groups: list[str]  # episodes of one task in one step share a group
     kl_penalty: list[Tensor]  # per episode [n_i]: kl_coef * KL per policy token (zeros unless trainer.kl_in is reward)
     values: list[Tensor] | None = None  # per episode [n_i]: the value head's estimates (PPO)
+    tiebreak: TieBreak | None = None  # grpo, dr_grpo and rloo add it to their advantages
 
 
 Advantages = tuple[list[Tensor], list[Tensor] | None]  # (per policy token advantages, value targets or None)
@@ -62,6 +76,37 @@ def rloo_advantages(rewards: list[float], groups: list[str]) -> list[float]:
         for i in idx:
             adv[i] = rewards[i] - (total - rewards[i]) / (len(idx) - 1)
     return adv
+
+
+def signal_rewards(signal: str, rewards: list[float], successes: list[bool]) -> list[float]:
+    """``trainer.reward_signal``: ``reward`` trains on the verifier's value, partial credit included; ``success`` and
+    ``tiebreak`` on 1.0 for a success and 0.0 for anything else (tiebreak's partial credit comes in ``tie_break``)."""
+    return list(rewards) if signal == "reward" else [float(s) for s in successes]
+
+
+def tie_break(adv: list[float], groups: list[str], tie: TieBreak | None) -> list[float]:
+    """Partial credit as a tie-break on top of the success advantages ``adv``: each episode gains
+    w * (credit - mean credit of the episodes of its group with the same success), added after the algorithm's
+    normalisation, so never divided by a group's std: an all-fail group at 0.30/0.30/0.30/0.338 gets +-0.003, not
+    +-1.73. Credit lies in [0, 1], so an episode's share stays under w.
+
+    It never lifts a failure over a success of its group: w is capped at half the gap between the group's lowest
+    success advantage and its highest failure advantage. On 1/0 success that gap is at least 1 (dr_grpo 1, grpo
+    1/std >= 2, rloo n/(n-1)), so with tiebreak_weight <= 0.5 the cap bites only where shaping (the overlong penalty,
+    KL in the reward) has narrowed it; where shaping has closed it, partial credit gets no weight."""
+    if tie is None:
+        return adv
+    out = list(adv)
+    for idx in _members(groups):
+        wins = [adv[i] for i in idx if tie.successes[i]]
+        fails = [adv[i] for i in idx if not tie.successes[i]]
+        weight = tie.weight if not (wins and fails) else max(0.0, min(tie.weight, (min(wins) - max(fails)) / 2))
+        for success in (True, False):
+            same = [i for i in idx if tie.successes[i] == success]
+            credit = [min(max(tie.credit[i], 0.0), 1.0) for i in same]  # a verifier's score is in [0, 1]
+            for i, c in zip(same, credit):
+                out[i] += weight * (c - sum(credit) / len(credit))
+    return out
 
 
 def token_rewards(reward: float, kl_penalty: Tensor) -> Tensor:
@@ -115,15 +160,16 @@ def _penalised(ep: Episodes) -> list[float]:
 
 # ---------------------------------------------------------------- one function per algorithm
 def grpo(ep: Episodes, gamma: float = 1.0, lam: float = 1.0) -> Advantages:
-    return _broadcast(group_advantages(_penalised(ep), ep.groups), ep), None
+    return _broadcast(tie_break(group_advantages(_penalised(ep), ep.groups), ep.groups, ep.tiebreak), ep), None
 
 
 def dr_grpo(ep: Episodes, gamma: float = 1.0, lam: float = 1.0) -> Advantages:
-    return _broadcast(group_advantages(_penalised(ep), ep.groups, scale=False), ep), None
+    adv = group_advantages(_penalised(ep), ep.groups, scale=False)
+    return _broadcast(tie_break(adv, ep.groups, ep.tiebreak), ep), None
 
 
 def rloo(ep: Episodes, gamma: float = 1.0, lam: float = 1.0) -> Advantages:
-    return _broadcast(rloo_advantages(_penalised(ep), ep.groups), ep), None
+    return _broadcast(tie_break(rloo_advantages(_penalised(ep), ep.groups), ep.groups, ep.tiebreak), ep), None
 
 
 def reinforce_pp(ep: Episodes, gamma: float = 1.0, lam: float = 1.0, baseline: bool = False) -> Advantages:
@@ -170,6 +216,7 @@ def token_advantages(
     values: list[list[float]] | None = None,  # likewise
     gamma: float = 1.0,
     lam: float = 1.0,
+    tiebreak: TieBreak | None = None,  # trainer.reward_signal tiebreak (grpo, dr_grpo, rloo)
 ) -> tuple[list[list[float]], list[list[float]] | None]:
     """Advantages (and value targets) for every token of every sequence, 0 where the loss mask is 0."""
     positions = [_positions(m) for m in masks]
@@ -180,7 +227,7 @@ def token_advantages(
         return [torch.tensor([seq[t] for t in pos], dtype=torch.float64) for seq, pos in zip(per_token, positions)]
 
     penalty = policy_only(kl_penalty) or [torch.zeros(len(pos), dtype=torch.float64) for pos in positions]
-    adv, returns = fn(Episodes(list(rewards), list(groups), penalty, policy_only(values)), gamma, lam)
+    adv, returns = fn(Episodes(list(rewards), list(groups), penalty, policy_only(values), tiebreak), gamma, lam)
     full_adv = [_spread(a, pos, len(m)) for a, pos, m in zip(adv, positions, masks)]
     if returns is None:
         return full_adv, None

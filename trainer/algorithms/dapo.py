@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 
-def informative_groups(rewards: list[float], groups: list[str]) -> set[str]:
-    """Groups whose rewards are not all equal. A group that all passed or all failed has zero group-relative advantage
-    everywhere, so it adds no gradient, only dilutes the batch; dynamic sampling drops it and samples more tasks."""
-    seen: dict[str, set[float]] = defaultdict(set)
-    for r, g in zip(rewards, groups):
-        seen[g].add(r)
+def informative_groups(rewards: list[float], successes: list[bool], groups: list[str], on: str = "success") -> set[str]:
+    """Groups worth a gradient (``trainer.dynamic_sampling_on``): ``success``, those where some episodes succeeded and
+    some did not; ``reward``, those whose reward values are not all equal. Dynamic sampling drops the rest and samples
+    more tasks: a group that all passed or all failed has nothing to learn from, and keyed on reward, partial credit
+    keeps groups where nobody succeeded, whose near-equal credit a std-normalised baseline blows up."""
+    seen: dict[str, set] = defaultdict(set)
+    for value, g in zip(successes if on == "success" else rewards, groups):
+        seen[g].add(value)
     return {g for g, values in seen.items() if len(values) > 1}
 
 

@@ -59,7 +59,10 @@ class Settings:
     value_coef: float
     gamma: float
     gae_lambda: float
+    reward_signal: str  # "reward", "success" or "tiebreak" (advantages.signal_rewards)
+    tiebreak_weight: float
     dynamic_sampling: bool
+    dynamic_sampling_on: str  # "success" or "reward" (dapo.informative_groups)
     dynamic_sampling_max_rounds: int
     overlong_buffer: int  # tokens; 0: off
     overlong_penalty: float
@@ -94,7 +97,10 @@ def resolve(trainer: TrainerConfig, response_budget: int) -> Settings:
         value_coef=t.value_coef,
         gamma=t.gamma,
         gae_lambda=t.gae_lambda,
+        reward_signal=t.reward_signal,
+        tiebreak_weight=t.tiebreak_weight,
         dynamic_sampling=pick(t.dynamic_sampling, algo.dynamic_sampling),
+        dynamic_sampling_on=t.dynamic_sampling_on,
         dynamic_sampling_max_rounds=t.dynamic_sampling_max_rounds,
         overlong_buffer=pick(t.overlong_buffer, int(algo.overlong_buffer * response_budget)),
         overlong_penalty=t.overlong_penalty,
