@@ -125,7 +125,8 @@ class RLJob:
         return stats.snapshot()
 
     def update(self, rows: list[TrainingRow]) -> dict[str, float]:
-        return trainer_ranks.update(self.ranks, rows, self.cfg.trainer.mini_batches, self.rng)
+        t = self.cfg.trainer
+        return trainer_ranks.update(self.ranks, rows, t.mini_batches, self.rng, t.epochs)
 
     def sample_groups(self, step: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
         """G episodes for each of ``rollout.tasks_per_step`` tasks: (every episode, the ones to train on, metrics).
@@ -166,7 +167,7 @@ class RLJob:
                      for t in ok]
         values, successes = [t.reward.value for t in ok], [t.reward.success for t in ok]
         signal = signal_rewards(s.reward_signal, values, successes)
-        mini = self.cfg.trainer.mini_batches > 1
+        mini = self.cfg.trainer.mini_batches > 1 or self.cfg.trainer.epochs > 1  # later steps: the start's log-probs
         scores = trainer_ranks.score(self.ranks, rows) if s.needs_scores or mini else None
         adv, returns = token_advantages(
             s.algorithm.advantages,

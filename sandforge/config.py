@@ -314,6 +314,9 @@ class TrainerConfig(Section):
     # optimizer steps per RL step: the batch is split in this many mini-batches, each one step against the log-probs the
     # trainer had before the first (PPO-style; with 1 the ratio is 1 and the clip never acts)
     mini_batches: int = Field(1, ge=1)
+    # PPO epochs: passes over each RL step's batch, each reshuffled and split in mini_batches, all against the log-probs
+    # the trainer had before the first; epochs x mini_batches optimizer steps per RL step
+    epochs: int = Field(1, ge=1)
     expert_parallel: int = Field(1, ge=1)  # ranks the routed experts are split over (docs/trainer.md "Expert parallelism")
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     # trainer -> engine weights: the Ray object store; a broadcast over a process group of their own (NCCL on GPU,

@@ -167,6 +167,25 @@ def test_later_mini_batches_take_their_ratio_against_the_steps_start(rank):
     assert m3["ratio/min"] == pytest.approx(1.0, abs=1e-5) and m3["ratio/max"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_a_second_epoch_over_the_batch_is_clipped_on_the_side_its_advantage_pushes():
+    """trainer.epochs: the same rows again, against the step's old log-probs. After the first pass the ratio has moved,
+    so the second pass's ratio metrics leave 1 and the clip acts: with clip-higher (a wide high side, a narrow low
+    side) the tokens clipped are the ones pushed down, on the low side."""
+    from sandforge.trainer.rank import TrainerRank
+
+    r = TrainerRank(0, 1, "127.0.0.1", free_port(), MODEL,
+                    trainer(lr=1e-2, grad_accum_steps=1, clip_eps_low=1e-3, clip_eps_high=10.0), SHAPE, seed=0,
+                    num_threads=2)
+    rows = make_rows(r, [1.0, -1.0, 1.0])
+    rows = [replace(row, old_logprobs=s.old_logprobs) for row, s in zip(rows, r.score(rows))]
+    total = sum(sum(x.loss_mask) for x in rows)
+    first = r.train_step(rows, total, mode="rl")
+    assert first["clip_frac"] == 0.0 and first["ratio/max"] == pytest.approx(1.0, abs=1e-5)
+    second = r.train_step(rows, total, mode="rl")
+    assert second["ratio/max"] > 1.001 and second["ratio/min"] < 0.999
+    assert second["clip_frac/low"] > 0 and second["clip_frac/high"] == 0.0
+
+
 def test_lr_factor_shapes():
     from sandforge.trainer.lr_schedule import lr_factor
 

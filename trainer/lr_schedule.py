@@ -1,6 +1,6 @@
 """The RL learning-rate schedule: a factor of ``trainer.lr`` for each RL optimizer step.
 
-The schedule counts optimizer steps of the RL phase only (``trainer.steps`` x ``trainer.mini_batches`` in all); the
+The schedule counts optimizer steps of the RL phase only (``trainer.steps`` x ``trainer.mini_batches`` x ``trainer.epochs`` in all); the
 supervised warm start runs at ``warmup.lr`` and does not advance it. Past the end the last factor holds (a step with
 fewer rows than mini-batches takes fewer optimizer steps, so a run may stop short of the end).
 """

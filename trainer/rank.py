@@ -189,7 +189,7 @@ class TrainerRank:
         from sandforge.trainer.lr_schedule import lr_factor
 
         t = self.cfg
-        return t.lr * lr_factor(update, t.steps * t.mini_batches, t.lr_schedule, t.lr_warmup_steps)
+        return t.lr * lr_factor(update, t.steps * t.mini_batches * t.epochs, t.lr_schedule, t.lr_warmup_steps)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

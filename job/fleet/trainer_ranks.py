@@ -21,16 +21,19 @@ def train(ranks: list, rows: list[TrainingRow], mode: str) -> dict[str, float]:
     return results[0]
 
 
-def update(ranks: list, rows: list[TrainingRow], mini_batches: int, rng: random.Random) -> dict[str, float]:
-    """One RL step's optimizer steps: ``mini_batches`` of them over a shuffled split of ``rows``, each against the
-    log-probs the trainer had before the first. Metrics are averaged over them (``ratio/min|max``: the extremes), so
-    ``ratio/*`` and ``clip_frac`` show how far the later mini-batches moved."""
+def update(ranks: list, rows: list[TrainingRow], mini_batches: int, rng: random.Random,
+           epochs: int = 1) -> dict[str, float]:
+    """One RL step's optimizer steps: ``epochs`` passes over ``rows``, each a fresh shuffle split in ``mini_batches``,
+    every step against the log-probs the trainer had before the first. Metrics are averaged over them
+    (``ratio/min|max``: the extremes), so ``ratio/*`` and ``clip_frac`` show how far the later steps moved."""
     n = min(mini_batches, len(rows))
-    if n == 1:
+    if n == 1 and epochs == 1:
         return train(ranks, rows, mode="rl")
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    parts = [train(ranks, [rows[i] for i in order[k::n]], mode="rl") for k in range(n)]
+    parts = []
+    for _ in range(epochs):
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        parts += [train(ranks, [rows[i] for i in order[k::n]], mode="rl") for k in range(n)]
     out = {}
     for key in parts[0]:
         values = [p[key] for p in parts if key in p]
