@@ -1,7 +1,8 @@
 """Procedural terminal tasks: each family turns a seed into a Task with a reference solution and its checks.
 
-Same (family, seed, split) -> same task. Held-out tasks draw file names and words from pools the train split never
-uses (environments/words.py), so a held-out score measures what the policy learned, not what it memorised.
+Same (family, seed, split) -> same task. File names and words are fresh syllable words of the task's split
+(environments/words.py): 64 training tasks rarely share one, so copying them from the instruction is the only way to
+get them right, and held-out tasks ask for words no training task uses.
 """
 
 from __future__ import annotations
@@ -9,12 +10,9 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from sandforge.environments.words import WORDS, pools
+from sandforge.environments.words import fresh, phrase
 from sandforge.types import Task, ToolCall
 
-# Short syllable words: a tiny byte-level policy has to type them. Train and held-out pools are disjoint.
-_WORDS = WORDS
-_NAMES = pools("terminal/files", 100, 20)
 SPLITS = ("train", "heldout")
 
 
@@ -27,8 +25,8 @@ def _start(family: str, seed: int, split: str) -> tuple[random.Random, str]:
 
 def write_file_task(seed: int, split: str = "train") -> Task:
     rng, task_id = _start("write_file", seed, split)
-    path = f"/workspace/{rng.choice(_NAMES[split])}.txt"
-    content = " ".join(rng.choice(_WORDS[split]) for _ in range(rng.randint(2, 4)))
+    path = f"/workspace/{fresh(rng, split)}.txt"
+    content = phrase(rng, split, 2, 4)
     return Task(
         id=task_id,
         env="terminal",
@@ -45,9 +43,9 @@ def write_file_task(seed: int, split: str = "train") -> Task:
 
 def count_words_task(seed: int, split: str = "train") -> Task:
     rng, task_id = _start("count_words", seed, split)
-    path = f"/workspace/{rng.choice(_NAMES[split])}.txt"
+    path = f"/workspace/{fresh(rng, split)}.txt"
     n = rng.randint(3, 12)
-    words = [rng.choice(_WORDS[split]) for _ in range(n)]
+    words = phrase(rng, split, n, n).split()
     lines = [" ".join(words[i : i + 5]) for i in range(0, n, 5)]  # up to 5 words a line: counting lines is wrong
     return Task(
         id=task_id,
