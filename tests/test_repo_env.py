@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,7 +20,7 @@ from seeded import repo_task as make_task
 
 from sandforge.environments.repo.env import RepoEnv
 from sandforge.environments.repo.functions import FUNCTIONS
-from sandforge.environments.repo.tasks import FAMILIES
+from sandforge.environments.repo.tasks import FAMILIES, _renamed, _variables
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.lifecycle import list_run_containers
@@ -48,12 +49,21 @@ def test_tasks_are_deterministic_and_split_apart(family):
     train, held = make_task(family, 5), make_task(family, 5, "heldout")
     assert train.id == f"repo/{family}/5" and held.id == f"repo/{family}/heldout/5"
     assert (train.env, train.family, train.split, held.split) == ("repo", family, "train", "heldout")
-    train_names = {f.names[0] for f in FUNCTIONS}
-    for seed in range(30):  # held-out repositories never show a train package, module or function name
-        files = make_task(family, seed, "heldout").setup["files"]
-        text = "\n".join(files.values()) + "\n".join(files)
-        assert not any(f"def {name}(" in text for name in train_names)
-        assert not any(p in text for p in ("mathutil", "listutil", "strutil", "ledger", "tally", "quill"))
+    train_names = set().union(*(_names(make_task(family, seed)) for seed in range(200)))
+    for seed in range(30):  # held-out repositories never show a train package, module, function or parameter name
+        held_names = _names(make_task(family, seed, "heldout"))
+        assert held_names and not held_names & train_names
+
+
+def _names(task: Task) -> set[str]:
+    """Every name a repository defines: its package, module files, functions and their parameters."""
+    files = task.setup["files"]
+    names = {path.split("/")[-1].removesuffix(".py") for path in files if path.endswith(".py")}
+    for text in files.values():
+        for fn, params in re.findall(r"^def (\w+)\(([^)]*)\)", text, re.M):
+            names |= {fn, *(p.strip() for p in params.split(","))}
+    return (names | {task.checks[0]["package"]}) - {"", "__init__", "same", "got", "want"} - {
+        n for n in names if n.startswith("test_")}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -62,8 +72,11 @@ def test_task_holds_one_bug_its_fix_and_tests_kept_apart(family):
         task = make_task(family, seed)
         (check,) = task.checks
         files, hidden = task.setup["files"], check["hidden_tests"]
-        fix, submit = task.solution
+        read, fix, submit = task.solution
         assert submit == ToolCall("submit") and fix.name == "str_replace"
+        # the module is named in the report and read before the line the policy has just seen is replaced
+        assert read == ToolCall("read_file", {"path": fix.arguments["path"]}) and read.arguments["path"] in \
+            task.instruction
         assert files[fix.arguments["path"]].count(fix.arguments["old"]) == 1  # the edit the policy must make
         assert check["files"] == files and not set(hidden) & set(files)  # hidden tests are never set up
         assert check["fail_to_pass"] and check["pass_to_pass"]
@@ -81,8 +94,15 @@ def test_task_holds_one_bug_its_fix_and_tests_kept_apart(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_function_with_the_bug_kind_is_drawn_and_generates(family):
     # the generator checks each drawn bug against inputs that expose it; this makes every template face that check
-    fixes = {make_task(family, seed).solution[0].arguments["new"] for seed in range(150)}
-    assert len(fixes) == sum(family in f.bugs for f in FUNCTIONS)
+    fixes = {_unnamed(make_task(family, seed).solution[1].arguments["new"]) for seed in range(150)}
+    templates = {_unnamed(_renamed(f, ["p"] * len(_variables(f))).bugs[family][0])
+                 for f in FUNCTIONS if family in f.bugs}
+    assert fixes == templates and len(templates) == sum(family in f.bugs for f in FUNCTIONS)
+
+
+def _unnamed(line: str) -> str:
+    """A fix line with its generated names (syllable words; ``p`` for a template's parameters) made ``X``."""
+    return re.sub(r"\b(?:p|(?:[bdfgklmnprstvz][aeiou])+)\b", "X", line)
 
 
 def test_tests_compare_types_not_just_equality():
@@ -133,7 +153,9 @@ def test_reference_scores_one_doing_nothing_zero_and_runs_repeat(family, repo_sp
     task = make_task(family, 7)
     solved, observations = _play(task, repo_spec, run_id, docker_client)
     assert (solved.value, solved.success) == (1.0, True), solved.reason
-    assert observations[0].startswith("edited ") and observations[-1] == "submitted"
+    read, edited, submitted = observations
+    assert read == task.setup["files"][task.solution[0].arguments["path"]]  # the module, in full, before the edit
+    assert edited.startswith("edited ") and submitted == "submitted"
     assert solved.breakdown["repo_tests:0/fail_to_pass"] == 1.0
 
     idle = replace(task, solution=[ToolCall("submit")])
@@ -152,7 +174,7 @@ def test_reference_scores_one_doing_nothing_zero_and_runs_repeat(family, repo_sp
 @pytest.mark.docker
 def test_str_replace_and_run_tests_in_the_sandbox(repo_spec, run_id, docker_client):
     task = make_task("wrong_operator", 2)
-    fix = task.solution[0].arguments
+    fix = task.solution[1].arguments
     env = RepoEnv(task, repo_spec, run_id, client=docker_client)
     try:
         obs, info = env.reset()

@@ -1,20 +1,30 @@
 """Procedural SWE-style tasks: a small Python package with one injected bug, visible tests and hidden tests.
 
-Each family is a bug kind (``off_by_one``, ``wrong_operator``, ``wrong_condition``). A seed picks a package name, two
-or three modules of functions drawn from ``functions.FUNCTIONS``, the function that gets the bug and the test inputs.
+Each family is a bug kind (``off_by_one``, ``wrong_operator``, ``wrong_condition``). A seed picks two or three
+modules of functions drawn from ``functions.FUNCTIONS``, the function that gets the bug and the test inputs, and
+names everything afresh: the package, its modules, the functions and their variables are syllable words of the
+task's split (environments/words.py). So a held-out repository is a training one with names no training task uses,
+fixed by the same steps, and no name or line of a fix can be learnt in place of reading it.
 Expected values come from running the correct code here; whether a test exposes the bug from running the buggy code,
 so FAIL_TO_PASS (fails before the fix, passes after) and PASS_TO_PASS (passes on both) are measured, never guessed.
 
 What the policy gets: the buggy repository in /workspace as a git repository whose only commit is the buggy base (no
 other refs, no reflog, garbage collected: nothing in .git holds the fix), the visible tests in tests/, and an
-issue-style instruction. The hidden tests exist only in the task's check, driver side; the ``repo_tests`` verifier
-adds them in a fresh container after the episode. Same (family, seed, split) -> same task; held-out tasks use
-package, module and function names the train split never shows.
+issue-style instruction naming the module, the call and what it should return. The reference solution reads the
+module, then replaces the buggy line it has just seen (naming the module spares it a search: a grep opener taught a
+warm-started policy to open terminal tasks with grep too). The hidden tests exist only in the task's check, driver side;
+the ``repo_tests`` verifier adds them in a fresh container after the episode. Same (family, seed, split) -> same task.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
+import dataclasses
+import keyword
 import random
+import re
+import sys
 from typing import Any, Callable
 
 from sandforge.environments.repo.functions import (
@@ -25,17 +35,14 @@ from sandforge.environments.repo.functions import (
     WRONG_OPERATOR,
     Function,
 )
+from sandforge.environments.words import distinct
 from sandforge.types import Task, ToolCall
 
 SPLITS = ("train", "heldout")
-_PACKAGES = {
-    "train": "ledger tally quill abacus sprocket nimbus parcel gadget".split(),
-    "heldout": "fathom kestrel lattice marlin osprey tundra".split(),
-}
-_MODULE_FILES = {  # module kind -> file stem, per split
-    "train": {"numbers": "mathutil", "lists": "listutil", "text": "strutil"},
-    "heldout": {"numbers": "arith", "lists": "seqs", "text": "words"},
-}
+# names a package, module, function or parameter must not take: a package named `site` or `time` in /workspace
+# would shadow the standard library's for pytest itself
+_RESERVED = set(sys.stdlib_module_names) | set(keyword.kwlist) | set(dir(builtins)) | {"same", "tests"}
+SHORT = (2, 2)  # syllables of the names a fix's str_replace call spells out: it must fit in a turn's tokens
 GRADE_TIMEOUT = 60.0  # seconds for the whole graded pytest run
 _CANDIDATE_INPUTS = 24  # random argument tuples tried per function, beyond its edge cases
 _SETUP = (
@@ -60,8 +67,30 @@ def same(got, want):
 '''
 
 
-def _name(fn: Function, split: str) -> str:
-    return fn.names[SPLITS.index(split)]
+def _variables(fn: Function) -> list[str]:
+    """The names ``fn`` binds, parameters first, in order: what a task renames, so no line of a fix recurs."""
+    tree = ast.parse(fn.source.format(name="f"))
+    found = [a.arg for a in tree.body[0].args.args]
+    found += [n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+    return list(dict.fromkeys(found))
+
+
+def _renamed(fn: Function, names: list[str]) -> Function:
+    """``fn`` with its variables (``_variables``) called ``names``: in the code, its bug lines, and where the docstring
+    quotes them (`items`); the docstring's plain words stay English."""
+    swap = dict(zip(_variables(fn), names))
+
+    def rename(text: str) -> str:
+        lines = text.split("\n")
+        for i, line in enumerate(lines):
+            if line.lstrip().startswith('"""'):
+                lines[i] = re.sub(r"`(\w+)`", lambda m: f"`{swap.get(m.group(1), m.group(1))}`", line)
+            else:  # whole names outside strings; no template has a variable's name inside a string
+                lines[i] = re.sub(r"(?<![\w.\"'])(\w+)\b(?![\"'])", lambda m: swap.get(m.group(1), m.group(1)), line)
+        return "\n".join(lines)
+
+    return dataclasses.replace(fn, source=rename(fn.source),
+                               bugs={kind: (rename(good), rename(bad)) for kind, (good, bad) in fn.bugs.items()})
 
 
 def _compile(code: str, name: str) -> Callable:
@@ -125,7 +154,8 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
         raise ValueError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
     rng = random.Random(f"repo/{family}/{split}/{seed}")
     task_id = f"repo/{family}/{seed}" if split == "train" else f"repo/{family}/{split}/{seed}"
-    package = rng.choice(_PACKAGES[split])
+    taken = set(_RESERVED)  # every name in the package differs from every other and from Python's own
+    (package,) = distinct(rng, split, 1, taken, SHORT)
     target = rng.choice([f for f in FUNCTIONS if family in f.bugs])
     kinds = [target.module] + rng.sample([m for m in MODULES if m != target.module], rng.randint(1, 2))
 
@@ -136,17 +166,19 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
     fix: tuple[str, str, str] | None = None  # (path, buggy line, correct line)
     symptom = ""
     for kind in kinds:
-        stem = _MODULE_FILES[split][kind]
+        (stem,) = distinct(rng, split, 1, taken, SHORT)
         pool = [f for f in FUNCTIONS if f.module == kind and f is not target]
         chosen = rng.sample(pool, rng.randint(1, 2)) + ([target] if kind == target.module else [])
         rng.shuffle(chosen)
         path = f"{package}/{stem}.py"
         sources, visible, secret = [], [], []
-        for fn in chosen:
-            name, bug = _name(fn, split), family if fn is target else None
+        for template in chosen:
+            (name,) = distinct(rng, split, 1, taken)
+            fn = _renamed(template, distinct(rng, split, len(_variables(template)), taken, SHORT))
+            bug = family if template is target else None
             sources.append(fn.code(name, bug))
             passing, revealing = _cases(fn, name, bug, rng)
-            if fn is target:
+            if template is target:
                 if not revealing:
                     raise AssertionError(f"{name}: no input exposes the {family} bug; add an edge case")
                 # the hidden tests repeat the shown symptom when it is the only one (an empty list, say)
@@ -178,7 +210,9 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
         family=family,
         seed=seed,
         split=split,
-        instruction=f"Bug report for the `{package}` package in /workspace: {symptom}. Fix the bug, then submit.",
+        # the report names the module, as a traceback would: the reference reads it and edits the line it saw
+        instruction=f"Bug report for the `{package}` package in /workspace: in {path}, {symptom}. Fix the bug, "
+                    "then submit.",
         setup={"files": files, "commands": [_SETUP]},
         checks=[{
             "verifier": "repo_tests",
@@ -189,7 +223,11 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
             "pass_to_pass": pass_to_pass,
             "timeout": GRADE_TIMEOUT,
         }],
-        solution=[ToolCall("str_replace", {"path": path, "old": buggy, "new": correct}), ToolCall("submit")],
+        solution=[
+            ToolCall("read_file", {"path": path}),
+            ToolCall("str_replace", {"path": path, "old": buggy, "new": correct}),
+            ToolCall("submit"),
+        ],
     )
 
 
