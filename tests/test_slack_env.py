@@ -12,9 +12,9 @@ from seeded import slack_task as make_task
 from sandforge.environments.apps.env import APP_DIR
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.lifecycle import list_run_containers
-from sandforge.environments.slack import tasks as slack_tasks
 from sandforge.environments.slack.env import SlackEnv
 from sandforge.environments.slack.tasks import FAMILIES
+from sandforge.environments.words import split_of
 from sandforge.types import SandboxError, ToolCall
 from sandforge.verifiers.checks import score_task
 from sandforge.verifiers.state import query_rows
@@ -37,13 +37,13 @@ def test_tasks_are_deterministic_varied_and_split_apart(family):
     assert {c.name for c in train.solution} <= tools
 
 
-def test_train_and_heldout_draw_from_disjoint_pools():
-    for pool in (slack_tasks._PEOPLE, slack_tasks._SERVICES, slack_tasks._CHANNELS, slack_tasks._CI, slack_tasks._EMOJI,
-                 slack_tasks._WORDS):
-        assert not set(pool["train"]) & set(pool["heldout"])
-    held_names = {u[1] for t in (make_task(f, s, "heldout") for f in FAMILIES for s in range(5))
-                  for u in t.setup["app"]["users"]}
-    assert not held_names & set(slack_tasks._PEOPLE["train"])
+def test_train_and_heldout_names_are_words_of_their_split():
+    for split in ("train", "heldout"):  # people, channels and emoji are words of the task's split
+        for task in (make_task(f, s, split) for f in FAMILIES for s in range(5)):
+            app = task.setup["app"]
+            names = [u[1] for u in app["users"][2:]] + [c[1] for c in app["channels"]]
+            names += [c.arguments["emoji"] for c in task.solution if c.name == "add_reaction"]
+            assert {split_of(n) for n in names} == {split}, task.id
 
 
 def test_unknown_family_and_split_are_explained():
@@ -73,6 +73,9 @@ def test_reference_solves_doing_nothing_fails_and_runs_repeat(family, slack_spec
     task = make_task(family, 7)
     first = episode(SlackEnv, task, slack_spec, run_id, docker_client)
     assert (first.finish_reason, first.reward.value, first.reward.success) == ("submit", 1.0, True), first.reward
+    shown = [task.instruction] + [o for t in first.turns for o in t.observations]
+    for i, call in enumerate(c for t in first.turns for c in t.tool_calls):  # every id it uses was shown first
+        assert all(v in "\n".join(shown[: i + 1]) for k, v in call.arguments.items() if k.endswith("_id")), call
     again = episode(SlackEnv, make_task(family, 7), slack_spec, run_id, docker_client)
     assert again.task == first.task and again.reward == first.reward
     observations = [t.observations for t in first.turns]
@@ -129,6 +132,7 @@ def test_replying_to_a_reply_lands_in_the_same_thread(env):
 
 @pytest.mark.docker
 def test_tool_arguments_cannot_escape_the_api(env):
+    ci = "#" + env.task.setup["app"]["channels"][0][1]  # the build bot's channel
     before = query_rows(env.sandbox, DB, "SELECT count(*), (SELECT count(*) FROM users) FROM messages")
     assert act(env, "search_messages", query="' OR 1=1 --") == "no messages contain \"' OR 1=1 --\""
     assert act(env, "search_messages", query="%").startswith("no messages contain")  # a literal %, not a wildcard
@@ -137,14 +141,14 @@ def test_tool_arguments_cannot_escape_the_api(env):
     assert act(env, "reply_in_thread", message_id="m001' OR '1'='1", text="hi").startswith("Error: no message")
     assert act(env, "add_reaction", message_id="m001", emoji="x; rm -rf /").startswith("Error: 'x; rm -rf /' is not")
     shell = "$(touch /tmp/pwned) `touch /tmp/pwned2` '; touch /tmp/pwned3 #"
-    assert act(env, "post_message", channel="#ci", text=shell).startswith("posted")
+    assert act(env, "post_message", channel=ci, text=shell).startswith("posted")
     assert query_rows(env.sandbox, DB, "SELECT count(*), (SELECT count(*) FROM users) FROM messages") == \
         [[before[0][0] + 1, before[0][1]]]
     assert query_rows(env.sandbox, DB, "SELECT text FROM messages WHERE user_id = 'U00'") == [[shell]]
     found = env.sandbox.exec("find /tmp /workspace -name 'pwned*' | wc -l", user="root", session=False)
     assert found.output.strip() == "0"
     assert act(env, "read_channel", channel=7).startswith("Error: read_channel: 'channel' must be string")
-    assert act(env, "post_message", channel="#ci", text="x" * 5000).startswith("Error: the message is 5000")
+    assert act(env, "post_message", channel=ci, text="x" * 5000).startswith("Error: the message is 5000")
     assert act(env, "search_messages", query="x" * 200_000).startswith("Error: search.messages: the arguments are")
 
 
@@ -169,7 +173,8 @@ def test_the_app_server_keeps_running_through_the_episode(env):
     owner = env.sandbox.exec(f"ps -o user=,pid= -p {pid}", user="root", session=False).output.split()
     assert owner == ["root", pid]
     env.sandbox.exec("sleep 1")
-    assert "#ci" in act(env, "read_channel", channel="ci") and act(env, "search_messages", query="deploy")
+    ci = env.task.setup["app"]["channels"][0][1]
+    assert f"#{ci}" in act(env, "read_channel", channel=ci) and act(env, "search_messages", query="deploy")
 
 
 @pytest.mark.docker

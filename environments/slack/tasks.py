@@ -1,8 +1,10 @@
 """Slack task families: each seeds a small workspace (people, channels, chatter, threads) and asks for one action.
 
-Same (family, seed, split) -> same workspace, same ids, same task. Held-out tasks draw people, services, channels,
-emoji and words from pools the train split never uses (words and channels: environments/words.py). Every check is one ``sql`` query over everything the policy
-did (its messages and reactions), so doing nothing, doing it in the wrong place, or doing extra all score 0.
+Same (family, seed, split) -> same workspace, same ids, same task. People, channels (the build bot's too), emoji,
+services and words are fresh syllable words of the task's split (environments/words.py), and build numbers are split
+by the same hash, so no value a solution writes can be learnt in place of copying it, and held-out tasks ask for
+values no training task uses. Every check is one ``sql`` query over everything the policy did (its messages and
+reactions), so doing nothing, doing it in the wrong place, or doing extra all score 0.
 """
 
 from __future__ import annotations
@@ -13,20 +15,13 @@ from typing import Callable
 
 from sandforge.environments.apps.tasks import start
 from sandforge.environments.slack.env import SlackEnv
-from sandforge.environments.words import WORDS, pools
+from sandforge.environments.words import distinct, split_of
 from sandforge.types import Task, ToolCall
 
 ME = "U00"
 BOT = "U99"
-_PEOPLE = {
-    "train": "dana omar lena raj mia tom ivy sam zoe ken".split(),
-    "heldout": "ana eli noor bo kai rosa finn yuki".split(),
-}
-_SERVICES = {"train": "api web billing search auth".split(), "heldout": "payments mobile gateway ledger".split()}
-_CI = {"train": ["ci"], "heldout": ["builds"]}  # the build bot's channel
-_CHANNELS = pools("slack/channels", 60, 15)  # three of them in every workspace
-_EMOJI = {"train": "thumbsup eyes tada rocket heart".split(), "heldout": "fire clap star sparkles ok_hand".split()}
-_WORDS = WORDS
+# build numbers: 4 digits each, so none is a substring of another, and of one split, as words are
+_BUILDS = {split: [b for b in range(1000, 10000) if split_of(str(b)) == split] for split in ("train", "heldout")}
 _CHATTER = ("anyone seen the {} {}?", "the {} {} is back", "lunch: {} or {}?", "moving the {} to the {}",
             "who has the {} {}", "{} {} meeting at three")
 
@@ -45,6 +40,11 @@ class Workspace:
     channels: list[list] = field(default_factory=list)
     messages: list[list] = field(default_factory=list)
     ts: int = 0
+    taken: set[str] = field(default_factory=set)  # the names and words used so far: each value is new
+
+    def fresh(self, n: int) -> list[str]:
+        """``n`` new words of the workspace's split, unlike any name it has."""
+        return distinct(self.rng, self.split, n, self.taken)
 
     def post(self, channel: str, user: str, text: str, thread: str | None = None) -> str:
         self.ts += self.rng.randint(1, 9)
@@ -54,7 +54,7 @@ class Workspace:
 
     def chatter(self, channel: str, people: list[str], n: int) -> None:
         for _ in range(n):
-            words = self.rng.sample(_WORDS[self.split], 2)
+            words = self.fresh(2)
             self.post(channel, self.rng.choice(people), self.rng.choice(_CHATTER).format(*words))
 
     def seed(self) -> dict:
@@ -62,12 +62,13 @@ class Workspace:
 
 
 def _workspace(rng: random.Random, split: str, n_people: int = 5) -> tuple[Workspace, list[str], list[str]]:
-    """A workspace with ``n_people`` people (ids U01..), the policy (U00), a CI bot, and four channels (C01..C04)."""
+    """A workspace with ``n_people`` people (ids U01..), the policy (U00), a CI bot, and four channels (C01..C04), the
+    first the bot's."""
     ws = Workspace(rng, split)
-    names = rng.sample(_PEOPLE[split], n_people)
+    names = ws.fresh(n_people)
     ws.users = [[ME, "me", "You"], [BOT, "ci-bot", "CI"]]
     ws.users += [[f"U{i + 1:02d}", n, n.capitalize()] for i, n in enumerate(names)]
-    ci, rest = _CI[split][0], rng.sample(_CHANNELS[split], 3)
+    ci, *rest = ws.fresh(4)
     topics = ("build results", "company-wide news", "the team's channel", "anything else")
     ws.channels = [[f"C{i + 1:02d}", name, topic] for i, (name, topic) in enumerate(zip((ci, *rest), topics))]
     return ws, [u[0] for u in ws.users[2:]], [c[0] for c in ws.channels]
@@ -88,9 +89,9 @@ def reply_in_thread_task(seed: int, split: str = "train") -> Task:
     """Answer a question in its thread with a value found in another channel (the latest passing build)."""
     rng, task_id = start("slack", "reply_in_thread", seed, split)
     ws, people, (ci, general, team, _) = _workspace(rng, split)
-    service, other = rng.sample(_SERVICES[split], 2)
+    service, other = ws.fresh(2)
     asker, other_asker = rng.sample(people, 2)
-    builds = rng.sample(range(1000, 10000), 4)  # 4 digits each: none is a substring of another
+    builds = rng.sample(_BUILDS[split], 4)
     target, failed, other_build, older = builds
     ws.chatter(general, people, 2)
     ws.post(ci, BOT, f"Build {older} passed on main ({service})")
@@ -123,7 +124,7 @@ def post_message_task(seed: int, split: str = "train") -> Task:
         ws.chatter(channel, people, 2)
     channel = rng.choice(channels[1:])
     name = dict((c[0], c[1]) for c in ws.channels)[channel]
-    text = " ".join(rng.sample(_WORDS[split], rng.randint(2, 4)))
+    text = " ".join(ws.fresh(rng.randint(2, 4)))
     instruction = f'Post "{text}" in #{name}.'
     return _task("post_message", seed, split, task_id, instruction, ws, [["message", channel, None, text]],
                  "trim(text)", [ToolCall("post_message", {"channel": f"#{name}", "text": text})])
@@ -134,9 +135,9 @@ def add_reaction_task(seed: int, split: str = "train") -> Task:
     rng, task_id = start("slack", "add_reaction", seed, split)
     ws, people, channels = _workspace(rng, split)
     person, echo = rng.sample(people, 2)
-    words = rng.sample(_WORDS[split], 2)
+    words = ws.fresh(2)
     said = f"the {words[0]} {words[1]} is ready"
-    emoji = rng.choice(_EMOJI[split])
+    (emoji,) = ws.fresh(1)  # a custom emoji, as a workspace has
     ws.chatter(channels[1], people, 2)
     first, second = rng.sample(channels[1:], 2)
     if rng.random() < 0.5:
