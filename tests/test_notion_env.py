@@ -7,11 +7,11 @@ import pytest
 from app_episodes import act, app_spec, episode, train_one_step
 from seeded import notion_task as make_task
 
-from sandforge.environments.notion import tasks as notion_tasks
 from sandforge.environments.notion.env import NotionEnv, parse_blocks
 from sandforge.environments.notion.tasks import FAMILIES
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.tools import ToolError
+from sandforge.environments.words import split_of
 from sandforge.types import ToolCall
 from sandforge.verifiers.checks import score_task
 from sandforge.verifiers.state import query_rows
@@ -29,8 +29,9 @@ def test_tasks_are_deterministic_varied_and_split_apart(family):
     assert (train.id, held.id) == (f"notion/{family}/4", f"notion/{family}/heldout/4")
     assert train.checks[0]["verifier"] == "sql" and train.checks[0]["db"] == DB
     assert train.solution[-1] == ToolCall("submit")
-    held_titles = {p[3] for p in held.setup["app"]["pages"]} | {d[2] for d in held.setup["app"]["databases"]}
-    assert not held_titles & (set(notion_tasks._PAGES["train"]) | set(notion_tasks._DATABASES["train"]))
+    for task in (train, held):  # every title is made of words of the task's split
+        titles = [p[3] for p in task.setup["app"]["pages"]] + [d[2] for d in task.setup["app"]["databases"]]
+        assert {split_of(w) for t in titles for w in t.lower().split() if w not in ("the", "notes")} == {task.split}
 
 
 def test_unknown_family_is_explained():
@@ -77,6 +78,9 @@ def test_reference_solves_doing_nothing_fails_and_runs_repeat(family, notion_spe
     task = make_task(family, 7)
     first = episode(NotionEnv, task, notion_spec, run_id, docker_client)
     assert (first.finish_reason, first.reward.value, first.reward.success) == ("submit", 1.0, True), first.reward
+    shown = [task.instruction] + [o for t in first.turns for o in t.observations]
+    for i, call in enumerate(c for t in first.turns for c in t.tool_calls):  # every id it uses was shown first
+        assert all(v in "\n".join(shown[: i + 1]) for k, v in call.arguments.items() if k.endswith("_id")), call
     again = episode(NotionEnv, make_task(family, 7), notion_spec, run_id, docker_client)
     assert again.task == first.task and again.reward == first.reward
     assert [t.observations for t in again.turns] == [t.observations for t in first.turns]

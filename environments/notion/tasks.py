@@ -1,9 +1,11 @@
 """Notion task families: each seeds a small workspace (pages with blocks, two databases with typed properties) and
 asks for one change.
 
-Same (family, seed, split) -> same workspace, same ids, same task. Held-out tasks draw page titles, database names
-and words from pools the train split never uses (environments/words.py). Every check is one ``sql`` query listing everything the policy did
-(pages and blocks it created, property values it set), so doing nothing, the wrong place, or extras all score 0.
+Same (family, seed, split) -> same workspace, same ids, same task. Page titles, database names and words are fresh
+syllable words of the task's split (environments/words.py), so no title or text a solution writes can be learnt in
+place of copying it, and held-out tasks ask for words no training task uses. Every check is one ``sql`` query listing
+everything the policy did (pages and blocks it created, property values it set), so doing nothing, the wrong place,
+or extras all score 0.
 """
 
 from __future__ import annotations
@@ -14,13 +16,9 @@ from typing import Callable
 
 from sandforge.environments.apps.tasks import start
 from sandforge.environments.notion.env import NotionEnv
-from sandforge.environments.words import WORDS, pools
+from sandforge.environments.words import distinct
 from sandforge.types import Task, ToolCall
 
-_PAGES = {split: [w.capitalize() for w in words] for split, words in pools("notion/pages", 60, 15).items()}
-_DATABASES = {"train": ("Sprint", "Roadmap"), "heldout": ("Backlog", "Projects")}
-_WORDS = WORDS
-_VERBS = pools("notion/verbs", 40, 10)
 STATUS = ["Todo", "In progress", "Done"]
 PRIORITY = ["Low", "Medium", "High"]
 
@@ -44,6 +42,7 @@ class Workspace:
     databases: list[list] = field(default_factory=list)
     properties: list[list] = field(default_factory=list)
     values: list[list] = field(default_factory=list)
+    taken: set[str] = field(default_factory=set)  # the words used so far: each title and phrase is new
 
     def page(self, parent: str, title: str, database: str | None = None) -> str:
         page_id = f"p{len(self.pages) + 1:02d}"
@@ -57,7 +56,14 @@ class Workspace:
         return block_id
 
     def phrase(self, n: int = 2) -> str:
-        return " ".join(self.rng.sample(_WORDS[self.split], n))
+        return " ".join(self.fresh(n))
+
+    def fresh(self, n: int) -> list[str]:
+        """``n`` new words of the workspace's split."""
+        return distinct(self.rng, self.split, n, self.taken)
+
+    def titles(self, n: int) -> list[str]:
+        return [w.capitalize() for w in self.fresh(n)]
 
     def seed(self) -> dict:
         return {"pages": self.pages, "blocks": self.blocks, "databases": self.databases,
@@ -68,21 +74,21 @@ def _workspace(rng: random.Random, split: str) -> tuple[Workspace, dict[str, str
     """Four top-level pages with a few blocks each, and two task databases (title -> id for both) under the first."""
     ws = Workspace(rng, split)
     pages = {}
-    for title in rng.sample(_PAGES[split], 4):
+    for title in ws.titles(4):
         page = pages[title] = ws.page("", title)
         ws.block(page, "heading", f"{title} overview")
         ws.block(page, "paragraph", f"notes on the {ws.phrase()}")
         for _ in range(2):
             ws.block(page, "bullet", ws.phrase())
-        ws.block(page, "todo", f"{rng.choice(_VERBS[split])} the {ws.phrase(1)}", checked=rng.random() < 0.5)
+        ws.block(page, "todo", f"{ws.phrase(1)} the {ws.phrase(1)}", checked=rng.random() < 0.5)
     home = next(iter(pages.values()))
     databases = {}
-    for i, title in enumerate(_DATABASES[split]):
+    for i, title in enumerate(ws.titles(2)):
         database = databases[title] = f"d{i + 1:02d}"
         ws.databases.append([database, home, title])
         ws.properties += [[database, "Status", "select", STATUS, 0], [database, "Priority", "select", PRIORITY, 1],
                           [database, "Points", "number", [], 2]]
-        for verb in rng.sample(_VERBS[split], 3):
+        for verb in ws.fresh(3):
             row = ws.page(database, f"{verb} the {ws.phrase(1)}", database=database)
             ws.values += [[row, "Status", rng.choice(STATUS)], [row, "Priority", rng.choice(PRIORITY)],
                           [row, "Points", rng.randint(1, 8)]]
@@ -105,7 +111,7 @@ def create_page_task(seed: int, split: str = "train") -> Task:
     ws, pages, _ = _workspace(rng, split)
     parent_title = rng.choice(list(pages))
     parent = pages[parent_title]
-    title, heading, todo = f"{ws.phrase()} notes", ws.phrase(), f"{rng.choice(_VERBS[split])} the {ws.phrase(1)}"
+    title, heading, todo = f"{ws.phrase()} notes", ws.phrase(), f"{ws.phrase(1)} the {ws.phrase(1)}"
     new = f"p{len(ws.pages) + 1:02d}"  # the id the app gives the next page
     instruction = (f'Create a page titled "{title}" under "{parent_title}" with a heading "{heading}" '
                    f'and a to-do "{todo}".')
