@@ -20,9 +20,10 @@ from agent_fakes import CHAT, limits
 from seeded import browser_task as make_task
 
 from sandforge.environments.browser.env import SITE_DB, SITE_URL, BrowserEnv
-from sandforge.environments.browser.tasks import FAMILIES, _NAMES, _PRODUCTS, _TOWNS
+from sandforge.environments.browser.tasks import FAMILIES, _PRODUCTS
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.words import split_of
 from sandforge.registry import environment
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
@@ -46,8 +47,15 @@ def test_tasks_are_seeded_and_held_out_pools_are_disjoint():
         assert a.solution[0] == ToolCall("goto", {"url": f"{SITE_URL}/{family}/"}) and a.solution[-1].name == "submit"
         held = make_task(family, 7, "heldout")
         assert held.split == "heldout" and held.id != a.id
-    for pools in (_PRODUCTS, _NAMES, _TOWNS):
-        assert not set(pools["train"]) & set(pools["heldout"])
+    assert not set(_PRODUCTS["train"]) & set(_PRODUCTS["heldout"])
+    for split in ("train", "heldout"):  # guests, towns, rivers and dates are of the task's split
+        booking, wiki = make_task("booking", 3, split), make_task("wiki", 3, split)
+        guest = booking.solution[1].arguments["text"]
+        site = wiki.setup["site"]["wiki"]["articles"]
+        rivers = {p["paragraphs"][0].split("river ")[1].rstrip(".") for p in site}
+        words = guest.lower().split() + [a["title"].lower() for a in site] + [r.lower() for r in rivers]
+        assert {split_of(w) for w in words} == {split}
+        assert {split_of(d) for d in booking.setup["site"]["booking"]["dates"]} == {split}
     held_shop = make_task("shop", 3, "heldout").setup["site"]["shop"]["products"]
     assert all(p["name"] in _PRODUCTS["heldout"] for p in held_shop)
     with pytest.raises(ValueError, match="use one of shop, booking, wiki"):
@@ -100,6 +108,10 @@ def test_reference_solves_doing_nothing_fails_and_runs_repeat(family, browser_en
     assert (first.reward.value, first.reward.success, first.finish_reason) == (1.0, True, "submit"), first.reward
     observations = [o for t in first.turns for o in t.observations]
     assert not any(o.startswith("Error") for o in observations), observations
+    calls = [c for t in first.turns for c in t.tool_calls]
+    for call, page in zip(calls, [task.instruction] + observations):  # each element acted on is on the page shown
+        if "id" in call.arguments:
+            assert f"[{call.arguments['id']}]" in page, (call, page)
     assert "Thank you" in observations[-2] or "Booked!" in observations[-2], observations[-2]
     shots = [base64.b64decode(s) for s in first.metadata["screenshots_png"]]  # for the run directory
     assert 1 <= len(shots) <= 8 and all(s.startswith(b"\x89PNG\r\n\x1a\n") and len(s) > 1000 for s in shots)

@@ -5,8 +5,10 @@ instruction naming the start URL, ``sql`` checks on the site's database, and a r
 policy's own tools. Solutions name elements by the ids the driver gives them (document order of links, inputs and
 buttons), so they follow the page layouts in ``sites/server.py`` (its comments list each page's ids).
 
-Same (family, seed, split) -> same task. Held-out tasks draw products, names and towns from pools the train split
-never uses.
+Same (family, seed, split) -> same task. Guests, towns and rivers are fresh syllable words of the task's split
+(environments/words.py), and a booking's dates and a wiki's facts are dates and numbers of its split (split by the
+words' hash), so what a solution types can only be copied, and held-out tasks ask for values no training task uses.
+Held-out products come from a pool the train split never uses.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 import random
 import re
 from datetime import date, timedelta
+from itertools import islice
 from typing import Callable
 
 from sandforge.environments.browser.env import SITE_DB, SITE_URL
-from sandforge.environments.words import pools
+from sandforge.environments.words import distinct, split_of
 from sandforge.types import Task, ToolCall
 
 SPLITS = ("train", "heldout")
@@ -26,17 +29,8 @@ _PRODUCTS = {
               "Rain hat", "Bath towel", "Cutting board"],
     "heldout": ["Coffee grinder", "Yoga mat", "Bike bell", "Candle", "Picture frame", "Plant pot", "Backpack"],
 }
-_NAMES = {  # guests' names: two syllable words (environments/words.py), so a held-out name is typed, not recalled
-    split: [f"{first.capitalize()} {last.capitalize()}" for first, last in zip(firsts, lasts)]
-    for (split, firsts), lasts in zip(pools("browser/first", 60, 15).items(), pools("browser/last", 60, 15).values())
-}
-_TOWNS = {
-    "train": ["Varno", "Belmora", "Ostrik", "Calden", "Merrow", "Tesska", "Dunmere", "Fallow", "Kirrin", "Lussa"],
-    "heldout": ["Penwick", "Harrow", "Ysolde", "Corvan", "Bralle", "Quenby", "Sorrel"],
-}
-_RIVERS = ["Alder", "Brise", "Corran", "Dwell", "Elve", "Fenn", "Glass", "Hume"]
 _REGIONS = ["northern", "southern", "eastern", "western", "central"]
-_FIRST_DAY = {"train": date(2026, 12, 1), "heldout": date(2027, 2, 1)}
+_FIRST_DAY, _DAYS = date(2026, 1, 1), 4 * 365  # booking dates of both splits fall in these four years
 _TIMES = ["17:30", "18:00", "18:30", "19:00", "19:30", "20:00", "20:30", "21:00"]
 
 
@@ -45,6 +39,20 @@ def _start(family: str, seed: int, split: str) -> tuple[random.Random, str]:
         raise ValueError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
     task_id = f"browser/{family}/{seed}" if split == "train" else f"browser/{family}/{split}/{seed}"
     return random.Random(f"browser/{family}/{seed}"), task_id
+
+
+def _names(rng: random.Random, split: str, n: int, words: int = 1) -> list[str]:
+    """``n`` different capitalised names of ``words`` fresh syllable words each: guests, towns, rivers."""
+    taken: set[str] = set()
+    return [" ".join(w.capitalize() for w in distinct(rng, split, words, taken)) for _ in range(n)]
+
+
+def _number(rng: random.Random, split: str, lo: int, hi: int) -> int:
+    """A number in [lo, hi] of ``split`` (split by the words' hash of its digits)."""
+    while True:
+        n = rng.randint(lo, hi)
+        if split_of(str(n)) == split:
+            return n
 
 
 def _slug(name: str) -> str:
@@ -88,10 +96,12 @@ def shop_task(seed: int, split: str = "train") -> Task:
 
 def booking_task(seed: int, split: str = "train") -> Task:
     rng, task_id = _start("booking", seed, split)
-    first = _FIRST_DAY[split] + timedelta(days=rng.randrange(20))
-    dates = [(first + timedelta(days=d)).isoformat() for d in range(rng.randint(4, 7))]
+    first, n = _FIRST_DAY + timedelta(days=rng.randrange(_DAYS)), rng.randint(4, 7)
+    days = ((first + timedelta(days=d)).isoformat() for d in range(_DAYS))
+    dates = list(islice((d for d in days if split_of(d) == split), n))  # it takes bookings on its split's days
     times = sorted(rng.sample(_TIMES, rng.randint(3, 5)))
-    name, day, time, party = rng.choice(_NAMES[split]), rng.choice(dates), rng.choice(times), rng.randint(2, 8)
+    (name,) = _names(rng, split, 1, words=2)
+    day, time, party = rng.choice(dates), rng.choice(times), rng.randint(2, 8)
     url = f"{SITE_URL}/booking/"
     return Task(
         id=task_id,
@@ -116,11 +126,14 @@ def booking_task(seed: int, split: str = "train") -> Task:
 
 def wiki_task(seed: int, split: str = "train") -> Task:
     rng, task_id = _start("wiki", seed, split)
-    towns = rng.sample(_TOWNS[split], rng.randint(4, 6))
+    n = rng.randint(4, 6)
+    names = _names(rng, split, n + 3)  # the towns and three rivers, no two alike
+    towns, rivers = names[:n], names[n:]
     articles, facts = [], []
     for town in towns:
-        founded, hall = rng.randint(1150, 1850), rng.randint(1860, 1990)  # the hall's year is the distractor
-        population, river = rng.randint(1200, 98000), rng.choice(_RIVERS)
+        # the answers are numbers of the task's split; the hall's year is the distractor
+        founded, hall = _number(rng, split, 1150, 1850), rng.randint(1860, 1990)
+        population, river = _number(rng, split, 1200, 98000), rng.choice(rivers)
         facts.append({"founded": str(founded), "population": str(population), "river": river})
         articles.append({"slug": _slug(town), "title": town, "paragraphs": [
             f"{town} is a town in the {rng.choice(_REGIONS)} region, on the river {river}.",
