@@ -117,6 +117,37 @@ def test_trainer_async_vs_sync(docker_client):
     assert out["async_staleness_max"] <= 2 and all(int(k) <= 2 for k in out["async_staleness_histogram"])
 
 
+@pytest.mark.docker
+@pytest.mark.slow
+def test_rl_step(docker_client, tmp_path):
+    """One RL step twice (two fleets: Ray, the engine, a rollout worker, a DeepSpeed rank, sandboxes) on a tiny llama:
+    about three minutes. Its split must account for the step's wall time exactly, part by part."""
+    pytest.importorskip("peft")
+    from test_lora import save_tiny_llama
+
+    llama = save_tiny_llama(tmp_path / "llama")
+    config = json.loads((llama / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # the quickstart's prompts (tool declarations) outgrow its 256
+    (llama / "config.json").write_text(json.dumps(config))
+    out = last_json(bench("rl_step.py", "--model", str(llama), "--tasks-per-step", "1", "--group-size", "2",
+                          "--max-new-tokens", "4", "--gemm-size", "512", "--set", "model.lora.top_layers=1",
+                          "rollout.max_turns=2", "rollout.workers=1", timeout=600),
+                    "rl_step_s", "split_s", "covered_s", "tokens_per_s", "engine_flops_vs_gemm", "speedup",
+                    "speedup_note", "baseline", "cpu")
+    assert set(out["split_s"]) == {"engine_prefill", "engine_decode", "engine_other", "sandbox_exec", "grading",
+                                   "sandbox_setup", "trainer_forward", "trainer_backward", "weight_sync", "idle"}
+    assert sum(out["split_s"].values()) == pytest.approx(out["rl_step_s"], abs=0.02)
+    # every actor process was timed (the hook reached the engine, the worker and the rank); a random tiny model may
+    # call no tool, so sandbox_exec may be 0
+    timed = ("engine_prefill", "engine_busy", "trainer_step", "trainer_backward", "grading", "sandbox_setup",
+             "weight_sync")
+    assert all(out["covered_s"][part] > 0 for part in timed), out["covered_s"]
+    assert out["episodes"] == 2 and out["tokens"]["prefill"] > 0 and out["tokens"]["decode"] > 0
+    assert set(out["engine_flops_vs_gemm"]) == {"bf16", "fp32"}
+    assert "noise" in out["speedup_note"]  # no --baseline overrides: the same step twice, no speed-up claimed
+    assert {"model", "amx_bf16"} <= set(out["cpu"])
+
+
 @pytest.mark.parametrize("script", ["gpu_e2e.py", "gpu_model.py"])
 def test_gpu_script_refuses_without_cuda(script):
     proc = bench(script, expect_rc=1)  # imports, parses its arguments, then says what to do
