@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import posixpath
+import re
 import tarfile
 
 import pytest
@@ -137,7 +138,7 @@ def _outcomes(box: DockerSandbox, task: Task, fixed: bool) -> dict[str, str]:
     check = task.checks[0]
     package = dict(check["files"])
     if fixed:
-        fix = task.solution[0].arguments
+        fix = next(c for c in task.solution if c.name == "str_replace").arguments
         package[fix["path"]] = package[fix["path"]].replace(fix["old"], fix["new"])
     tree = graded_tree(check["package"], check["files"], check["hidden_tests"],
                        {p: t for p, t in package.items() if p.startswith(check["package"] + "/")})
@@ -183,7 +184,7 @@ def test_grading_runs_in_a_fresh_sandbox_without_what_the_policy_planted(repo_bo
     """repo_tests grades in ``sandbox.fresh()`` (the Sandbox protocol), not in the episode's sandbox: files the policy
     left outside its package are not there, the grader has the episode's owner, and it is removed afterwards."""
     task = make_task("off_by_one", 3)
-    check, fix = task.checks[0], task.solution[0].arguments
+    check, fix = task.checks[0], next(c for c in task.solution if c.name == "str_replace").arguments
     probe = ("import os\n\n\ndef test_nothing_planted():\n"
              "    assert not os.path.exists('/workspace/planted.txt')\n"
              "    assert not os.path.exists('/tmp/planted.txt')\n")
@@ -226,11 +227,13 @@ def test_every_template_bug_has_tests_that_fail_before_and_pass_after_the_fix(re
     for family in sorted(FAMILIES):
         for seed in range(150):
             task = make_task(family, seed, ("train", "heldout")[seed % 2])
-            tasks.setdefault((family, task.solution[0].arguments["new"]), task)
+            fix = next(c for c in task.solution if c.name == "str_replace").arguments["new"]
+            # generated names aside, the fix line says which template's bug it is
+            tasks.setdefault((family, re.sub(r"\b(?:[bdfgklmnprstvz][aeiou])+\b", "X", fix)), task)
     assert len(tasks) == 24
     trees = {}
     for i, task in enumerate(tasks.values()):
-        check, fix = task.checks[0], task.solution[0].arguments
+        check, fix = task.checks[0], next(c for c in task.solution if c.name == "str_replace").arguments
         fixed = {**check["files"], fix["path"]: check["files"][fix["path"]].replace(fix["old"], fix["new"])}
         for state, files in (("buggy", check["files"]), ("fixed", fixed)):
             trees.update({f"{i}-{state}/{p}": text for p, text in {**files, **check["hidden_tests"]}.items()})

@@ -5,7 +5,8 @@ and per bug kind the one line that the bug replaces (``bugs[kind] = (correct lin
 are never written by hand: ``tasks.py`` runs the correct and the buggy source on the drawn inputs, so a test's
 expectation is what the correct code returns and whether it exposes the bug is measured, not assumed.
 
-``names`` is (train name, held-out name): held-out repositories call the same logic by names train never shows.
+A function's name is generated per task (``tasks.py``), so train and held-out repositories call the same logic by
+names of their own split.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ OFF_BY_ONE, WRONG_OPERATOR, WRONG_CONDITION = "off_by_one", "wrong_operator", "w
 
 @dataclass(frozen=True)
 class Function:
-    names: tuple[str, str]
     module: str  # which kind of module it belongs in: "numbers", "lists" or "text"
     source: str  # with {name} where the function's name goes
     inputs: Callable[[random.Random], tuple]  # one random argument tuple
@@ -41,7 +41,6 @@ def _ints(rng: random.Random, lo: int = -9, hi: int = 20, n: tuple[int, int] = (
 
 FUNCTIONS: list[Function] = [
     Function(
-        names=("clamp", "bound"),
         module="numbers",
         source='''def {name}(value, low, high):
     """value limited to the range [low, high]."""
@@ -56,7 +55,6 @@ FUNCTIONS: list[Function] = [
         bugs={WRONG_CONDITION: ("    if value > high:", "    if value < high:")},
     ),
     Function(
-        names=("mean", "average"),
         module="numbers",
         source='''def {name}(values):
     """Arithmetic mean of values; 0.0 for an empty list."""
@@ -72,7 +70,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("page_count", "num_pages"),
         module="numbers",
         source='''def {name}(items, per_page):
     """How many pages `items` entries fill at `per_page` a page."""
@@ -90,7 +87,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("factorial", "product_upto"),
         module="numbers",
         source='''def {name}(n):
     """n! for n >= 0."""
@@ -107,7 +103,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("is_leap_year", "leap"),
         module="numbers",
         source='''def {name}(year):
     """Whether `year` has a 29th of February."""
@@ -123,7 +118,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("percent", "share"),
         module="numbers",
         source='''def {name}(part, whole):
     """part as a percentage of whole, rounded to one decimal."""
@@ -134,7 +128,6 @@ FUNCTIONS: list[Function] = [
         bugs={WRONG_OPERATOR: ("    return round(100 * part / whole, 1)", "    return round(100 * part * whole, 1)")},
     ),
     Function(
-        names=("window_sums", "running_totals"),
         module="lists",
         source='''def {name}(values, width):
     """Sum of every run of `width` consecutive values."""
@@ -156,7 +149,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("last_items", "tail"),
         module="lists",
         source='''def {name}(items, n):
     """The last n items (all of them if there are fewer)."""
@@ -172,7 +164,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("count_above", "num_over"),
         module="lists",
         source='''def {name}(values, threshold):
     """How many values are strictly greater than threshold."""
@@ -185,7 +176,6 @@ FUNCTIONS: list[Function] = [
         )},
     ),
     Function(
-        names=("chunks", "batches"),
         module="lists",
         source='''def {name}(items, size):
     """items split into lists of `size` (the last may be shorter)."""
@@ -199,7 +189,6 @@ FUNCTIONS: list[Function] = [
         )},
     ),
     Function(
-        names=("index_of_max", "argmax"),
         module="lists",
         source='''def {name}(values):
     """Index of the largest value (the first one on ties); -1 for an empty list."""
@@ -219,7 +208,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("scale", "times"),
         module="lists",
         source='''def {name}(values, factor):
     """Every value multiplied by factor."""
@@ -230,7 +218,6 @@ FUNCTIONS: list[Function] = [
         bugs={WRONG_OPERATOR: ("    return [v * factor for v in values]", "    return [v + factor for v in values]")},
     ),
     Function(
-        names=("initials", "monogram"),
         module="text",
         source='''def {name}(full_name):
     """Upper-case first letters of each word: "ada lovelace" -> "AL"."""
@@ -245,7 +232,6 @@ FUNCTIONS: list[Function] = [
         )},
     ),
     Function(
-        names=("truncate", "shorten"),
         module="text",
         source='''def {name}(text, limit):
     """text cut to at most `limit` characters, ending in "..." when cut."""
@@ -261,7 +247,6 @@ FUNCTIONS: list[Function] = [
         },
     ),
     Function(
-        names=("count_vowels", "vowel_count"),
         module="text",
         source='''def {name}(text):
     """How many of the letters are vowels (a, e, i, o, u, either case)."""
@@ -275,7 +260,6 @@ FUNCTIONS: list[Function] = [
         )},
     ),
     Function(
-        names=("repeat_word", "echo"),
         module="text",
         source='''def {name}(word, times):
     """word repeated `times` times, separated by single spaces."""
