@@ -185,3 +185,33 @@ def test_a_harbor_task_trains_for_one_step(tmp_path, harbor_images):
     assert all(set(f) == {"sha256", "bytes"} for f in files.values()), files
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if m.get("phase") == "rl"] == [0]
+
+
+# --- task shapes Harbor runs: a compile-and-run grader, a multi-step task (tests/data/harbor/shapes) -----------------
+
+SHAPES = TASKS / "shapes"  # outside the set configs/harbor.yaml trains on: two-step is refused
+TWO_STEP_REFUSAL = (f"{SHAPES / 'two-step'}: multi-step Harbor tasks are not supported yet (task.toml's [[steps]]: "
+                    "write-notes, sort-notes); sandforge runs single-step tasks, with instruction.md and tests/ at the "
+                    "root")
+
+
+def test_a_multi_step_task_is_refused_in_one_line_naming_it_and_the_steps_key():
+    """Harbor's `[[steps]]` layout (steps/<name>/instruction.md, tests/, solution/; nothing at the root) was refused as
+    "not a Harbor task, missing instruction.md, tests/test.sh". It says what it is, through the loader, a job's folder
+    and `sandforge harbor check`'s row."""
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.harbor.tasks import load_folder
+    from sandforge.job.harbor_check import check_task
+
+    for mode in ("root", "hardened"):
+        with pytest.raises(HarborTaskError) as refused:
+            load_task(SHAPES / "two-step", mode)
+        assert str(refused.value) == TWO_STEP_REFUSAL
+    with pytest.raises(HarborTaskError, match=r"two-step: multi-step Harbor tasks are not supported yet"):
+        load_folder(SHAPES)
+    row = check_task(SHAPES / "two-step", "root", None, SandboxConfig(), client=None)  # refused before any Docker
+    assert (row.reason, row.image, row.oracle, row.noop, row.ok) == (TWO_STEP_REFUSAL, "-", None, None, False)
+    compile_and_run = load_task(SHAPES / "compile-and-run")  # its neighbour, single-step, loads
+    assert compile_and_run.setup["sandbox"] == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "512m",
+                                                "workspace_size": "64m"}
+

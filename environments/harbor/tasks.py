@@ -14,7 +14,8 @@ reaches the sandbox only at grading time and the grader never needs the host's c
 files' hashes (``compact_checks``). Splits: ``[metadata] split = "heldout"`` (a sandforge extension), else a stable
 hash of the task's folder name puts the ``heldout`` fraction of tasks the job asks for in the held-out split. The warm
 start replays solve.sh's text through the bash tool (what a policy can learn to type); a solve.sh that needs its
-sibling files in /solution verifies only under `sandforge harbor check`.
+sibling files in /solution verifies only under `sandforge harbor check`. A multi-step task (``[[steps]]`` in
+task.toml, ``steps/<name>/`` folders) is refused in one line: not supported yet.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
             meta = tomllib.loads(toml.read_text())
         except tomllib.TOMLDecodeError as e:
             raise HarborTaskError(f"{toml}: not valid TOML: {e}") from None
+    if meta.get("steps"):  # Harbor's multi-step layout: no instruction.md or tests/ at the root, steps/<name>/ instead
+        steps = meta["steps"] if isinstance(meta["steps"], list) else []
+        names = ", ".join(str(step.get("name")) for step in steps if isinstance(step, dict))
+        raise HarborTaskError(f"{task_dir}: multi-step Harbor tasks are not supported yet (task.toml's [[steps]]: "
+                              f"{names}); sandforge runs single-step tasks, with instruction.md and tests/ at the root")
     try:
         settings = read_settings(meta, toml)
     except HarborSettingsError as e:

@@ -1,0 +1,2 @@
+#!/bin/bash
+sort -o /app/notes.txt /app/notes.txt
