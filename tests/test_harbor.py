@@ -2,6 +2,8 @@
 
 The tasks under tests/data/harbor/ are written for these tests: hello-file (reward.txt) and count-lines
 (reward.json, a helper script beside test.sh). Their image deliberately lets the policy write /logs/verifier.
+tests/data/harbor/harbor-0.25/ holds two in Harbor 0.25's format: named-rewards (reward.json of two named rewards)
+and env-vars (schema_version 1.1, an [environment.env] the agent, the oracle and test.sh all need).
 """
 
 from __future__ import annotations
@@ -187,6 +189,148 @@ def test_a_harbor_task_trains_for_one_step(tmp_path, harbor_images):
     assert [m["step"] for m in metrics if m.get("phase") == "rl"] == [0]
 
 
+# --- Harbor 0.25: named rewards, schema 1.1 keys, the task's environment (no Docker) ------------------------------------
+
+HARBOR_025 = TASKS / "harbor-0.25"
+
+
+class RewardSandbox:
+    """Enough of a sandbox for ``harbor_tests``: every exec succeeds, and /logs/verifier holds ``files``. ``commands``
+    keeps what ran (test.sh's line last)."""
+
+    workdir = "/workspace"
+
+    def __init__(self, files: dict[str, str]):
+        self.files, self.commands = files, []
+
+    def exec(self, command, timeout=10.0, user=None, workdir=None, session=True):
+        from sandforge.types import ExecResult
+
+        self.commands.append(command)
+        return ExecResult(0, "", False, 0.0)
+
+    def put_file(self, path, data, user=None, mode=0o644):
+        pass
+
+    def read_file(self, path, user=None):
+        return self.files.get(path.rsplit("/", 1)[-1])
+
+
+def _grade(files: dict[str, str], **args):
+    from sandforge.environments.harbor.grading import harbor_tests_verifier
+
+    return harbor_tests_verifier(RewardSandbox(files), {"files": {"test.sh": "true"}, **args})
+
+
+def test_named_rewards_are_combined_by_the_rule_and_each_kept_in_the_breakdown():
+    both = {"reward.json": '{"correctness": 1, "performance": 0}'}
+    score, reason, parts = _grade(both)  # no "reward" key: the mean
+    assert (score, parts) == (0.5, {"correctness": 1.0, "performance": 0.0}) and "mean of" in reason, reason
+    assert _grade(both, reward="min")[0] == 0.0 and _grade(both, reward="mean")[0] == 0.5
+    assert _grade(both, reward="correctness")[0] == 1.0 and _grade(both, reward="performance")[0] == 0.0
+    # a "reward" key is the reward (Harbor's primary); the other keys are logged, and need not be in [0, 1]
+    score, _, parts = _grade({"reward.json": '{"reward": 0.25, "seconds": 12.5}'})
+    assert (score, parts) == (0.25, {"reward": 0.25, "seconds": 12.5})
+    assert _grade({"reward.json": '{"reward": 1}'})[:1] == (1.0,) and len(_grade({"reward.json": '{"reward": 1}'})) == 2
+    assert _grade({"reward.txt": "1\n"}) == (1.0, "test.sh: reward 1 (exit 0)")  # a lone number: no parts
+    with pytest.raises(ValueError, match=r"harbor_reward 'speed': reward.json has no key 'speed' \(it has "
+                                         r"correctness, performance\)"):
+        _grade(both, reward="speed")
+    with pytest.raises(ValueError, match=r"reward 3.0 as .performance.; sandforge rewards are in \[0, 1\]"):
+        _grade({"reward.json": '{"correctness": 1, "performance": 3}'})  # the mean would use it
+    with pytest.raises(ValueError, match="harbor_tests takes"):
+        _grade(both, reward=3)
+
+
+def test_reward_json_is_read_before_reward_txt():
+    assert _grade({"reward.json": '{"reward": 1}', "reward.txt": "0"})[0] == 1.0
+    assert _grade({"reward.txt": "0"})[0] == 0.0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0.5", "not a JSON object"), ("[1, 0]", "not a JSON object"), ("{}", "no numeric reward"),
+    ('{"correctness": "yes"}', r"correctness = 'yes' is not a number"), ('{"a": NaN}', "a = nan is not finite"),
+    ("{oops", "not JSON"), ("", "not JSON")])
+def test_a_malformed_reward_json_fails_the_episode_with_the_reason(text, message):
+    with pytest.raises(ValueError, match=message):
+        _grade({"reward.json": text})
+
+
+def test_named_rewards_reach_the_reward_breakdown():
+    from sandforge.types import Task
+
+    task = Task(id="t", env="harbor", family="f", seed=0, instruction="",
+                checks=[{"verifier": "harbor_tests", "files": {"test.sh": "true"}, "timeout": 5}])
+    reward = score_task(RewardSandbox({"reward.json": '{"correctness": 1, "performance": 0}'}), task)
+    assert reward.value == 0.5 and not reward.success
+    assert reward.breakdown == {"harbor_tests:0": 0.5, "harbor_tests:0/correctness": 1.0,
+                                "harbor_tests:0/performance": 0.0}
+
+
+def test_schema_1_1_keys_are_honoured_and_the_task_env_goes_to_every_exec():
+    from sandforge.environments.harbor.settings import read_settings
+
+    named = load_task(HARBOR_025 / "named-rewards")  # schema_version, [task], os, mcp_servers = []: nothing flagged
+    assert "not_honoured" not in named.setup, named.setup["not_honoured"]
+    assert named.setup["sandbox"] == {"user": "root", "cpus": 1.0, "memory": "512m", "workspace_size": "256m"}
+    task = load_task(HARBOR_025 / "env-vars")
+    assert "not_honoured" not in task.setup, task.setup["not_honoured"]
+    # test.sh and solve.sh see [environment] env under their own tables (which win), as in Harbor
+    assert task.checks[0]["env"] == {"SECRET_WORD": "marmalade", "ANSWER_FILE": "/workspace/answer.txt"}
+    assert task.setup["solution_env"] == {"SECRET_WORD": "marmalade", "ANSWER_FILE": "/workspace/wrong-place.txt"}
+    s = read_settings({"schema_version": "1.4", "environment": {"env": {}}, "artifacts": []}, "t.toml")
+    assert s.not_honoured == [] and s.env == {}  # an empty [environment.env] and no artifacts
+    s = read_settings({"version": "1.0", "environment": {"env": {"A": "${HOST_A:-fallback}", "B": "${HOST_B}"}}},
+                      "t.toml")
+    assert s.env == {"A": "fallback"}  # a host variable's default; the host's own environment never goes in
+    assert s.not_honoured == ["[environment] env B = ${HOST_B} (the host's variables do not reach sandboxes)"]
+
+
+def test_what_schema_1_1_asks_for_that_sandforge_cannot_do_is_named_exactly():
+    from sandforge.environments.harbor.settings import read_settings
+
+    meta = {"schema_version": "1.1", "task": {"name": "org/t"}, "source": "bench", "artifacts": ["/app/out.log"],
+            "environment": {"os": "windows", "mcp_servers": [{"name": "docs", "url": "http://x"}],
+                            "network_mode": "public", "gpu_types": ["H100"], "skills_dir": "/skills",
+                            "healthcheck": {"command": "true"}, "memory": "2G", "storage": "1G"},
+            "agent": {"network_mode": "no-network"},
+            "verifier": {"environment_mode": "separate", "collect": [{"command": "true"}]}}
+    s = read_settings(meta, "t.toml")
+    assert (s.memory_mb, s.storage_mb) == (2048, 1024)  # the deprecated sizes, as Harbor reads them
+    assert s.not_honoured == [
+        "artifacts (sandforge collects no artifacts)",
+        "[environment] os = 'windows' (sandboxes are Linux containers)",
+        "[environment] mcp_servers (no MCP servers are started for the agent)",
+        "[environment] network_mode = 'public' (sandboxes have no network)",
+        "[environment] gpu_types (sandboxes get no GPU)",
+        "[environment] skills_dir (no skills are copied for the agent)",
+        "[environment] healthcheck (not run)",
+        "[verifier] environment_mode = 'separate' (test.sh runs in the agent's sandbox)",
+        "[verifier] collect (no collect hooks are run)"]
+
+
+def test_the_agents_commands_get_the_task_env():
+    from sandforge.types import Task
+
+    task = Task(id="t", env="harbor", family="f", seed=0, instruction="",
+                setup={"env": {"SECRET_WORD": "marmalade", "QUOTED": "a b'c"}})
+    env = HarborEnv(task, SandboxSpec(image="x"), "run")
+    env._sandbox = sandbox = RewardSandbox({})
+    env.run_command("echo $SECRET_WORD")
+    assert sandbox.commands == ["export SECRET_WORD=marmalade QUOTED='a b'\"'\"'c'\necho $SECRET_WORD"]
+    plain = HarborEnv(Task(id="t", env="harbor", family="f", seed=0, instruction=""), SandboxSpec(image="x"), "run")
+    plain._sandbox = sandbox = RewardSandbox({})
+    plain.run_command("ls")
+    assert sandbox.commands == ["ls"]
+
+
+@pytest.mark.xfail(strict=True, reason="environments/harbor/tasks.py does not yet put HarborSettings.env in "
+                                      "task.setup['env'] (its owner's change; HarborEnv reads it from there)")
+def test_a_loaded_task_carries_its_env_to_the_agent():
+    assert load_task(HARBOR_025 / "env-vars").setup.get("env") == {"SECRET_WORD": "marmalade",
+                                                                   "ANSWER_FILE": "/workspace/wrong-place.txt"}
+
+
 # --- task shapes Harbor runs: a compile-and-run grader, a multi-step task (tests/data/harbor/shapes) -----------------
 
 SHAPES = TASKS / "shapes"  # outside the set configs/harbor.yaml trains on: two-step is refused
@@ -214,4 +358,39 @@ def test_a_multi_step_task_is_refused_in_one_line_naming_it_and_the_steps_key():
     compile_and_run = load_task(SHAPES / "compile-and-run")  # its neighbour, single-step, loads
     assert compile_and_run.setup["sandbox"] == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "512m",
                                                 "workspace_size": "64m"}
+
+
+@pytest.mark.docker
+def test_harbor_check_prints_the_multi_step_refusal():
+    import os
+
+    sandforge = Path(sys.executable).parent / "sandforge"
+    out = subprocess.run([str(sandforge), "harbor", "check", str(SHAPES / "two-step")], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "COLUMNS": "250"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    reason = "".join(line.split("│")[-2] for line in text.splitlines() if line.count("│") > 6)  # its folded cell
+    assert "".join(TWO_STEP_REFUSAL.split()) in "".join(reason.split()), text
+    assert "not a Harbor task" not in text and "Harbor tasks: 0/1 fine" in text, text
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("mode", ["root", "hardened"])
+def test_a_grader_that_builds_a_program_in_tmp_and_runs_it_scores_the_oracle(mode, run_id, docker_client):
+    """compile-and-run's test.sh builds the program into `mktemp -d` under /tmp and executes it there, as Go's and C's
+    tests do (solve.sh tries it the same way, as the agent). Under Docker's default noexec tmpfs the oracle scored 0
+    where Harbor's plain Docker passes. The oracle scores 1 and a no-op 0, as `harbor check` runs them and as the warm
+    start replays solve.sh through the policy's bash tool."""
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.job.harbor_check import check
+
+    [row] = check([SHAPES / "compile-and-run"], mode=mode)
+    assert (row.oracle, row.noop) == (1.0, 0.0), row
+    [task], images = load_tasks(SHAPES / "compile-and-run", mode)
+    tags = build_images([], client=docker_client, show_progress=False, contexts=images)
+    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    solved = _episode(task, HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client), task.solution)
+    assert not solved.failed, solved.failure
+    assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason
 

@@ -5,18 +5,26 @@ made again, root-owned, before anything is copied or run, so a reward file or a 
 there (an image may even let it write those paths) is gone. The tests are never in the sandbox during the episode:
 they travel inside the task's check. test.sh runs in a fresh shell (not the policy's session) with a timeout, as
 the task's verifier user (root by default) in the image's WORKDIR (terminal-bench's test.sh refuses to run from /),
-with the task's ``[verifier] env``, and with root's own HOME and no Python user site (one-off root commands:
-environments/sandbox/clean_context.py). Modules the policy planted in the WORKDIR under names test.sh's Python would
-import (``pytest.py``) are set aside first (sandforge/shadows.py).
+with the task's ``[verifier] env`` over its ``[environment] env``, and with root's own HOME and no Python user site
+(one-off root commands: environments/sandbox/clean_context.py). Modules the policy planted in the WORKDIR under names
+test.sh's Python would import (``pytest.py``) are set aside first (sandforge/shadows.py).
+
+Rewards, read as Harbor reads them: ``reward.json`` first (a JSON object of named numbers), else ``reward.txt`` (one
+number, the reward named "reward"). ``combine`` makes the training reward of them by the check's ``reward`` rule;
+each named reward is also kept in the episode's reward breakdown (``harbor_tests:0/<name>``). test.sh runs as root
+after every process of the policy is gone, so a malformed reward file is the task's fault and fails the episode
+(VerifierError); no reward file at all scores 0 (tests that crash on what the policy left often write nothing).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import shlex
 
 from sandforge import shadows
+from sandforge.environments.harbor.settings import shell_exports
 from sandforge.types import Sandbox
 
 TESTS_DIR = "/tests"
@@ -25,30 +33,65 @@ REWARD_DIR = "/logs/verifier"
 PREPARE_TIMEOUT = 30.0
 
 
-def _reward_from(text: str, where: str) -> float:
-    """The number in reward.txt, or in reward.json (a number, or {"reward": number})."""
-    if where.endswith(".json"):
+REWARD_FILES = ("reward.json", "reward.txt")  # Harbor's order: reward.json wins when test.sh wrote both
+RULES = ("auto", "mean", "min")  # or the name of one reward
+
+
+def read_rewards(text: str, name: str) -> dict[str, float]:
+    """The rewards in ``name``, as Harbor reads them: reward.txt holds one number (the reward named "reward"),
+    reward.json a JSON object whose every value is a finite number. ValueError names what is wrong."""
+    if name == "reward.txt":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"test.sh wrote {where} that is not JSON: {e}") from None
-        value = data.get("reward") if isinstance(data, dict) else data
-    else:
-        value = text.strip()
+            value = float(text.strip())
+        except ValueError:
+            raise ValueError(f"test.sh wrote reward.txt without a number: {text[:80]!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"test.sh wrote reward {value} to reward.txt, which is not finite")
+        return {"reward": value}
     try:
-        reward = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"test.sh wrote {where} without a number (a number, or {{\"reward\": number}} in "
-                         f"reward.json): {text[:80]!r}") from None
-    if not 0.0 <= reward <= 1.0:
-        raise ValueError(f"test.sh wrote reward {reward} to {where}; sandforge rewards are in [0, 1]")
-    return reward
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"test.sh wrote reward.json that is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"test.sh wrote reward.json that is not a JSON object of named rewards "
+                         f"({{\"reward\": 1}} or {{\"correctness\": 1, \"performance\": 0.5}}): {text[:80]!r}")
+    if not data:
+        raise ValueError("test.sh wrote reward.json with no numeric reward in it: {}")
+    rewards = {}
+    for key, value in data.items():  # bool counts as a number, as in Harbor (Python's bool is an int)
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"test.sh wrote reward.json whose {key} = {value!r} is not a number")
+        if not math.isfinite(value):
+            raise ValueError(f"test.sh wrote reward.json whose {key} = {value} is not finite")
+        rewards[str(key)] = float(value)
+    return rewards
+
+
+def combine(rewards: dict[str, float], rule: str = "auto") -> tuple[float, str]:
+    """The training reward from named ``rewards`` by ``rule``, and how it was made. ``auto``: the one named "reward"
+    if there is one (Harbor's primary reward), else the only one, else the mean; ``mean``, ``min``; or a reward's
+    name. Every reward the rule uses must be in [0, 1]; the others are only logged."""
+    if rule not in RULES and rule not in rewards:
+        raise ValueError(f"harbor_reward {rule!r}: reward.json has no key {rule!r} (it has {', '.join(rewards)})")
+    pick = rule if rule not in RULES else "reward" if "reward" in rewards else None
+    if rule == "auto" and pick is None and len(rewards) == 1:
+        pick = next(iter(rewards))
+    used = {pick: rewards[pick]} if pick is not None else rewards
+    for key, value in used.items():
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"test.sh wrote reward {value!r} as {key!r}; sandforge rewards are in [0, 1]")
+    if pick is not None:
+        return rewards[pick], f"reward {rewards[pick]:g}" + (f" ({pick})" if len(rewards) > 1 else "")
+    value = min(used.values()) if rule == "min" else sum(used.values()) / len(used)
+    shown = ", ".join(f"{k} {v:g}" for k, v in used.items())
+    return value, f"reward {value:g} ({'min' if rule == 'min' else 'mean'} of {shown})"
 
 
 def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "root", workdir: str | None = None,
-                 env: dict[str, str] | None = None) -> tuple[float, str]:
+                 env: dict[str, str] | None = None, rule: str = "auto") -> tuple[float, str] | tuple[float, str, dict]:
     """Copy ``files`` (tests/ as plain data) to a fresh root-owned /tests, run test.sh as ``user`` in ``workdir``
-    (default: the sandbox's) with ``env``, read the reward."""
+    (default: the sandbox's) with ``env``, read the rewards and combine them by ``rule`` (``combine``). Named rewards
+    (more than one) come back as the check's parts, so each is in the episode's reward breakdown."""
     dirs = " ".join((TESTS_DIR, LOGS_DIR))
     root = user in ("root", "0", "0:0")
     owner = "" if root else f" -o {shlex.quote(user)}"
@@ -65,25 +108,30 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
     moved = []
     if workdir in (None, sandbox.workdir):  # the policy's new shadow modules go first (sandforge/shadows.py)
         moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT)
-    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items() if k.isidentifier())
-    run = sandbox.exec(f"{exports}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout, user=user,
-                       workdir=workdir, session=False)
+    run = sandbox.exec(f"{shell_exports(env or {})}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout,
+                       user=user, workdir=workdir, session=False)
     tail = run.output.strip()[-300:]
-    for name in ("reward.txt", "reward.json"):
+    for name in REWARD_FILES:
         text = sandbox.read_file(f"{REWARD_DIR}/{name}", user="root")
         if text is not None:
-            reward = _reward_from(text, f"{REWARD_DIR}/{name}")
-            return reward, f"test.sh: reward {reward:g} (exit {run.exit_code})" + shadows.note(moved)
+            rewards = read_rewards(text, name)
+            reward, how = combine(rewards, rule)
+            reason = f"test.sh: {how} (exit {run.exit_code})" + shadows.note(moved)
+            return (reward, reason, rewards) if len(rewards) > 1 else (reward, reason)
+    # test.sh wrote nothing: a 0, not a failed episode (tests that crash on what the policy left often write nothing)
     if run.timed_out:
         return 0.0, f"test.sh timed out after {timeout:g}s without a reward" + shadows.note(moved)
     return 0.0, f"test.sh wrote no reward to {REWARD_DIR} (exit {run.exit_code}): {tail}" + shadows.note(moved)
 
 
-def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
+def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str] | tuple[float, str, dict]:
     """The ``harbor_tests`` check: ``{"verifier": "harbor_tests", "files": {path: text}, "timeout": seconds}``, and
-    optionally ``user``, ``workdir`` and ``env`` (a task.toml's ``[verifier]``)."""
-    unknown = set(args) - {"files", "timeout", "user", "workdir", "env"}
-    if unknown or not isinstance(args.get("files"), dict) or "test.sh" not in args["files"]:
-        raise ValueError(f"harbor_tests takes files (with test.sh), timeout, user, workdir and env; got {sorted(args)}")
+    optionally ``user``, ``workdir`` and ``env`` (a task.toml's ``[verifier]``) and ``reward`` (how named rewards
+    become one: ``auto``, ``mean``, ``min`` or a reward's name; ``combine``)."""
+    unknown = set(args) - {"files", "timeout", "user", "workdir", "env", "reward"}
+    rule = args.get("reward", "auto")
+    if unknown or not isinstance(args.get("files"), dict) or "test.sh" not in args["files"] or not isinstance(rule, str):
+        raise ValueError("harbor_tests takes files (with test.sh), timeout, user, workdir, env and reward (a rule "
+                         f"name); got {sorted(args)}")
     return harbor_tests(sandbox, args["files"], float(args.get("timeout", 600.0)), str(args.get("user", "root")),
-                        args.get("workdir"), args.get("env"))
+                        args.get("workdir"), args.get("env"), rule)

@@ -1,31 +1,57 @@
-"""A Harbor task's ``task.toml``, read as Harbor reads it: what sandforge honours, and a warning naming what it does
-not (never ignored silently).
+"""A Harbor task's ``task.toml``, read as Harbor (0.25, schema_version 1.0 to 1.4) reads it: what sandforge honours,
+and a warning naming what it does not (never ignored silently).
 
 Honoured: ``[agent] timeout_sec`` (the episode's time limit) and ``user``; ``[verifier] timeout_sec`` (Harbor's
-default 600 s) and ``env`` (test.sh's environment); ``[solution] env`` (solve.sh's); ``[environment] cpus``,
-``memory_mb``, ``storage_mb`` (the cap of the WORKDIR, a tmpfs filled from the image) and ``workdir``; ``[metadata]
-category`` (the family) and sandforge's ``split``. Job settings win over the task's where the job gives them
-explicitly (``sandbox.cpus``, ``sandbox.memory``, ``rollout.episode_timeout``). Not honoured, and so warned about:
-``allow_internet = true`` (sandboxes have no network), and any key sandforge does not know.
+default 600 s), ``user`` and ``env`` (test.sh's environment); ``[solution] env`` (solve.sh's); ``[environment] env``
+(every exec's: the agent's commands, solve.sh and test.sh, under their own tables, which win, as in Harbor),
+``cpus``, ``memory_mb``, ``storage_mb`` (the cap of the WORKDIR, a tmpfs filled from the image; the deprecated
+``memory`` and ``storage`` sizes too), ``workdir`` and ``docker_image``; ``[metadata] category`` (the family) and
+sandforge's ``split``. Accepted as descriptions: ``schema_version`` (or the deprecated ``version``), ``[task]``,
+``source``, ``[metadata]``, ``build_timeout_sec``, and settings that ask for what sandforge does anyway (``os =
+"linux"``, ``network_mode = "no-network"``, an empty ``mcp_servers`` or ``artifacts``). An env value
+``${VAR:-default}`` takes its default: the host's own variables never reach a sandbox. Job settings win over the
+task's where the job gives them explicitly (``sandbox.cpus``, ``sandbox.memory``, ``rollout.episode_timeout``).
+Everything else is named in ``not_honoured``, one entry per key, saying why.
 """
 
 from __future__ import annotations
 
+import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 VERIFIER_TIMEOUT = 600.0  # Harbor's default
 AGENT_TIMEOUT = None  # none: the job's rollout limits apply
 
-KNOWN = {  # section -> its keys sandforge knows (None: any; [metadata] only describes the task)
-    "version": None,
-    "metadata": None,
-    "agent": {"timeout_sec", "user"},
-    "verifier": {"timeout_sec", "user", "env"},
+KNOWN = {  # section -> its keys sandforge reads (None: any; these only describe the task)
+    "version": None, "schema_version": None, "source": None, "task": None, "metadata": None, "artifacts": None,
+    "agent": {"timeout_sec", "user", "network_mode", "allowed_hosts"},
+    "verifier": {"timeout_sec", "user", "env", "network_mode", "allowed_hosts", "environment_mode", "environment",
+                 "collect"},
     "solution": {"env"},
-    "environment": {"cpus", "memory_mb", "storage_mb", "allow_internet", "workdir", "build_timeout_sec",
-                    "docker_image", "gpus"},
+    "environment": {"cpus", "memory_mb", "storage_mb", "memory", "storage", "allow_internet", "workdir",
+                    "build_timeout_sec", "docker_image", "gpus", "env", "os", "mcp_servers", "network_mode",
+                    "allowed_hosts", "gpu_types", "tpu", "skills_dir", "healthcheck"},
 }
+# keys that are fine absent, empty or at the value given, and otherwise ask for what sandforge cannot do
+NOT_SUPPORTED = {
+    ("environment", "gpus"): (0, "sandboxes get no GPU"),
+    ("environment", "gpu_types"): (None, "sandboxes get no GPU"),
+    ("environment", "tpu"): (None, "sandboxes get no TPU"),
+    ("environment", "mcp_servers"): (None, "no MCP servers are started for the agent"),
+    ("environment", "skills_dir"): (None, "no skills are copied for the agent"),
+    ("environment", "healthcheck"): (None, "not run"),
+    ("verifier", "environment"): (None, "test.sh runs in the agent's sandbox, not a separate one"),
+    ("verifier", "collect"): (None, "no collect hooks are run"),
+}
+NO_NETWORK = "sandboxes have no network"
+TEMPLATE = re.compile(r"\$\{([^}:]+)(?::-(.*))?\}")  # Harbor's ${VAR} / ${VAR:-default}
+
+
+def shell_exports(env: dict[str, str]) -> str:
+    """``env`` as one bash ``export`` line (names checked by ``read_settings``), or "" when empty."""
+    return f"export {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())}\n" if env else ""
 
 
 class HarborSettingsError(ValueError):
@@ -38,8 +64,9 @@ class HarborSettings:
     agent_user: str = "root"
     verifier_timeout: float = VERIFIER_TIMEOUT
     verifier_user: str = "root"
-    verifier_env: dict[str, str] = field(default_factory=dict)
-    solution_env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # [environment] env: every exec's
+    verifier_env: dict[str, str] = field(default_factory=dict)  # test.sh's: [environment] env under [verifier] env
+    solution_env: dict[str, str] = field(default_factory=dict)  # solve.sh's: [environment] env under [solution] env
     cpus: float | None = None
     memory_mb: int | None = None
     storage_mb: int | None = None
@@ -67,10 +94,61 @@ def _number(value, where: str, key: str) -> float:
     return float(value)
 
 
-def _env(value, where: str, key: str) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+def _env(value, where: str, key: str, s: HarborSettings) -> dict[str, str]:
+    """A table of NAME = value; a ``${VAR:-default}`` value takes its default, a ``${VAR}`` one is left out (and
+    named in ``s.not_honoured``): the host's variables do not reach sandboxes."""
+    if not isinstance(value, dict):
         raise HarborSettingsError(f"{where}: {key} must be a table of NAME = value")
-    return {k: str(v) for k, v in value.items()}
+    out = {}
+    for name, v in value.items():
+        if not (name.isidentifier() and name.isascii()):  # bash cannot export it
+            s.not_honoured.append(f"{key} {name} (not a shell variable name)")
+            continue
+        template = TEMPLATE.fullmatch(str(v))
+        if template and template.group(2) is None:
+            s.not_honoured.append(f"{key} {name} = {v} (the host's variables do not reach sandboxes)")
+            continue
+        out[name] = template.group(2) if template else str(v)
+    return out
+
+
+def _size_mb(value, where: str, key: str) -> int:
+    """Harbor's deprecated ``memory`` / ``storage``: "512M", "2G"."""
+    text = str(value).strip().upper()
+    units = {"G": 1024, "M": 1, "K": 1 / 1024}
+    try:
+        return int(float(text[:-1]) * units[text[-1]])
+    except (KeyError, ValueError, IndexError):
+        raise HarborSettingsError(f"{where}: {key} must be a size like '512M' or '2G', got {value!r}") from None
+
+
+def _not_honoured(meta: dict, s: HarborSettings) -> None:
+    """What the task asks for that sandforge cannot do, one entry per key, in the file's order."""
+    if meta.get("artifacts"):
+        s.not_honoured.append("artifacts (sandforge collects no artifacts)")
+    for section in ("environment", "agent", "verifier"):
+        table = meta.get(section, {})
+        for key, value in table.items() if isinstance(table, dict) else ():
+            where = f"[{section}] {key}"
+            if (section, key) in NOT_SUPPORTED:
+                fine, why = NOT_SUPPORTED[(section, key)]
+                if value not in (None, fine, [], {}, ""):
+                    s.not_honoured.append(f"{where} ({why})")
+            elif key == "os" and str(value).lower() != "linux":
+                s.not_honoured.append(f"{where} = {value!r} (sandboxes are Linux containers)")
+            elif key == "network_mode" and value != "no-network":
+                s.not_honoured.append(f"{where} = {value!r} ({NO_NETWORK})")
+            elif key == "allowed_hosts" and value:
+                s.not_honoured.append(f"{where} ({NO_NETWORK})")
+            elif key == "allow_internet" and value:
+                s.not_honoured.append(f"{where} = true ({NO_NETWORK})")
+            elif key == "environment_mode" and value != "shared":
+                s.not_honoured.append(f"{where} = {value!r} (test.sh runs in the agent's sandbox)")
+    for section, value in meta.items():
+        if section not in KNOWN:
+            s.not_honoured.append(f"[{section}]" if isinstance(value, dict) else section)
+        elif isinstance(value, dict) and KNOWN[section] is not None:
+            s.not_honoured += [f"[{section}] {k}" for k in sorted(value) if k not in KNOWN[section]]
 
 
 def read_settings(meta: dict, where: Path | str) -> HarborSettings:
@@ -86,27 +164,23 @@ def read_settings(meta: dict, where: Path | str) -> HarborSettings:
         s.verifier_timeout = _number(verifier["timeout_sec"], where, "[verifier] timeout_sec")
     if "user" in verifier:
         s.verifier_user = str(verifier["user"])
-    if "env" in verifier:
-        s.verifier_env = _env(verifier["env"], where, "[verifier] env")
-    if "env" in solution:
-        s.solution_env = _env(solution["env"], where, "[solution] env")
+    if "env" in env:
+        s.env = _env(env["env"], where, "[environment] env", s)
+    s.verifier_env = {**s.env, **_env(verifier.get("env", {}), where, "[verifier] env", s)}
+    s.solution_env = {**s.env, **_env(solution.get("env", {}), where, "[solution] env", s)}
     if "cpus" in env:
         s.cpus = _number(env["cpus"], where, "[environment] cpus")
+    if "memory" in env:
+        s.memory_mb = _size_mb(env["memory"], where, "[environment] memory")
     if "memory_mb" in env:
         s.memory_mb = int(_number(env["memory_mb"], where, "[environment] memory_mb"))
     if "workdir" in env:
         s.workdir = str(env["workdir"])
     if "docker_image" in env:
         s.docker_image = str(env["docker_image"])
-    if env.get("allow_internet"):
-        s.not_honoured.append("[environment] allow_internet = true (sandboxes have no network)")
+    if "storage" in env:
+        s.storage_mb = _size_mb(env["storage"], where, "[environment] storage")
     if "storage_mb" in env:
         s.storage_mb = int(_number(env["storage_mb"], where, "[environment] storage_mb"))
-    if env.get("gpus"):
-        s.not_honoured.append("[environment] gpus (sandboxes get no GPU)")
-    for section, value in meta.items():
-        if section not in KNOWN:
-            s.not_honoured.append(f"[{section}]" if isinstance(value, dict) else section)
-        elif isinstance(value, dict) and KNOWN[section] is not None:
-            s.not_honoured += [f"[{section}] {k}" for k in sorted(value) if k not in KNOWN[section]]
+    _not_honoured(meta, s)
     return s
