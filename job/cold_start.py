@@ -111,7 +111,7 @@ def warmup(job: RLJob) -> None:
     job.push_weights()
 
 
-def before_rl(job: RLJob) -> None:
+def before_rl(job: RLJob, rl_follows: bool = True) -> None:
     """Pretraining and the warm start where configured, then checkpoint 0: the policy RL starts from, kept for
     comparison and evaluation."""
     if job.cfg.pretrain.steps:
@@ -119,7 +119,8 @@ def before_rl(job: RLJob) -> None:
     if job.cfg.warmup.steps:
         warmup(job)
         job.bar.console.print(job.clock.line(), soft_wrap=True)
-    if (job.cfg.pretrain.steps or job.cfg.warmup.steps) and job.cfg.trainer.fresh_optimizer:
+    # `sandforge sft` ends here: a train run started from its policy builds an optimizer of its own
+    if (job.cfg.pretrain.steps or job.cfg.warmup.steps) and job.cfg.trainer.fresh_optimizer and rl_follows:
         fresh_optimizer(job)
     save_checkpoint(job, 0)
 

@@ -96,7 +96,7 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
             else:
                 if record is not None and cfg.eval.base:
                     record.set_base(job.evaluate(0, base=True))
-                cold_start.before_rl(job)
+                cold_start.before_rl(job, rl_follows=not sft_only)
             if sft_only:
                 policy = checkpoint_dir(out, 0) / "policy"
                 console.print(f"[green]done[/]: SFT checkpoint in {policy}; start RL from it with "
