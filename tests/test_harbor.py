@@ -394,3 +394,37 @@ def test_a_grader_that_builds_a_program_in_tmp_and_runs_it_scores_the_oracle(mod
     assert not solved.failed, solved.failure
     assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason
 
+
+@pytest.mark.docker
+def test_harbor_check_prints_the_multi_step_refusal():
+    import os
+
+    sandforge = Path(sys.executable).parent / "sandforge"
+    out = subprocess.run([str(sandforge), "harbor", "check", str(SHAPES / "two-step")], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "COLUMNS": "250"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    reason = "".join(line.split("│")[-2] for line in text.splitlines() if line.count("│") > 6)  # its folded cell
+    assert "".join(TWO_STEP_REFUSAL.split()) in "".join(reason.split()), text
+    assert "not a Harbor task" not in text and "Harbor tasks: 0/1 fine" in text, text
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("mode", ["root", "hardened"])
+def test_a_grader_that_builds_a_program_in_tmp_and_runs_it_scores_the_oracle(mode, run_id, docker_client):
+    """compile-and-run's test.sh builds the program into `mktemp -d` under /tmp and executes it there, as Go's and C's
+    tests do (solve.sh tries it the same way, as the agent). Under Docker's default noexec tmpfs the oracle scored 0
+    where Harbor's plain Docker passes. The oracle scores 1 and a no-op 0, as `harbor check` runs them and as the warm
+    start replays solve.sh through the policy's bash tool."""
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.job.harbor_check import check
+
+    [row] = check([SHAPES / "compile-and-run"], mode=mode)
+    assert (row.oracle, row.noop) == (1.0, 0.0), row
+    [task], images = load_tasks(SHAPES / "compile-and-run", mode)
+    tags = build_images([], client=docker_client, show_progress=False, contexts=images)
+    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    solved = _episode(task, HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client), task.solution)
+    assert not solved.failed, solved.failure
+    assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason

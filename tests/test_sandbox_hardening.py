@@ -140,3 +140,31 @@ def test_dockers_archive_api_reaches_the_workspace(sandbox, docker_client):
     assert sandbox.exec(f"cat {name}").output == "hello"
     chunks, stat = docker_client.api.get_archive(sandbox.id, f"/workspace/{name}")
     assert stat["size"] == 5 and b"hello" in b"".join(chunks)
+
+
+def test_programs_made_in_tmp_and_the_scratch_folders_run_and_the_caps_hold(terminal_image, run_id, docker_client):
+    """Docker mounts a tmpfs noexec unless told otherwise, so a grader that builds a binary in a temp dir and runs it
+    (Go's tests, a C task's a.out) scored 0 where Harbor's plain Docker passes. /tmp, the hardened agent's scratch
+    folders and the workspace run what is made there, for the policy's user and for root (a script and a copied ELF);
+    nosuid and nodev stay, the session spools stay noexec, each folder keeps its cap, and what a tmpfs holds counts
+    towards the sandbox's memory."""
+    scratch = ("/var/tmp", "/run/lock", "/home/sandbox")
+    spec = SandboxSpec(image=terminal_image, tmp_size="8m", memory="256m", scratch=scratch)
+    with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
+        for folder in ("/tmp", *scratch, "/workspace"):
+            for user in (None, "root"):
+                made = sb.exec(f"d=$(mktemp -d -p {folder}) && printf '#!/bin/sh\\necho ran\\n' > $d/prog && "
+                               "chmod +x $d/prog && cp /bin/true $d/elf && $d/prog && $d/elf && echo elf", user=user)
+                assert (made.exit_code, made.output) == (0, "ran\nelf\n"), (folder, user, made)
+        mounts = {f[1]: f[3].split(",") for f in map(str.split, sb.exec("cat /proc/mounts").output.splitlines())}
+        for folder in ("/tmp", *scratch):
+            assert {"nosuid", "nodev"} <= set(mounts[folder]) and "noexec" not in mounts[folder], mounts[folder]
+        assert "noexec" in mounts["/run/sandforge"], mounts["/run/sandforge"]
+        for folder in ("/tmp", *scratch):
+            full = sb.exec(f"head -c 9m /dev/zero > {folder}/fill")
+            assert full.exit_code == 1 and "No space left on device" in full.output, (folder, full)
+        used = "cat /sys/fs/cgroup/memory.current 2>/dev/null || cat /sys/fs/cgroup/memory/memory.usage_in_bytes"
+        sb.exec(f"rm {' '.join(f'{folder}/fill' for folder in ('/tmp', *scratch))}")
+        before = int(sb.exec(used).output)
+        sb.exec("head -c 6m /dev/urandom > /tmp/kept")
+        assert int(sb.exec(used).output) - before > 5 << 20  # the tmpfs pages are the container's memory

@@ -5,6 +5,14 @@ root filesystem, a size-capped workspace at ``workdir`` owned by the sandbox use
 cpu/memory (swap = memory)/pids limits, nofile and fsize ulimits, ``init`` as PID 1, no capabilities for the user and
 ``no-new-privileges``, the runtime (runc, runsc, ...) chosen by the spec.
 
+``/tmp`` and the scratch folders allow exec. Docker mounts a tmpfs ``noexec`` unless its options say ``exec``, but
+Harbor mounts nothing on /tmp, and tasks build and run programs there: ``go test`` executes its binary from
+``$TMPDIR/go-build*``, a C grader its ``a.out`` from ``mktemp -d``; under noexec they score 0 where plain Docker passes.
+noexec never confined the policy (it may run what it writes in the workspace, or ``sh /tmp/x``), and exec there opens
+no way into grading: the policy's processes are stopped before any check, and graders run in a clean context whose
+PATH is the image's (policy_stop.py, clean_context.py). ``nosuid`` and ``nodev`` stay, as does every size cap; the
+session spools stay ``noexec``.
+
 The workspace is an anonymous volume backed by tmpfs, not a tmpfs mount: Docker's archive API (``put_archive``,
 ``get_archive``, ``docker cp``) refuses tmpfs mounts of a read-only container ("container rootfs is marked read-only")
 and reads the image's folder hidden beneath them, but it does see volumes. Such a volume needs the user's numeric ids
@@ -28,6 +36,7 @@ from sandforge.environments.sandbox.stop_scripts import GUARD_SCRIPT, GUARD_VARI
 from sandforge.types import SandboxError
 
 SPOOL_SIZE = "64m"  # tmpfs for session state and command output: a command printing more gets "No space left"
+EXEC = "exec"  # a task's own tmpfs (/tmp, scratch): programs built there run (Docker's default is noexec)
 LABEL_PROBE = "sandforge.probe"  # a never-started container that reads an image's /etc/passwd
 
 # Root inside the sandbox keeps just enough to manage files the policy made (0600 answers, read-only test folders),
@@ -45,7 +54,8 @@ ROOT_AGENT_CAPS = ROOT_CAPS + ["FSETID", "SETGID", "SETUID", "NET_BIND_SERVICE"]
 class SandboxSpec:
     """How to start a sandbox. Sizes use Docker's units ("512m").
 
-    Everything on tmpfs (the workspace, /tmp, the output spool) is memory and counts towards ``memory``.
+    Everything on tmpfs (the workspace, /tmp, the scratch folders, the output spool) is memory and counts towards
+    ``memory``: the caps bound each folder, the memory limit all of them together.
     """
 
     image: str
@@ -84,7 +94,7 @@ def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: di
         read_only=spec.read_only,
         mounts=[_workspace_mount(client, spec, labels)],
         tmpfs={
-            "/tmp": f"size={spec.tmp_size},mode=1777",
+            "/tmp": f"{EXEC},size={spec.tmp_size},mode=1777",
             SESSION_DIR: f"size={SPOOL_SIZE},mode=1777",
             ROOT_SESSION_DIR: f"size={SPOOL_SIZE},mode=0700",  # verifiers' spool: the policy cannot fill it
             **{path: _scratch_options(client, spec, path, labels) for path in spec.scratch},
@@ -108,8 +118,8 @@ def _scratch_options(client: docker.DockerClient, spec: SandboxSpec, path: str, 
     """A scratch tmpfs: shared like /tmp (1777), or, at /home/<user>, the policy user's own."""
     if path.rstrip("/") == f"/home/{spec.user.split(':')[0]}":
         uid, gid = _ids_of(client, spec.image, spec.user, labels)
-        return f"size={spec.tmp_size},mode=0755,uid={uid},gid={gid}"
-    return f"size={spec.tmp_size},mode=1777"
+        return f"{EXEC},size={spec.tmp_size},mode=0755,uid={uid},gid={gid}"
+    return f"{EXEC},size={spec.tmp_size},mode=1777"
 
 
 def _network_mode(client: docker.DockerClient, network: str | bool | None) -> str:
