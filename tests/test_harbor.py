@@ -324,8 +324,6 @@ def test_the_agents_commands_get_the_task_env():
     assert sandbox.commands == ["ls"]
 
 
-@pytest.mark.xfail(strict=True, reason="environments/harbor/tasks.py does not yet put HarborSettings.env in "
-                                      "task.setup['env'] (its owner's change; HarborEnv reads it from there)")
 def test_a_loaded_task_carries_its_env_to_the_agent():
     assert load_task(HARBOR_025 / "env-vars").setup.get("env") == {"SECRET_WORD": "marmalade",
                                                                    "ANSWER_FILE": "/workspace/wrong-place.txt"}
@@ -395,36 +393,68 @@ def test_a_grader_that_builds_a_program_in_tmp_and_runs_it_scores_the_oracle(mod
     assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason
 
 
-@pytest.mark.docker
-def test_harbor_check_prints_the_multi_step_refusal():
-    import os
-
-    sandforge = Path(sys.executable).parent / "sandforge"
-    out = subprocess.run([str(sandforge), "harbor", "check", str(SHAPES / "two-step")], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "COLUMNS": "250"})
-    text = out.stdout + out.stderr
-    assert out.returncode == 1, text
-    reason = "".join(line.split("│")[-2] for line in text.splitlines() if line.count("│") > 6)  # its folded cell
-    assert "".join(TWO_STEP_REFUSAL.split()) in "".join(reason.split()), text
-    assert "not a Harbor task" not in text and "Harbor tasks: 0/1 fine" in text, text
+# --- Harbor 0.25 in containers ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.docker
 @pytest.mark.parametrize("mode", ["root", "hardened"])
-def test_a_grader_that_builds_a_program_in_tmp_and_runs_it_scores_the_oracle(mode, run_id, docker_client):
-    """compile-and-run's test.sh builds the program into `mktemp -d` under /tmp and executes it there, as Go's and C's
-    tests do (solve.sh tries it the same way, as the agent). Under Docker's default noexec tmpfs the oracle scored 0
-    where Harbor's plain Docker passes. The oracle scores 1 and a no-op 0, as `harbor check` runs them and as the warm
-    start replays solve.sh through the policy's bash tool."""
-    from sandforge.config import SandboxConfig
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+def test_harbor_check_scores_named_rewards_and_the_task_env_oracle_1_noop_0(mode):
+    """`sandforge harbor check`'s rows for the two Harbor 0.25 tasks: the oracle's reward.json of two named rewards
+    is 1 and doing nothing 0; the env-vars oracle and test.sh both need [environment.env] (and test.sh its
+    [verifier.env] over it), and nothing in either task.toml is flagged."""
     from sandforge.job.harbor_check import check
 
-    [row] = check([SHAPES / "compile-and-run"], mode=mode)
-    assert (row.oracle, row.noop) == (1.0, 0.0), row
-    [task], images = load_tasks(SHAPES / "compile-and-run", mode)
-    tags = build_images([], client=docker_client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
-    solved = _episode(task, HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client), task.solution)
+    rows = check([HARBOR_025 / "named-rewards", HARBOR_025 / "env-vars"], mode=mode)
+    assert [(r.task, r.oracle, r.noop) for r in rows] == [("harbor/named-rewards", 1.0, 0.0),
+                                                         ("harbor/env-vars", 1.0, 0.0)], rows
+    assert not any("not honoured" in note for r in rows for note in r.notes), rows
+
+
+@pytest.fixture(scope="module")
+def harbor_025_images(docker_client) -> dict[str, str]:
+    _, contexts = load_tasks(HARBOR_025)
+    return build_images([], client=docker_client, show_progress=False, contexts=contexts)
+
+
+@pytest.mark.docker
+def test_an_episode_is_graded_on_its_named_rewards(harbor_025_images, run_id, docker_client):
+    """The oracle through the bash tool scores 1 with both rewards in the breakdown; a correct script that is slow
+    on large N gets correctness 1, performance 0: the mean, 0.5; doing nothing 0."""
+    task = load_task(HARBOR_025 / "named-rewards")
+    env = _env(task, harbor_025_images, run_id, docker_client)
+    solved = _episode(task, env, task.solution)
     assert not solved.failed, solved.failure
-    assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason
+    assert solved.reward.value == 1.0 and solved.reward.breakdown == {
+        "harbor_tests:0": 1.0, "harbor_tests:0/correctness": 1.0, "harbor_tests:0/performance": 1.0}
+    slow = ("cat > /workspace/fib.sh <<'FIB'\nif [ \"$1\" -gt 50 ]; then sleep 5; fi\na=0; b=1\n"
+            "for ((i = 0; i < $1; i++)); do t=$((a + b)); a=$b; b=$t; done\necho \"$a\"\nFIB")
+    half = _episode(task, env, [ToolCall("bash", {"command": slow}), ToolCall("submit")])
+    assert not half.failed, half.failure
+    assert (half.reward.value, half.reward.success) == (0.5, False), half.reward.reason
+    assert half.reward.breakdown["harbor_tests:0/performance"] == 0.0
+    assert "mean of correctness 1, performance 0" in half.reward.reason, half.reward.reason
+    idle = _episode(task, env, [ToolCall("submit")])
+    assert not idle.failed and idle.reward.value == 0.0, idle.reward.reason
+
+
+@pytest.mark.docker
+def test_the_agents_commands_see_the_task_env_in_a_container(harbor_025_images, run_id, docker_client):
+    """HarborEnv exports ``task.setup["env"]`` before each of the policy's commands, in its session,
+    as the folder's loader puts it there from task.toml's [environment] env. The oracle's text through the bash tool
+    then scores 1; without the env it fails loudly (solve.sh's ${SECRET_WORD:?})."""
+    task = load_task(HARBOR_025 / "env-vars")
+    assert task.setup["env"]
+    env = _env(task, harbor_025_images, run_id, docker_client)
+    try:
+        env.reset()
+        observation, *_ = env.step(ToolCall("bash", {"command": "unset SECRET_WORD; echo \"[$SECRET_WORD]\""}))
+        assert observation.startswith("[]\n"), observation  # the policy may unset it within a command...
+        observation, *_ = env.step(ToolCall("bash", {"command": "echo \"[$SECRET_WORD] $ANSWER_FILE\""}))
+        assert observation.startswith("[marmalade] /workspace/wrong-place.txt\n"), observation  # ...set again next
+    finally:
+        env.close()
+    solved = _episode(task, env, task.solution)
+    assert not solved.failed and solved.reward.value == 1.0, solved.reward.reason
+    bare = type(task)(**{**task.__dict__, "setup": {k: v for k, v in task.setup.items() if k != "env"}})
+    unsolved = _episode(bare, _env(bare, harbor_025_images, run_id, docker_client), bare.solution)
+    assert unsolved.reward.value == 0.0, unsolved.reward.reason

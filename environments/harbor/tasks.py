@@ -121,6 +121,8 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         setup["not_honoured"] = settings.not_honoured
     if settings.solution_env:
         setup["solution_env"] = settings.solution_env
+    if settings.env:  # [environment] env: HarborEnv exports it before each of the agent's commands
+        setup["env"] = settings.env
     if settings.docker_image and not (task_dir / "environment" / "Dockerfile").is_file():
         setup["docker_image"] = settings.docker_image
     return Task(
