@@ -196,18 +196,6 @@ def job_config(args, out: Path, overrides: list[str]):
     return local_model(cfg, source)
 
 
-def start_ray(cfg) -> None:
-    """A local Ray as ``job.fleet.lifecycle.start_ray`` starts it (``open_fleet`` then uses it), with ``instrument``
-    run in every worker process."""
-    import logging
-
-    import ray
-
-    ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, logging_level=logging.ERROR,
-             log_to_driver=False, object_store_memory=256 * 1024**2, _system_config={"worker_niceness": 0},
-             runtime_env={"worker_process_setup_hook": instrument})
-
-
 def _union(intervals) -> list[list[float]]:
     out: list[list[float]] = []
     for a, b in sorted(intervals):
@@ -248,15 +236,15 @@ def run_step(args, overrides: list[str], label: str) -> dict:
     from sandforge.job import cold_start
     from sandforge.job.console import make_run_id, progress
     from sandforge.job.eta import RunClock, RunPlan
-    from sandforge.job.fleet.lifecycle import open_fleet
+    from sandforge.job.fleet import lifecycle
     from sandforge.job.rl_job import RLJob
     from sandforge.job.runlog import RunLogger
 
     with tempfile.TemporaryDirectory(prefix="bench-rl-step-") as tmp:
         cfg = job_config(args, Path(tmp) / "run", overrides)
         run_id = make_run_id(f"bench-{label}")
-        start_ray(cfg)
-        with open_fleet(cfg, run_id) as fleet, progress() as bar:
+        lifecycle.start_ray(cfg, runtime_env={"worker_process_setup_hook": instrument})  # open_fleet then uses it
+        with lifecycle.open_fleet(cfg, run_id) as fleet, progress() as bar:
             logger = RunLogger(Path(tmp) / "run", cfg, run_id)
             try:
                 job = RLJob(cfg, fleet, logger, bar, RunClock(RunPlan.of(cfg, 0, warm=True, sft_only=False)))

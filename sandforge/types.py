@@ -258,8 +258,9 @@ class TrainingRow:
 
     ``token_ids`` and ``loss_mask`` (1 on the tokens the loss covers) are all an SFT row has: a verified
     demonstration or a generated copy exchange. An RL row adds the engine's ``logprobs`` (0.0 off the policy's tokens),
-    per-token ``advantages``, PPO's value targets ``returns``, and, when a step takes several mini-batches,
-    ``old_logprobs``: the trainer's own log-probs at the step's start (``RowScores``), the ratio's denominator.
+    per-token ``advantages``, PPO's value targets ``returns``, and, when a step takes several optimizer steps
+    (mini-batches or epochs), ``old_logprobs``: the trainer's own log-probs at the step's start (``RowScores``), the
+    ratio's denominator.
     ``routed_experts`` is the engine's routing as ``Trajectory.routed_experts`` holds it (None: none known)."""
 
     token_ids: list[int]

@@ -106,10 +106,11 @@ def build_job_images(cfg: JobConfig) -> dict[str, str]:
                         contexts=job_images(cfg))
 
 
-def start_ray(cfg: JobConfig) -> None:
+def start_ray(cfg: JobConfig, runtime_env: dict | None = None) -> None:
     """A new local Ray instance (never a cluster found lying around), or the cluster ``ray.address`` names. Ray starts
     its worker processes at nice 15 by default, so a trainer rank would lose most of a core to any normal process:
-    locally they run at the driver's own priority. (A cluster's raylets were started with their own setting.)"""
+    locally they run at the driver's own priority. (A cluster's raylets were started with their own setting.)
+    ``runtime_env``: Ray's, for every worker (bench/rl_step.py's timing hook)."""
     import logging
 
     import ray
@@ -120,7 +121,8 @@ def start_ray(cfg: JobConfig) -> None:
     # logging_level: Ray's own start-up notices (its local instance, token authentication) are not the user's concern
     ray.init(address=cfg.ray.address or "local", num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              logging_level=logging.ERROR, log_to_driver=False, object_store_memory=256 * 1024**2 if local else None,
-             _system_config={"worker_niceness": 0} if local else None)  # relative to the raylet: the driver's
+             _system_config={"worker_niceness": 0} if local else None,  # relative to the raylet: the driver's
+             runtime_env=runtime_env)
 
 
 def start_trainer_ranks(cfg: JobConfig, placement: Placement, bundles: Any = None) -> list:
