@@ -135,6 +135,11 @@ def harbor_check(
     tasks: list[Path] = typer.Argument(..., help="Harbor task folders, or folders of them"),
     mode: str = typer.Option("root", "--mode", help="root (Harbor's: the agent as the task's user) or hardened (a "
                              "non-root agent, for RL)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="A job YAML whose sandbox section the check uses "
+                                          "(base_map, memory, cpus, ...)"),
+    sets: Optional[list[str]] = typer.Option(None, "--set", help="A sandbox setting, repeatable: --set "
+                                             "'sandbox.base_map={\"ubuntu:*\": base}' (the map replaces the "
+                                             "default one), --set sandbox.memory=2g"),
 ) -> None:
     """Build each task's image, replay its oracle (solution/solve.sh, as Harbor runs it) and a no-op, and print one row
     per task: image, oracle and no-op rewards, seconds, and why where something is off. Exit 1 unless every oracle
@@ -142,15 +147,19 @@ def harbor_check(
     from rich.console import Console
 
     from sandforge.job.console import heartbeat
-    from sandforge.job.harbor_check import check, table
+    from sandforge.job.harbor_check import check, sandbox_settings, table
 
+    try:
+        sandbox_cfg = sandbox_settings(config, sets or [])
+    except ConfigError as e:
+        fail(str(e))
     missing = [str(t) for t in tasks if not t.is_dir()]
     if missing:
         fail(f"no such directory: {', '.join(missing)}")
     if mode not in ("root", "hardened"):
         fail(f"--mode {mode!r}: expected root or hardened")
     with heartbeat():
-        rows = check(tasks, mode)
+        rows = check(tasks, mode, sandbox_cfg)
     if not rows:
         fail(f"no Harbor tasks under {', '.join(map(str, tasks))} (a task folder holds instruction.md and task.toml)")
     Console(width=200).print(table(rows))

@@ -2,8 +2,10 @@
 image here (its base mapped when needed), replay its oracle as Harbor does and a no-op, grade both, and print one row:
 image, oracle reward, no-op reward, seconds, and a one-line reason where something is off.
 
-The oracle runs as Harbor runs it: ``solution/`` uploaded to ``/solution``, ``solve.sh`` executed as a file by the
-task's agent user (root, or the non-root user of ``--mode hardened``) in the image's WORKDIR, with ``[solution] env``.
+The oracle runs as Harbor runs it: ``solution/`` uploaded to ``/solution``, ``solve.sh`` executed as a file (by its
+shebang) by the task's agent user (root, or the non-root user of ``--mode hardened``) in the image's WORKDIR, with
+``DEBIAN_FRONTEND=noninteractive`` under ``[solution] env``, its output in ``/logs/agent/oracle.txt``. ``--set
+sandbox.KEY=VALUE`` (or a job's ``--config``) sets the sandbox, ``sandbox.base_map`` among it.
 The no-op grades a sandbox nobody touched. A task is fine when the oracle scores 1 and the no-op 0.
 """
 
@@ -17,6 +19,8 @@ from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
+
+from sandforge.environments.harbor.settings import shell_exports
 
 NETWORK = re.compile(r"\b(curl|wget)\b|\bpip3?\s+install\b|\buv\s+(pip|sync|run|tool|add)\b|\bapt(-get)?\s+(install|"
                      r"update)\b|\bnpm\s+(install|ci)\b")
@@ -59,15 +63,30 @@ def upload_solution(sandbox, solution: Path) -> None:
     sandbox.exec("chmod -R a+rX /solution", timeout=30, user="root", session=False)
 
 
+ORACLE_ENV = {"DEBIAN_FRONTEND": "noninteractive"}  # Harbor's, under the task's [solution] env
+ORACLE_LOG = "/logs/agent/oracle.txt"
+
+
+def oracle_command(env: dict[str, str]) -> str:
+    """solve.sh executed as a file (its shebang picks the interpreter; bash reads one without), its output to
+    ``ORACLE_LOG`` as in Harbor, then the log's end on stdout and solve.sh's exit status."""
+    return (f"{shell_exports({**ORACLE_ENV, **env})}/solution/solve.sh > {ORACLE_LOG} 2>&1; rc=$?\n"
+            f"tail -c 4000 {ORACLE_LOG}; exit $rc")
+
+
 def run_oracle(sandbox, task, task_dir: Path, timeout: float) -> str:
-    """solve.sh as Harbor runs it; returns a one-line account of a failure ("" when it exited 0)."""
+    """solve.sh as Harbor runs it: ``/solution`` uploaded, ``/logs/agent`` in place (the agent's user may write it),
+    the file executed by the agent's user in the WORKDIR with DEBIAN_FRONTEND=noninteractive and ``[solution] env``;
+    returns a one-line account of a failure ("" when it exited 0)."""
     solution = task_dir / "solution"
     if not (solution / "solve.sh").is_file():
         return "no solution/solve.sh"
     upload_solution(sandbox, solution)
-    env = task.setup.get("solution_env") or {}
-    exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items() if k.isidentifier())
-    result = sandbox.exec(f"{exports}bash /solution/solve.sh", timeout=timeout, user=sandbox.spec.user,
+    user = sandbox.spec.user
+    owner = "" if user in ("root", "0", "0:0") else f" -o {shlex.quote(user.split(':')[0])}"
+    sandbox.exec(f"install -d -m 0755 /logs && install -d -m 0755{owner} /logs/agent", timeout=30, user="root",
+                 session=False)
+    result = sandbox.exec(oracle_command(task.setup.get("solution_env") or {}), timeout=timeout, user=user,
                           workdir=sandbox.spec.workdir, session=False)
     if result.timed_out:
         return f"solve.sh timed out after {timeout:g}s: {_tail(result.output)}"
@@ -84,7 +103,7 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
     from sandforge.environments.sandbox.images import ImageError, build_images
     from sandforge.environments.sandbox.job_spec import sandbox_spec
     from sandforge.types import SandboxError
-    from sandforge.verifiers.checks import score_task
+    from sandforge.verifiers.checks import SERVICE_STOPPED, score_task
 
     row = CheckRow(task=task_dir.name)
     start = time.monotonic()
@@ -114,7 +133,10 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
                 sandbox.close()
             setattr(row, which, reward.value)
             if which == "oracle" and reward.value != 1.0:
-                row.reason = failure or f"oracle scored {reward.value:g}: {_tail(reward.reason or '')}"
+                why = reward.reason or ""
+                if "service_stopped" in reward.zero_causes:  # the one line that says why, in full
+                    why = why[why.find(SERVICE_STOPPED):]
+                row.reason = failure or f"oracle scored {reward.value:g}: {_tail(why, 400)}"
             elif which == "noop" and reward.value != 0.0 and not row.reason:
                 row.reason = f"doing nothing scores {reward.value:g}: the tests do not check the work"
     except (HarborTaskError, BaseImageError, ImageError, SandboxError) as e:
@@ -124,6 +146,20 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         row.reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     row.seconds = time.monotonic() - start
     return row
+
+
+def sandbox_settings(config: Path | None = None, sets: list[str] | tuple[str, ...] = ()):
+    """The sandbox settings a check runs under: a job's ``sandbox`` section (``config``), with ``sets`` (``--set
+    sandbox.KEY=VALUE``, e.g. ``sandbox.base_map={"ubuntu:*": base}``) over it, and no warm pool. ConfigError names a
+    bad key or value."""
+    from sandforge.config import ConfigError, config_from_raw, load_config
+
+    other = [s for s in sets if not s.partition("=")[0].strip().startswith("sandbox.")]
+    if other:
+        raise ConfigError(f"--set {other[0]!r}: harbor check takes sandbox settings only (--set sandbox.KEY=VALUE, "
+                          "e.g. sandbox.base_map='{\"ubuntu:*\": base}' or sandbox.memory=2g)")
+    cfg = load_config(config, list(sets)) if config else config_from_raw({}, "harbor check", list(sets))
+    return cfg.sandbox.model_copy(update={"warm_pool": 0})
 
 
 def task_dirs(paths: list[Path]) -> list[Path]:
@@ -150,12 +186,11 @@ def table(rows: list[CheckRow]) -> Table:
 
 def check(paths: list[Path], mode: str = "root", sandbox_cfg=None) -> list[CheckRow]:
     """Check every task under ``paths``, printing each row's task as it goes; the rows."""
-    from sandforge.config import SandboxConfig
     from sandforge.environments.sandbox.daemon import docker_client
     from sandforge.environments.sandbox.lifecycle import remove_run_containers
     from sandforge.job.console import console, phase
 
-    sandbox_cfg = sandbox_cfg or SandboxConfig(warm_pool=0)
+    sandbox_cfg = sandbox_cfg or sandbox_settings()
     client = docker_client()
     rows = []
     try:

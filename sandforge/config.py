@@ -86,6 +86,9 @@ class EnvironmentConfig(Section):
     # Harbor tasks: root runs the agent as the task's user (root by default, Harbor's contract); hardened as a non-root
     # user given the WORKDIR, which cannot rewrite what test.sh runs (docs/harbor.md: train in hardened)
     harbor_mode: Literal["root", "hardened"] = "root"
+    # how a check with several named rewards (Harbor's reward.json) makes the training reward: auto (the one named
+    # "reward", else the only one, else the mean), mean, min, or a reward's name; a check's own "reward" wins
+    reward_rule: str = Field("auto", min_length=1)
     # task files and folders: the fraction of tasks without a split of their own held out, by a stable hash of the name
     heldout: float = Field(0.0, ge=0, le=1)
 
@@ -443,9 +446,15 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
         raise ConfigError(f"{path}:{where} is not valid YAML: {getattr(e, 'problem', e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (run:, trainer:, ...)")
+    return config_from_raw(raw, f"{path}", overrides)
+
+
+def config_from_raw(raw: dict, source: str, overrides: list[str] | None = None) -> JobConfig:
+    """``raw`` (a job's YAML as read, from ``source``) with ``overrides`` applied, validated. Raises ConfigError with
+    one readable line naming the key and ``source``."""
     for assignment in overrides or []:
         apply_override(raw, assignment)
-    source = f"{path}" + (" (with command-line overrides)" if overrides else "")
+    source = source + (" (with command-line overrides)" if overrides else "")
     try:
         cfg = JobConfig.model_validate(raw)
     except ValidationError as e:

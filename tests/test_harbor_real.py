@@ -55,7 +55,10 @@ def test_from_images_are_kept_mapped_or_refused_in_one_line():
     assert " FROM not-a-stage" in lines and "FROM build" in lines and "FROM ubuntu:24.04" in lines
     assert "FROM ${BASE}" in lines and len(out.notes) == 1 and "python:3.12-slim -> base+python" in out.notes[0]
     with pytest.raises(BaseImageError, match=r"^harbor/t: base image quay.io/x/y:1 is not on this host, cannot be "
-                                             r"pulled, and sandbox.base_map maps nothing to it$"):
+                                             r"pulled, and sandbox.base_map maps nothing to it \(map it in the "
+                                             r"job's sandbox section, or `sandforge harbor check --set "
+                                             r"'sandbox.base_map=\{\"x/y:\*\": base\}'`; base\+python adds "
+                                             r"Debian's python3\)$"):
         rewrite("FROM quay.io/x/y:1\n", "harbor/t", "b", present=lambda ref: False)
     with pytest.raises(BaseImageError):  # an empty map maps nothing
         rewrite("FROM debian:bookworm\n", "harbor/t", "b", present=lambda ref: False, base_map={})

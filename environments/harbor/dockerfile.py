@@ -119,7 +119,9 @@ def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, st
             target = mapped(ref, base_map)
             if target is None:
                 raise BaseImageError(f"{task}: base image {ref} is not on this host, cannot be pulled, and "
-                                     "sandbox.base_map maps nothing to it")
+                                     f"sandbox.base_map maps nothing to it (map it in the job's sandbox section, "
+                                     f"or `sandforge harbor check --set 'sandbox.base_map={{\"{short_name(ref).split(':')[0]}:*"
+                                     f"\": base}}'`; base+python adds Debian's python3)")
             notes.append(f"{task}: FROM {ref} is not here; built on {base_tag} instead (sandbox.base_map: "
                          f"{short_name(ref)} -> {target})")
             out.append(f"{head}{base_tag}{rest}")

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo ready > /srv/app/status.txt
