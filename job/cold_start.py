@@ -62,8 +62,8 @@ def verified_demonstrations(job: RLJob) -> tuple[list, int]:
                          - {f"{t.task.env}/{t.task.family}" for t in demos}):
         failed = [t for t in trajs if f"{t.task.env}/{t.task.family}" == family]
         job.bar.console.print(f"warm start: no verified demonstration of {family} ({len(failed)} tried; first: "
-                              f"{why_not_verified(failed[0])}); is rollout.max_turns ({job.cfg.rollout.max_turns}) "
-                              "shorter than its reference solution?", soft_wrap=True, style="yellow", markup=False)
+                              f"{why_not_verified(failed[0])}){replay_hint(failed, job.cfg.rollout)}",
+                              soft_wrap=True, style="yellow", markup=False)
     long = [t for t in demos if len(t.token_ids) > job.cfg.rollout.max_context]
     if long:
         job.bar.console.print(f"warm start: {len(long)} verified demonstration(s) exceed rollout.max_context "
@@ -82,6 +82,21 @@ def why_not_verified(t) -> str:
     last = outputs[-1] if outputs else ""
     tail = " | ".join(x.strip() for x in last.strip().splitlines()[-3:] if x.strip())[-160:]
     return f"{t.task.id}: {why.strip().splitlines()[0] if why.strip() else why}" + (f" (output: {tail})" if tail else "")
+
+
+def replay_hint(failed: list, rollout) -> str:
+    """What to look at when a family's reference episodes did not verify, by how they ended: out of turns or
+    context, a reference reading the task's /solution folder (which a replay through the bash tool does not have),
+    else nothing to add."""
+    if any(t.finish_reason == "max_turns" for t in failed):
+        return f"; is rollout.max_turns ({rollout.max_turns}) shorter than its reference solution?"
+    if any(t.finish_reason == "context" for t in failed):
+        return f"; is rollout.max_context ({rollout.max_context} tokens) shorter than its reference episode?"
+    said = " ".join(o for t in failed for turn in t.turns for o in turn.observations)
+    if "/solution/" in said:
+        return ("; its reference reads files beside solve.sh in /solution, which the warm start's replay (solve.sh's "
+                "text through the bash tool) does not have: `sandforge harbor check` runs it as Harbor does")
+    return ""
 
 
 def warmup(job: RLJob) -> None:

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from sandforge.config import EnvironmentConfig, JobConfig
 from sandforge.environments.task_sources import FiniteSource, open_source
+from sandforge.job.tasks import with_reward_rule
 from sandforge.registry import environment
 from sandforge.types import Task, Trajectory
 
@@ -35,9 +36,10 @@ def heldout_tasks(envs: list[EnvironmentConfig], per_family: int) -> list[Task]:
         source = open_source(environment(env.name), env.tasks, env.harbor_mode, env.heldout)
         for family in env.families or source.families():
             if isinstance(source, FiniteSource):
-                tasks += [t for t in source.tasks if t.family == family and t.split == "heldout"][:per_family]
+                found = [t for t in source.tasks if t.family == family and t.split == "heldout"][:per_family]
             else:
-                tasks += [source.task(family, seed, "heldout") for seed in range(per_family)]
+                found = [source.task(family, seed, "heldout") for seed in range(per_family)]
+            tasks += [with_reward_rule(t, env.reward_rule) for t in found]  # success is the same reward as training's
     return tasks
 
 

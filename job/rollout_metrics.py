@@ -73,4 +73,23 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, floa
         by_env[t.task.env].append(float(t.reward.success))
     for env, wins in by_env.items():
         m[f"success/{env}"] = fmean(wins)
+    m |= named_reward_means(ok)
     return {prefix + k: v for k, v in m.items()}
+
+
+def named_reward_means(trajs: list[Trajectory]) -> dict[str, float]:
+    """``reward/<env>/<name>``: the mean of each named reward (Harbor's reward.json ``{"correctness": 1,
+    "performance": 0.5}``) over the episodes whose checks reported it, so each becomes a curve of its own. Named
+    rewards are the breakdown parts of checks that make one reward of several (``takes_reward_rule``)."""
+    from sandforge.verifiers.checks import takes_reward_rule
+
+    named: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        for i, check in enumerate(t.task.checks):
+            if not takes_reward_rule(check.get("verifier")):
+                continue
+            head = f"{check.get('verifier')}:{check.get('path', i)}/"
+            for key, value in t.reward.breakdown.items():
+                if key.startswith(head):
+                    named[f"reward/{t.task.env}/{key[len(head):]}"].append(value)
+    return {key: fmean(values) for key, values in sorted(named.items())}

@@ -15,7 +15,7 @@ from sandforge.config import EnvironmentConfig
 from sandforge.environments.task_sources import TaskSourceError, open_source
 from sandforge.registry import environment
 from sandforge.types import Task
-from sandforge.verifiers.checks import gives_partial_credit
+from sandforge.verifiers.checks import gives_partial_credit, takes_reward_rule
 
 
 class TaskSampler:
@@ -43,6 +43,7 @@ class TaskSampler:
             i = self.rng.choices(range(len(self.envs)), weights=[e.weight for e in self.envs])[0]
             family = self.rng.choice(self.families[i])
             task = self.sources[i].task(family, self.rng.randrange(2**31), split)
+            task = with_reward_rule(task, self.envs[i].reward_rule)
             tasks.append(with_partial_credit(task) if self.envs[i].partial_credit else task)
         return tasks
 
@@ -54,6 +55,15 @@ class TaskSampler:
             drawn = {t.setup.get("image") for t in getattr(source, "tasks", []) if t.family in families}
             found |= {name: ctx for name, ctx in source.images.items() if name in drawn}
         return found
+
+
+def with_reward_rule(task: Task, rule: str) -> Task:
+    """``task`` with ``"reward": rule`` on every check that makes one reward of several named ones (``auto``, the
+    verifiers' default, changes nothing; a check that sets ``reward`` itself keeps its choice)."""
+    if rule == "auto":
+        return task
+    return replace(task, checks=[{"reward": rule, **c} if takes_reward_rule(c.get("verifier")) else c
+                                 for c in task.checks])
 
 
 def with_partial_credit(task: Task) -> Task:

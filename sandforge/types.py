@@ -135,8 +135,9 @@ class Reward:
 
 
 # Why a check scored 0 without judging an answer, because of what the policy left: ``reward/zero_<cause>`` counts
-# them (a failed episode is infrastructure's fault, ``episodes/failed_<kind>``; these are verdicts).
-ZERO_CAUSES = ("missing", "not_a_file", "link", "too_large", "malformed", "timeout", "state")
+# them (a failed episode is infrastructure's fault, ``episodes/failed_<kind>``; these are verdicts). service_stopped:
+# the policy left a service listening, which the stop before grading ended, and the task did not score.
+ZERO_CAUSES = ("missing", "not_a_file", "link", "too_large", "malformed", "timeout", "state", "service_stopped")
 
 
 @dataclass
@@ -301,6 +302,15 @@ class SandboxError(RuntimeError):
     """The sandbox is broken, dead or unreachable: the episode using it has failed."""
 
 
+@dataclass(frozen=True)
+class PolicyStop:
+    """What stopping the policy before grading found: how many of its processes were killed, and the TCP ports they
+    were listening on (a service it left running, which no check can reach once it is stopped)."""
+
+    killed: int
+    listening: tuple[int, ...] = ()
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     """An episode's sandbox as graders and environments use it, whatever runs it.
@@ -314,9 +324,10 @@ class Sandbox(Protocol):
         """The working directory: where relative paths and one-off commands start."""
         ...
 
-    def stop_policy(self) -> int:
-        """Kill every process the policy's user left running and confirm none remains; how many there were.
-        ``score_task`` calls it before any check (a sandbox without it is graded as it is)."""
+    def stop_policy(self) -> PolicyStop:
+        """Kill every process the policy's user left running and confirm none remains; how many there were and the
+        TCP ports they listened on. ``score_task`` calls it before any check (a sandbox without it is graded as it
+        is)."""
         ...
 
     def exec(self, command: str, timeout: float = 10.0, user: str | None = None, workdir: str | None = None,

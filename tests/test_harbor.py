@@ -233,8 +233,8 @@ def test_named_rewards_are_combined_by_the_rule_and_each_kept_in_the_breakdown()
     assert (score, parts) == (0.25, {"reward": 0.25, "seconds": 12.5})
     assert _grade({"reward.json": '{"reward": 1}'})[:1] == (1.0,) and len(_grade({"reward.json": '{"reward": 1}'})) == 2
     assert _grade({"reward.txt": "1\n"}) == (1.0, "test.sh: reward 1 (exit 0)")  # a lone number: no parts
-    with pytest.raises(ValueError, match=r"harbor_reward 'speed': reward.json has no key 'speed' \(it has "
-                                         r"correctness, performance\)"):
+    with pytest.raises(ValueError, match=r"reward rule 'speed' \(the job's reward_rule, or the check's reward\): "
+                                         r"reward.json has no key 'speed' \(it has correctness, performance\)"):
         _grade(both, reward="speed")
     with pytest.raises(ValueError, match=r"reward 3.0 as .performance.; sandforge rewards are in \[0, 1\]"):
         _grade({"reward.json": '{"correctness": 1, "performance": 3}'})  # the mean would use it

@@ -112,13 +112,23 @@ def gives_partial_credit(name: object) -> bool:
     """Do checks of verifier ``name`` take ``"partial": true`` (credit below 1 for an answer that is close)? Said by a
     ``partial_credit = True`` attribute on the verifier's function (``register(..., partial=True)`` sets it). A
     verifier that cannot be found or loaded says no here; scoring the check reports why."""
+    return _declares(name, "partial_credit")
+
+
+def takes_reward_rule(name: object) -> bool:
+    """Do checks of verifier ``name`` take ``"reward": RULE``, how several named rewards become one (Harbor's
+    reward.json)? Said by a ``reward_rule = True`` attribute on the verifier's function."""
+    return _declares(name, "reward_rule")
+
+
+def _declares(name: object, attribute: str) -> bool:
     if not isinstance(name, str):
         return False
     try:
         fn = lookup(name)
     except Exception:  # a plugin that fails to load: the check's own scoring fails that episode with the reason
         return False
-    return bool(getattr(fn, "partial_credit", False))
+    return bool(getattr(fn, attribute, False))
 
 
 # --- budgets --------------------------------------------------------------------------------------------------------
@@ -242,6 +252,18 @@ def _validated(outcome, where: str) -> CheckResult:
     return CheckResult(float(score), str(reason), {str(k): float(v) for k, v in (parts[0] if parts else {}).items()})
 
 
+SERVICE_STOPPED = "the policy's service on port"  # how the note begins (`harbor check` shows it in full)
+
+
+def service_stopped_note(ports: tuple[int, ...]) -> str:
+    """One line for an episode that did not score while the policy had left a service listening: the checks never
+    saw it, because every process of a non-root policy is stopped before grading (a security invariant)."""
+    shown = ", ".join(map(str, ports))
+    return (f"{SERVICE_STOPPED} {shown} was stopped before grading (every process of a non-root policy is: "
+            "a check cannot reach it); a task graded on a service the agent leaves running cannot score in this "
+            "mode: run it as root (Harbor's harbor_mode: root), or start the service from the image's ENTRYPOINT")
+
+
 def score_task(sandbox: Sandbox, task: Task) -> Reward:
     """Run every check of ``task``: value = mean score, success = every check scored 1.0.
 
@@ -251,9 +273,10 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
     if not task.checks:
         raise VerifierError(f"task {task.id} has no checks: nothing can score it")
     stop = getattr(sandbox, "stop_policy", None)
+    stopped = None
     if stop is not None:  # before any check runs the policy is gone: nothing it started can race or read a grader
         try:
-            stop()
+            stopped = stop()
         except Exception as e:  # a dead sandbox, or processes that would not die: no sound grading is possible
             raise VerifierError(f"task {task.id}: {e}") from e
     scores: dict[str, float] = {}
@@ -269,6 +292,10 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
         reasons.append(result.reason)
         causes |= {result.cause} - {""}
     value = sum(scores.values()) / len(scores)
+    ports = getattr(stopped, "listening", ())
+    if ports and not all(s == 1.0 for s in scores.values()):  # a 0 that would otherwise not say why
+        reasons.append(service_stopped_note(ports))
+        causes.add("service_stopped")
     return Reward(
         value=value,
         success=all(s == 1.0 for s in scores.values()),

@@ -72,7 +72,8 @@ def combine(rewards: dict[str, float], rule: str = "auto") -> tuple[float, str]:
     if there is one (Harbor's primary reward), else the only one, else the mean; ``mean``, ``min``; or a reward's
     name. Every reward the rule uses must be in [0, 1]; the others are only logged."""
     if rule not in RULES and rule not in rewards:
-        raise ValueError(f"harbor_reward {rule!r}: reward.json has no key {rule!r} (it has {', '.join(rewards)})")
+        raise ValueError(f"reward rule {rule!r} (the job's reward_rule, or the check's reward): reward.json has no key "
+                         f"{rule!r} (it has {', '.join(rewards)})")
     pick = rule if rule not in RULES else "reward" if "reward" in rewards else None
     if rule == "auto" and pick is None and len(rewards) == 1:
         pick = next(iter(rewards))
@@ -135,3 +136,6 @@ def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str] | t
                          f"name); got {sorted(args)}")
     return harbor_tests(sandbox, args["files"], float(args.get("timeout", 600.0)), str(args.get("user", "root")),
                         args.get("workdir"), args.get("env"), rule)
+
+
+harbor_tests_verifier.reward_rule = True  # its checks take "reward": auto | mean | min | a reward's name

@@ -64,6 +64,25 @@ def _test_files(tests: Path) -> dict[str, str | dict]:
     return files
 
 
+SHELLS = ("bash", "sh", "dash")
+HEREDOC_END = "SANDFORGE_SOLVE_EOF"
+
+
+def replay_command(text: str) -> str:
+    """solve.sh as the warm start types it through the bash tool: its text, or, for a script whose shebang names
+    another interpreter (``#!/usr/bin/perl``, ``#!/usr/bin/env python3``), that interpreter reading the script from a
+    here-document, as Harbor's exec of the file would run it."""
+    first = text.split("\n", 1)[0]
+    interpreter = first[2:].strip() if first.startswith("#!") else ""
+    words = interpreter.split()
+    if words and words[0].endswith("/env"):  # `env [-S] [OPTION...] PROGRAM [ARG...]`
+        words = [w for w in words[1:] if not w.startswith("-")]
+    program = words[0].rsplit("/", 1)[-1] if words else ""
+    if not interpreter or program in SHELLS or HEREDOC_END in text:
+        return text
+    return f"{interpreter} <<'{HEREDOC_END}'\n{text.rstrip(chr(10))}\n{HEREDOC_END}"
+
+
 def heldout_by_hash(name: str, fraction: float) -> bool:
     """A stable choice of the held-out ``fraction`` of tasks, by their folder names (the same on every machine)."""
     digest = hashlib.sha256(name.encode()).digest()
@@ -104,10 +123,13 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     if mode not in MODES:
         raise HarborTaskError(f"harbor mode {mode!r}: expected one of {', '.join(MODES)}")
     solve = task_dir / "solution" / "solve.sh"
-    solution = [ToolCall("bash", {"command": solve.read_text()}), ToolCall("submit")] if solve.is_file() else []
+    solution = [ToolCall("bash", {"command": replay_command(solve.read_text())}), ToolCall("submit")] \
+        if solve.is_file() else []
     sandbox = settings.sandbox() | ({"user": AGENT_USER} if mode == "hardened" else {})
     if sandbox["user"] not in ("root", "0"):  # where else a non-root agent can write on the root filesystem: capped
-        sandbox["scratch"] = ("/var/tmp", "/run/lock", f"/home/{sandbox['user'].split(':')[0]}")
+        home = f"/home/{sandbox['user'].split(':')[0]}"
+        sandbox["scratch"] = ("/var/tmp", "/run/lock", home)
+        sandbox["home"] = home  # as in Harbor, where HOME is the user's own: ~/.ssh is not the WORKDIR's
     check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
              "timeout": settings.verifier_timeout, "user": settings.verifier_user}
     if settings.verifier_env:

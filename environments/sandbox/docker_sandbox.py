@@ -45,7 +45,7 @@ from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxSpec, R
     container_options,
     parse_size,
 )
-from sandforge.types import ExecResult, SandboxError
+from sandforge.types import ExecResult, PolicyStop, SandboxError
 
 
 class DockerSandbox:
@@ -163,9 +163,9 @@ class DockerSandbox:
             response, note = self._one_off(user, request, deadline, workdir or self.spec.workdir)
         return _exec_result(response, note, time.monotonic() - start)
 
-    def stop_policy(self) -> int:
+    def stop_policy(self) -> PolicyStop:
         """Kill every process the policy's user left running and confirm none remains (graders call it before any
-        check: environments/sandbox/policy_stop.py); how many there were."""
+        check: environments/sandbox/policy_stop.py); how many there were and the ports they listened on."""
         from sandforge.environments.sandbox.policy_stop import stop_policy
 
         killed = stop_policy(self)

@@ -13,6 +13,9 @@ When the pids are all taken, no ``docker exec`` can start at all. So the sandbox
 command, ``guard_command``): a root bash that holds one ``sleep`` and, on SIGUSR1 (``docker kill -s USR1``: tini
 passes it on), runs the same scan for the policy's user. ``stop_policy`` signals it when its own exec fails, then
 tries again.
+
+A service the policy started and left listening is stopped like the rest; the ports it listened on come back with the
+count, so a task graded on a running service that scores 0 says why (verifiers/checks.py ``score_task``).
 """
 
 from __future__ import annotations
@@ -21,18 +24,19 @@ import shlex
 import time
 
 from sandforge.environments.sandbox.stop_scripts import STOP_SCRIPT
-from sandforge.types import SandboxError
+from sandforge.types import PolicyStop, SandboxError
 
 RETRIES = 5  # execs tried after signalling the guard, RETRY_PAUSE apart
 RETRY_PAUSE = 0.5
 
 
-def stop_policy(sandbox) -> int:
-    """Kill every process of ``sandbox.spec.user`` and confirm none is left; how many there were. Raises the
-    sandbox's error (the episode fails: grading would not be sound) when some survive or the sandbox is gone."""
+def stop_policy(sandbox) -> PolicyStop:
+    """Kill every process of ``sandbox.spec.user`` and confirm none is left: how many there were, and the TCP ports
+    they listened on. Raises the sandbox's error (the episode fails: grading would not be sound) when some survive or
+    the sandbox is gone."""
     user = sandbox.spec.user
     if user in ("root", "0", "0:0") or user.startswith("0:"):
-        return 0
+        return PolicyStop(0)
     command = f"bash -c {shlex.quote(STOP_SCRIPT)} stop {shlex.quote(user.split(':')[0])}"
     result = sandbox.exec(command, timeout=30, user="root", session=False)
     for _ in range(RETRIES if result.exit_code != 0 else 0):  # no exec could start, or none could fork: the guard
@@ -43,4 +47,6 @@ def stop_policy(sandbox) -> int:
             break
     if result.exit_code != 0:
         raise SandboxError(f"could not stop the policy's processes before grading: {result.output.strip()[-200:]}")
-    return int(result.output.strip().splitlines()[-1] or 0)
+    lines = result.output.strip().splitlines()
+    ports = next((line.split()[1:] for line in lines if line.startswith("listening")), [])
+    return PolicyStop(int(lines[-1] or 0), tuple(int(p) for p in ports if p.isdigit()))

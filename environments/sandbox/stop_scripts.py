@@ -1,5 +1,6 @@
-"""The fork-free bash that stops the policy's processes (policy_stop.py), and the sandbox's guard, its main process,
-which runs the same scan on SIGUSR1 when no exec can start. Plain text, no imports: spec.py starts every sandbox with
+"""The fork-free bash that stops the policy's processes (policy_stop.py), first saying which TCP ports they listen on
+(/proc/net/tcp's uid column: a service the policy left running), and the sandbox's guard, its main process, which runs
+the same scan on SIGUSR1 when no exec can start. Plain text, no imports: spec.py starts every sandbox with
 the guard, and policy_stop.py raises spec.py's errors."""
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ __sf_scan() {  # send signal $1 to every live process of uid $2; how many in N
     kill "-$1" "$pid" 2>/dev/null && N=$((N + 1))
   done
 }
+__sf_listening() {  # the TCP ports uid $1 listens on (IPv4 and IPv6), space-separated, in PORTS
+  local f sl addr rem st queue timer retr uid port; PORTS=
+  for f in /proc/net/tcp /proc/net/tcp6; do
+    [[ -r $f ]] || continue
+    while read -r sl addr rem st queue timer retr uid _; do
+      [[ $st == 0A && $uid == "$1" ]] || continue
+      printf -v port '%d' "0x${addr##*:}"
+      [[ " $PORTS " == *" $port "* ]] || PORTS+="${PORTS:+ }$port"
+    done 2>/dev/null < "$f"
+  done
+}
 __sf_stop() {  # stop, then kill, every process of uid $1 until none is left; how many in TOTAL; 1 if some survive
   local round; TOTAL=0
   for ((round = 0; round < ROUNDS; round++)); do
@@ -39,6 +51,7 @@ __sf_stop() {  # stop, then kill, every process of uid $1 until none is left; ho
 """.replace("ROUNDS", str(ROUNDS))
 
 STOP_SCRIPT = _FUNCTIONS + r"""__sf_uid "$1" || { echo "no user $1 in /etc/passwd" >&2; exit 2; }
+__sf_listening "$REPLY"; echo "listening $PORTS"
 __sf_stop "$REPLY" || { echo "processes of uid $REPLY still running after ROUNDS rounds of SIGSTOP and SIGKILL" >&2
                         exit 1; }
 echo "$TOTAL"
