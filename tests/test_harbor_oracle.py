@@ -185,3 +185,28 @@ def _client():
     from sandforge.environments.sandbox.daemon import docker_client
 
     return docker_client()
+
+
+def test_the_warm_starts_hint_follows_how_the_replay_ended():
+    """It always asked whether rollout.max_turns was too short, even for a replay that ended because solve.sh read a
+    file beside it in /solution."""
+    from types import SimpleNamespace
+
+    from sandforge.job.cold_start import replay_hint
+    from sandforge.types import Trajectory, Turn
+
+    task = load_task(SHAPES / "oracle-as-harbor")
+    rollout = SimpleNamespace(max_turns=3, max_context=2048)
+
+    def ended(reason: str, output: str = "") -> Trajectory:
+        turn = Turn(index=0, prompt_tokens=0, generated_tokens=0, observation_tokens=0, finish_reason="stop",
+                    tool_calls=[task.solution[0]], observations=[output])
+        return Trajectory(task=task, group="g", turns=[turn], finish_reason=reason)
+
+    assert replay_hint([ended("max_turns")], rollout) == ("; is rollout.max_turns (3) shorter than its reference "
+                                                          "solution?")
+    assert "rollout.max_context (2048 tokens)" in replay_hint([ended("context")], rollout)
+    missing = ended("submit", "cp: cannot stat '/solution/files/patch.diff': No such file or directory")
+    assert "reads files beside solve.sh in /solution" in replay_hint([missing], rollout)
+    assert "sandforge harbor check" in replay_hint([missing], rollout)
+    assert replay_hint([ended("submit", "wrong answer")], rollout) == ""
