@@ -43,7 +43,8 @@ def score(sandbox, check: dict) -> tuple[float, str]:
     ("**Score:** .25", 0.25),
     ("SCORE: 0.2\nOn reflection, better than that.\nSCORE: 0.6", 0.6),  # the last one is the verdict
     ('{"score": 0.5, "reason": "half there"}', 0.5),
-    ('Sure! ```json\n{"reason": "nothing", "score": 0}\n``` SCORE: 1', 1.0),  # the last line is the verdict
+    ('Sure! ```json\n{"reason": "nothing", "score": 0}\n```\nSCORE: 1', 1.0),  # the last line is the verdict
+    ("Good.\n**SCORE: 0.75**.", 0.75),
     ("SCORE: 0", 0.0),
 ])
 def test_parse_score_reads_a_line_or_a_json_object(answer, expected):
@@ -51,10 +52,11 @@ def test_parse_score_reads_a_line_or_a_json_object(answer, expected):
 
 
 @pytest.mark.parametrize("answer, why", [
-    ("I would give it a high mark.", "holds no score"),
-    ("SCORE: 1\nOn reflection, no.", "holds no score on its last line"),
+    ("I would give it a high mark.", "last line is not a verdict"),
+    ("SCORE: 1\nOn reflection, no.", "last line is not a verdict"),
     ("SCORE: 8", "outside [0, 1]"),
-    ('{"score": "high"}', "holds no score"),
+    ('{"score": "high"}', "last line is not a verdict"),
+    ('```json {"score": 1}```', "last line is not a verdict"),
     ("SCORE: -0.5", "outside [0, 1]"),
     ("", "holds no score"),
 ])
@@ -145,7 +147,7 @@ def test_judge_sends_the_rubric_and_artefact_and_reads_the_score(sandbox, fixed_
 
     # completions, a named model, a JSON verdict, a command's output as the artefact, the endpoint from the environment
     monkeypatch.setenv("SANDFORGE_JUDGE_BASE_URL", fixed_judge.url + "/v1/")
-    fixed_judge.answer = 'Partly. {"score": 0.4, "reason": "only one city"}'
+    fixed_judge.answer = 'Partly.\n{"score": 0.4, "reason": "only one city"}'
     check = {"verifier": "judge", "rubric": RUBRIC, "command": "echo Lyon; exit 2", "api": "completions",
              "model": "m-1", "max_tokens": 64, "api_key_env": "NO_SUCH_KEY_VAR"}
     assert score(sandbox, check) == (0.4, "judge: 0.4 ('only one city')")
@@ -161,11 +163,15 @@ def test_an_unparseable_answer_scores_zero_and_a_missing_artefact_is_not_sent(sa
     sandbox.write_file("answer.md", "Paris")
     check = {"verifier": "judge", "rubric": RUBRIC, "path": "answer.md", "base_url": fixed_judge.url, "model": "m"}
     fixed_judge.answer = "I think it deserves a 9 out of 10!"
+    asked = len(fixed_judge.posts())
     value, reason = score(sandbox, check)
-    assert value == 0.0 and reason.startswith("judge: unparseable answer, scored 0: the judge's answer holds no score")
-    assert "it said 'I think it deserves a 9 out of 10!'" in reason
+    assert value == 0.0 and reason.startswith("judge: no verdict in 2 answers, scored 0: the judge's last line is not "
+                                              "a verdict"), reason
+    assert "the last said 'I think it deserves a 9 out of 10!'" in reason
+    assert len(fixed_judge.posts()) - asked == 2  # a judge fault: asked again once
     fixed_judge.answer = "SCORE: 7"
-    assert score(sandbox, check)[1].startswith("judge: unparseable answer, scored 0: the judge's score 7 is outside")
+    assert score(sandbox, check)[1].startswith("judge: no verdict in 2 answers, scored 0: the judge's score 7 is "
+                                               "outside")
 
     sent = len(fixed_judge.requests)
     assert score(sandbox, {**check, "path": "nothing.md"}) == (0.0, "judge: no artefact (nothing.md: missing)")
@@ -240,8 +246,8 @@ def test_sandforge_serve_as_judge(sandbox, served):
     check = {"verifier": "judge", "rubric": RUBRIC, "path": "answer.md", "base_url": served, "api": "completions",
              "max_tokens": 12}
     value, reason = score(sandbox, check)
-    assert value == 0.0 and reason.startswith("judge: unparseable answer, scored 0:"), reason
-    assert re.search(r"it said (['\"]).+\1$", reason), reason  # the noise, quoted
+    assert value == 0.0 and reason.startswith("judge: no verdict in 2 answers, scored 0:"), reason
+    assert re.search(r"the last said (['\"]).+\1$", reason), reason  # the noise, quoted
     # what the server refuses is the run's problem, not the policy's: the episode fails, saying why
     with pytest.raises(VerifierError, match=r"answered HTTP 404: .*no route POST /v1/chat/completions"):
         score(sandbox, {**check, "api": "chat"})
