@@ -309,6 +309,25 @@ def test_what_schema_1_1_asks_for_that_sandforge_cannot_do_is_named_exactly():
         "[verifier] collect (no collect hooks are run)"]
 
 
+def test_a_sidecar_compose_file_and_a_non_docker_environment_are_named(tmp_path):
+    """Seen in outside task sets: the cookbook's multi-container task (environment/docker-compose.yaml beside the
+    Dockerfile) loaded without a word about its api-server, and a task whose environment is `type = "cloudlab"` (no
+    Dockerfile) was called "not a Harbor task"."""
+    task = tmp_path / "multi-container"
+    shutil.copytree(TASKS / "hello-file", task)
+    (task / "environment" / "docker-compose.yaml").write_text("services:\n  api-server:\n    build: ./api\n")
+    assert load_task(task).setup["not_honoured"][0] == (
+        "environment/docker-compose.yaml (its other services are not started: the task runs in "
+        "environment/Dockerfile's container alone)")
+    remote = tmp_path / "remote-cluster"
+    shutil.copytree(TASKS / "hello-file", remote)
+    (remote / "environment" / "Dockerfile").unlink()
+    (remote / "task.toml").write_text('[environment]\ntype = "cloudlab"\n')
+    with pytest.raises(HarborTaskError, match=r"remote-cluster: its environment is \[environment\] type = "
+                                              r"'cloudlab', which sandforge cannot start"):
+        load_task(remote)
+
+
 def test_the_agents_commands_get_the_task_env():
     from sandforge.types import Task
 

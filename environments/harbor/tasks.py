@@ -36,6 +36,7 @@ FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`enviro
 SPLITS = ("train", "heldout")
 DEFAULT_TEST_TIMEOUT = VERIFIER_TIMEOUT  # Harbor's 600 s
 REQUIRED = ("instruction.md", "environment/Dockerfile", "tests/test.sh")
+COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
 
 class HarborTaskError(ValueError):
@@ -112,6 +113,10 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         raise HarborTaskError(str(e)) from None
     required = [n for n in REQUIRED if not (settings.docker_image and n == "environment/Dockerfile")]
     missing = [name for name in required if not (task_dir / name).is_file()]
+    kind = meta.get("environment", {}).get("type") if isinstance(meta.get("environment"), dict) else None
+    if missing and kind not in (None, "docker"):
+        raise HarborTaskError(f"{task_dir}: its environment is [environment] type = {kind!r}, which sandforge cannot "
+                              "start: tasks run in local Docker containers, built from environment/Dockerfile")
     if missing:
         raise HarborTaskError(f"{task_dir}: not a Harbor task, missing {', '.join(missing)} "
                               f"(a task needs {', '.join(REQUIRED)}, or [environment] docker_image in task.toml "
@@ -139,6 +144,10 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     setup = {"image": image_name(task_dir), "sandbox": sandbox, "harbor_dir": str(task_dir)}
     if settings.agent_timeout:
         setup["agent_timeout"] = settings.agent_timeout
+    compose = [f"environment/{n}" for n in COMPOSE_FILES if (task_dir / "environment" / n).is_file()]
+    if compose:  # Harbor's multi-container tasks: sidecar services beside the agent's container
+        settings.not_honoured.insert(0, f"{compose[0]} (its other services are not started: the task runs in "
+                                        "environment/Dockerfile's container alone)")
     if settings.not_honoured:
         setup["not_honoured"] = settings.not_honoured
     if settings.solution_env:
