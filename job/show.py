@@ -15,6 +15,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from sandforge.policy_text import visible_tree
+
 HEAD_LINES, TAIL_LINES, MAX_CHARS = 15, 5, 3000
 
 
@@ -47,10 +49,11 @@ def episode_table(episodes: list[dict], last: int = 40) -> Table:
     thousands; the latest are the ones people look at)."""
     first = max(0, len(episodes) - last)
     title = f"{len(episodes)} episodes (trajectories.jsonl)" + (f", the last {last} shown" if first else "")
+    episodes = [visible_tree(ep) for ep in episodes[first:]]  # the policy's bytes are shown, never obeyed
     table = Table(title=title, title_justify="left")
     for col in ("#", "step", "phase", "task", "reward", "turns", "finish"):
         table.add_column(col, justify="right" if col in ("#", "step", "reward", "turns") else "left")
-    for i, ep in enumerate(episodes[first:], start=first):
+    for i, ep in enumerate(episodes, start=first):
         finish = Text(str(ep.get("finish_reason") or "?"))
         if ep.get("failed"):
             finish.append(" (failed)", style="red")
@@ -107,7 +110,10 @@ def reward_panel(ep: dict) -> RenderableType:
 
 
 def render_episode(ep: dict) -> RenderableType:
-    """The episode as rich renderables: header, instruction, turns with observations, reward, failure."""
+    """The episode as rich renderables: header, instruction, turns with observations, reward, failure. Every string of
+    the row is made ``visible`` first: control characters the policy wrote (ESC sequences that clear the screen, set
+    the title, write the clipboard) are printed as escapes, not sent to the terminal."""
+    ep = visible_tree(ep)
     task = ep.get("task") or {}
     meta = ep.get("metadata") or {}
     header = Text.assemble(

@@ -30,10 +30,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
+from sandforge.policy_text import bounded
 from sandforge.registry import BUILTIN_VERIFIERS, find_verifier
 from sandforge.types import ZERO_CAUSES, Reward, Sandbox, Task
 
 DEFAULT_TIMEOUT = 60.0  # seconds per check
+# what of a check's reason and part names is kept (sandforge/policy_text.py bounded: head and tail), and of an episode's
+# reason: they quote the policy's leavings, and the agent's own observations are capped at rollout.max_tool_output
+MAX_REASON_CHARS, MAX_PART_CHARS, MAX_TASK_REASON_CHARS = 1000, 120, 4000
 # What a check may take beyond its timeout before it counts as hung: a command killed at the deadline (TERM, then KILL
 # a couple of seconds later) reporting back, or a verifier's own setup around the step its ``timeout`` bounds (a grading
 # container's start).
@@ -241,15 +245,18 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
 
 
 def _validated(outcome, where: str) -> CheckResult:
+    """The verifier's outcome as a CheckResult, its reason and part names bounded: they quote what the policy left
+    (an answer's keys, a file's text), which may be megabytes, and land in every trajectory row and log."""
     if isinstance(outcome, ZeroScore):
-        return CheckResult(0.0, outcome.reason, cause=outcome.cause)
+        return CheckResult(0.0, bounded(str(outcome.reason), MAX_REASON_CHARS), cause=outcome.cause)
     shape_ok = isinstance(outcome, tuple) and (len(outcome) == 2 or len(outcome) == 3 and isinstance(outcome[2], dict))
     if not shape_ok:
         raise _located(f"{where} returned {outcome!r}, expected (score, reason) or (score, reason, parts)")
     score, reason, *parts = outcome
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
         raise _located(f"{where} returned score {score!r}, expected [0, 1]")
-    return CheckResult(float(score), str(reason), {str(k): float(v) for k, v in (parts[0] if parts else {}).items()})
+    named = {bounded(str(k), MAX_PART_CHARS): float(v) for k, v in (parts[0] if parts else {}).items()}
+    return CheckResult(float(score), bounded(str(reason), MAX_REASON_CHARS), named)
 
 
 SERVICE_STOPPED = "the policy's service on port"  # how the note begins (`harbor check` shows it in full)
@@ -300,7 +307,7 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
         value=value,
         success=all(s == 1.0 for s in scores.values()),
         breakdown={**scores, **parts},
-        reason="; ".join(reasons),
+        reason=bounded("; ".join(reasons), MAX_TASK_REASON_CHARS),
         zero_causes=sorted(causes),
     )
 
