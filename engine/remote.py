@@ -106,10 +106,11 @@ class RemoteEngine:
             "(models.build.save_policy) and call update_weights(directory, version, api)"
         )
 
-    async def update_weights(self, directory: str, version: int, api: str) -> int:
+    async def update_weights(self, directory: str, version: int, api: str, admin_token: str | None = None) -> int:
         """Make the server serve the policy in ``directory`` (a path the server can read) as ``version``; returns the
         version it then serves. ``api``: "sandforge" or "sglang" (``POST /update_weights_from_disk``), or "vllm"
-        (``POST /collective_rpc`` ``reload_weights``, then the prefix cache is reset: it holds the old weights' KV)."""
+        (``POST /collective_rpc`` ``reload_weights``, then the prefix cache is reset: it holds the old weights' KV).
+        ``admin_token``: sent as the request's bearer token (`sandforge serve` loads weights only for it)."""
         if api == "vllm":
             await self._call("POST", "/collective_rpc", {"method": "reload_weights",
                                                          "kwargs": {"weights_path": str(directory)}})
@@ -117,7 +118,8 @@ class RemoteEngine:
             self.version = int(version)  # vLLM keeps no version of its own
             return self.version
         body = {"model_path": str(directory), "weight_version": str(version), "flush_cache": True}
-        data = await self._call("POST", "/update_weights_from_disk", body)
+        admin = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
+        data = await self._call("POST", "/update_weights_from_disk", body, headers=admin)
         if data.get("success") is False:
             raise RemoteEngineError(f"POST {self.base_url}/update_weights_from_disk: the server did not load "
                                     f"{directory}: {_server_message(data, '')}")
@@ -161,8 +163,10 @@ class RemoteEngine:
         if self.session_ids is None:
             self.session_ids = models[0].get("owned_by") == "sandforge"
 
-    async def _call(self, method: str, path: str, body: dict | None = None, allow_empty: bool = False) -> dict:
-        """One request, asked again ``retries`` times while the server cannot be reached or answers 5xx."""
+    async def _call(self, method: str, path: str, body: dict | None = None, allow_empty: bool = False,
+                    headers: dict | None = None) -> dict:
+        """One request (``headers`` over the session's), asked again ``retries`` times while the server cannot be
+        reached or answers 5xx."""
         url = self.base_url + path
         loop = asyncio.get_running_loop()
         if self._http is None or self._http.closed or self._loop is not loop:  # a session belongs to one event loop
@@ -172,7 +176,7 @@ class RemoteEngine:
                 await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
             tried = f" ({attempt + 1} attempts)" if attempt else ""
             try:
-                async with self._http.request(method, url, json=body) as resp:
+                async with self._http.request(method, url, json=body, headers=headers) as resp:
                     text = await resp.text()
                     status = resp.status
             except asyncio.TimeoutError:

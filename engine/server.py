@@ -14,14 +14,23 @@ seeded from it).
 
 New weights, as SGLang takes them: ``POST /update_weights_from_disk`` with ``model_path`` (a policy directory the
 trainer wrote) and ``weight_version`` loads it once the running requests are done and answers ``success``, ``message``
-and the ``weight_version`` now served; ``GET /get_weight_version`` and ``/v1/models`` report it too.
+and the ``weight_version`` now served; ``GET /get_weight_version`` and ``/v1/models`` report it too. Loading weights is
+the one admin action, and it is closed unless the server was started with a weights directory (``sandforge serve
+--weights-dir DIR``): then it takes only ``Authorization: Bearer <token>``, the token the server wrote at start to
+``DIR/.sandforge-admin-token`` (mode 0600, read by the trainer that writes its weights there), and only a
+``model_path`` inside ``DIR`` (links resolved). Everyone else gets 401 or 403 and the served weights stay.
+
+A request is bounded: ``MAX_BODY`` bytes and ``MAX_CHOICES`` completions (prompts x ``n``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import json
+import os
+import secrets
 import logging
 import math
 import signal
@@ -38,7 +47,9 @@ from sandforge.types import GenerateRequest
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 64 << 20  # token-id prompts of long contexts are large JSON
+MAX_BODY = 16 << 20  # token-id prompts of long contexts are large JSON (a 32k-token prompt is about 200 KB)
+MAX_CHOICES = 64  # completions one request may ask for: prompts x n
+ADMIN_TOKEN_FILE = ".sandforge-admin-token"  # in the weights directory: what the trainer sends to load weights
 ROUTES = ("POST /v1/completions, GET /v1/models, GET /health, POST /update_weights_from_disk, "
           "GET /get_weight_version")
 # Fields that would change the completion if honoured, with the values that mean "off".
@@ -55,6 +66,51 @@ class RequestError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
         super().__init__(message)
         self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+@dataclass(frozen=True)
+class WeightUpdates:
+    """Who may load weights into a server: a caller presenting ``token``, for a policy under ``directory``."""
+
+    directory: Path
+    token: str
+
+
+def open_weight_updates(directory: str | Path) -> WeightUpdates:
+    """Weight updates from ``directory`` (made if missing), with a new token written to its ``ADMIN_TOKEN_FILE``
+    (mode 0600; a previous server's is replaced)."""
+    directory = Path(directory).expanduser().resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    token, path = secrets.token_urlsafe(32), directory / ADMIN_TOKEN_FILE
+    path.unlink(missing_ok=True)  # a file another user left there is not written through
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return WeightUpdates(directory, token)
+
+
+def read_admin_token(directory: str | Path) -> str | None:
+    """The token a server started with ``--weights-dir directory`` wrote there, or None."""
+    try:
+        return (Path(directory) / ADMIN_TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _authorised(request, updates: WeightUpdates | None, path: Path) -> None:
+    """Raise RequestError (401, 403) unless ``request`` may load ``path``."""
+    if updates is None:
+        raise RequestError("this server loads no new weights: start it with `sandforge serve CHECKPOINT --weights-dir "
+                           "DIR` (the directory the trainer writes its policy to)", status=403,
+                           kind="permission_error")
+    sent = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(sent.encode(), f"Bearer {updates.token}".encode()):
+        raise RequestError(f"loading weights needs the admin token the server wrote to {updates.directory}/"
+                           f"{ADMIN_TOKEN_FILE} (Authorization: Bearer ...)", status=401, kind="authentication_error")
+    resolved = path.expanduser().resolve()
+    if not resolved.is_relative_to(updates.directory):
+        raise RequestError(f"model_path {path} is not inside the weights directory {updates.directory}", "model_path",
+                           status=403, kind="permission_error")
 
 
 @dataclass
@@ -172,6 +228,9 @@ def parse_request(body: dict, served: Served) -> Completion:
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise RequestError("`session_id` must be a non-empty string", "session_id")
     prompts = _prompts(body.get("prompt"), served)
+    if len(prompts) * n > MAX_CHOICES:
+        raise RequestError(f"{len(prompts)} prompt(s) x n={n} asks for {len(prompts) * n} completions; a request takes "
+                           f"at most {MAX_CHOICES}", "n" if len(prompts) == 1 else "prompt")
     if session_id is not None and len(prompts) > 1:
         raise RequestError("a `session_id` goes with one prompt (one growing sequence), not a list", "session_id")
     stops = list(_token_list(body.get("stop_token_ids") or [], "stop_token_ids", served))
@@ -314,8 +373,10 @@ def _policy_weights(path: Path, layout: dict[str, tuple[int, ...]] | None) -> di
     return state_dict
 
 
-def build_app(served: Served, announce: Callable[[str], Any] | None = None) -> web.Application:
-    """The server's routes; ``announce`` hears one line per weight update."""
+def build_app(served: Served, announce: Callable[[str], Any] | None = None,
+              updates: WeightUpdates | None = None) -> web.Application:
+    """The server's routes; ``announce`` hears one line per weight update; ``updates``: who may load weights from
+    where (None: nobody)."""
     loading = asyncio.Lock()  # one weight update at a time
 
     async def completions(request: web.Request) -> web.Response:
@@ -342,6 +403,7 @@ def build_app(served: Served, announce: Callable[[str], Any] | None = None) -> w
         except ValueError as e:
             raise RequestError(f"the request body is not valid JSON: {e}") from None
         path, version = _update_request(body)
+        _authorised(request, updates, path)
         async with loading:
             if version is None:
                 version = int((await engine_stats(served))["version"]) + 1
@@ -391,9 +453,10 @@ def load_checkpoint(directory: str | Path):
 
 
 async def serve(served: Served, host: str = "127.0.0.1", port: int = 8000,
-                announce: Callable[[str], Any] = print) -> None:
-    """Listen on ``host:port`` (0: any free port) and answer with ``served`` until SIGINT/SIGTERM."""
-    runner = web.AppRunner(build_app(served, announce), access_log=None)
+                announce: Callable[[str], Any] = print, updates: WeightUpdates | None = None) -> None:
+    """Listen on ``host:port`` (0: any free port) and answer with ``served`` until SIGINT/SIGTERM; weights load as
+    ``updates`` allows."""
+    runner = web.AppRunner(build_app(served, announce, updates), access_log=None)
     await runner.setup()
     try:
         try:
@@ -403,6 +466,8 @@ async def serve(served: Served, host: str = "127.0.0.1", port: int = 8000,
         bound = runner.addresses[0][1]
         shown = f"[{host}]" if ":" in host else host
         announce(f"serving {served.name} at http://{shown}:{bound}/v1 ({ROUTES}); Ctrl-C stops")
+        announce(f"weight updates: from {updates.directory}, with the token in {updates.directory}/{ADMIN_TOKEN_FILE}"
+                 if updates else "weight updates: off (--weights-dir DIR turns them on)")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

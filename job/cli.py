@@ -285,6 +285,10 @@ def serve(
     max_batch_size: int = typer.Option(32, help="Requests the engine decodes together"),
     session_memory_mb: float = typer.Option(1024, help="Cache kept for multi-turn sessions (request field session_id)"),
     seed: int = typer.Option(0, help="Seed of the sampling generator"),
+    weights_dir: Optional[Path] = typer.Option(None, "--weights-dir", help="Take new weights (POST "
+                                               "/update_weights_from_disk) from policies under this directory, from "
+                                               "the holder of the token written into it: the job's "
+                                               "engine.remote.weights_dir. Without it, the weights never change"),
 ) -> None:
     """Serve a checkpoint through an OpenAI-compatible /v1/completions (token ids in and out)."""
     if not (checkpoint / "config.json").is_file():  # before torch is imported: a typo costs a second
@@ -294,7 +298,7 @@ def serve(
     from sandforge.job.serve import serve_checkpoint
 
     try:
-        serve_checkpoint(checkpoint, host, port, max_batch_size, session_memory_mb, seed, typer.echo)
+        serve_checkpoint(checkpoint, host, port, max_batch_size, session_memory_mb, seed, typer.echo, weights_dir)
     except ValueError as e:  # a checkpoint that cannot be loaded, an address that cannot be listened on
         fail(str(e))
     except JobError as e:

@@ -43,13 +43,14 @@ class ActorEngine:
 
 
 def serve_checkpoint(checkpoint: Path, host: str, port: int, max_batch_size: int, session_memory_mb: float, seed: int,
-                     announce: Callable[[str], Any]) -> None:
+                     announce: Callable[[str], Any], weights_dir: Path | None = None) -> None:
     """Load ``checkpoint`` (ValueError says why it cannot be), start the engine with its weights, serve until
-    SIGINT/SIGTERM, then stop the engine."""
+    SIGINT/SIGTERM, then stop the engine. ``weights_dir``: new weights may be loaded from there, by the holder of the
+    token the server writes into it (engine/server.py ``open_weight_updates``); None: no weight updates."""
     from sandforge.job.console import make_run_id
     from sandforge.job.fleet.lifecycle import open_fleet
     from sandforge.models.build import policy_config
-    from sandforge.engine.server import load_checkpoint, serve, served_from
+    from sandforge.engine.server import load_checkpoint, open_weight_updates, serve, served_from
 
     model, tokenizer = load_checkpoint(checkpoint)
     policy = {"config": policy_config(model), "state_dict": {k: v.detach() for k, v in model.state_dict().items()}}
@@ -58,4 +59,5 @@ def serve_checkpoint(checkpoint: Path, host: str, port: int, max_batch_size: int
     with open_fleet(cfg, make_run_id("serve"), frozenset({"engine"}), policy=policy) as fleet:
         del policy
         served = served_from(ActorEngine(fleet.engine), model, tokenizer, str(checkpoint))
-        asyncio.run(serve(served, host, port, announce))
+        updates = open_weight_updates(weights_dir) if weights_dir is not None else None
+        asyncio.run(serve(served, host, port, announce, updates))

@@ -13,11 +13,15 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def serve_process(checkpoint: Path, log: Path, start_timeout: float = 90.0) -> Iterator[tuple[subprocess.Popen, str]]:
+def serve_process(checkpoint: Path, log: Path, start_timeout: float = 90.0,
+                  weights_dir: Path | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     """Yields (process, base URL) once the server prints its URL (into ``log``); stopped afterwards, killed if it
-    will not stop. A server that exits first, or prints no URL within ``start_timeout``, fails with its output."""
+    will not stop. A server that exits first, or prints no URL within ``start_timeout``, fails with its output.
+    ``weights_dir``: its ``--weights-dir`` (weight updates on, from there)."""
+    extra = ["--weights-dir", str(weights_dir)] if weights_dir is not None else []
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sandforge.job.cli", "serve", str(checkpoint), "--port", "0"],
+        proc = subprocess.Popen([sys.executable, "-m", "sandforge.job.cli", "serve", str(checkpoint), "--port", "0",
+                                 *extra],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline, url = time.monotonic() + start_timeout, None

@@ -11,10 +11,12 @@ from dataclasses import replace
 import asyncio
 import json
 import re
+import shutil
 import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -29,7 +31,8 @@ from sandforge.models.bpe import load_tokenizer
 from sandforge.models.build import build_policy, load_policy, save_policy
 from sandforge.engine.core import EngineCore
 from sandforge.engine.remote import RemoteEngine, RemoteEngineError
-from sandforge.engine.server import complete, load_checkpoint, parse_request, served_from
+from sandforge.engine.server import (ADMIN_TOKEN_FILE, complete, load_checkpoint, parse_request, read_admin_token,
+                                     served_from)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,9 +63,17 @@ def embedded(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint, tmp_path_factory):
-    """``sandforge serve CHECKPOINT --port 0`` in a subprocess; yields its base URL, stops it afterwards."""
-    with serve_process(checkpoint, tmp_path_factory.mktemp("serve-log") / "out.txt", start_timeout=60) as (_, url):
+def weights_dir(tmp_path_factory) -> Path:
+    """The module server's ``--weights-dir``: the only place it loads new weights from."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, weights_dir, tmp_path_factory):
+    """``sandforge serve CHECKPOINT --port 0 --weights-dir DIR`` in a subprocess; yields its base URL, stops it
+    afterwards."""
+    log = tmp_path_factory.mktemp("serve-log") / "out.txt"
+    with serve_process(checkpoint, log, start_timeout=60, weights_dir=weights_dir) as (_, url):
         assert get(url + "/health")[0] == 200
         yield url
 
@@ -85,9 +96,9 @@ def get(url: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def post(url: str, body) -> tuple[int, dict]:
+def post(url: str, body, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:
             return resp.status, json.loads(resp.read())
@@ -318,15 +329,17 @@ def test_a_hugging_face_checkpoint_serves_text_with_its_own_tokenizer(tmp_path):
     assert choice["text"] == tokenizer.decode(shown) and choice["logprobs"]["token_logprobs"] == want.logprobs
 
 
-def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, checkpoint, tokenizer, tmp_path):
+def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, checkpoint, tokenizer, weights_dir):
     """``POST /update_weights_from_disk`` (SGLang's request) swaps the served weights: the answer, /v1/models,
     /get_weight_version and every token report the new version, and generation is the new policy's. A directory
     that is no policy, or another model's, is refused in one line and the old weights keep serving. (Last in the file:
     it puts the module server's first weights back at the end.)"""
     torch.manual_seed(1)
-    other = tmp_path / "other"
+    token = read_admin_token(weights_dir)  # what the trainer sends: the server wrote it there at start
+    assert token and (weights_dir / ADMIN_TOKEN_FILE).stat().st_mode & 0o777 == 0o600
+    other = weights_dir / "other"
     save_policy(build_policy(ModelConfig(), len(tokenizer)), other, tokenizer=tokenizer)
-    bigger = tmp_path / "bigger"  # another shape: what the server serves cannot take it
+    bigger = weights_dir / "bigger"  # another shape: what the server serves cannot take it
     save_policy(build_policy(ModelConfig(k3={"d_model": 96}), len(tokenizer)), bigger, tokenizer=tokenizer)
     greedy = GenerateRequest(prompt_ids=prompt_of(tokenizer, "cat notes.txt"), max_tokens=8, temperature=0.0, stop_ids=[])
     policy = load_policy(other)
@@ -335,13 +348,13 @@ def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, che
     async def run():
         async with RemoteEngine(server) as engine:
             before = (await engine.generate(greedy))[0]
-            assert await engine.update_weights(str(other), 5, "sandforge") == 5
+            assert await engine.update_weights(str(other), 5, "sandforge", token) == 5
             after = (await engine.generate(greedy))[0]
             refused = r"update_weights_from_disk -> HTTP 400: could not load .*nope: no config.json there"
             with pytest.raises(RemoteEngineError, match=refused):
-                await engine.update_weights(str(tmp_path / "nope"), 6, "sandforge")
+                await engine.update_weights(str(weights_dir / "nope"), 6, "sandforge", token)
             with pytest.raises(RemoteEngineError, match=r"HTTP 400: could not load .*bigger: .*size mismatch"):
-                await engine.update_weights(str(bigger), 6, "sandforge")
+                await engine.update_weights(str(bigger), 6, "sandforge", token)
             still = (await engine.generate(greedy))[0]
             return before, after, still
 
@@ -352,13 +365,16 @@ def test_serve_loads_new_weights_from_disk_and_reports_their_version(server, che
         assert still.version == 5 and still.token_ids == after.token_ids
         assert get(server + "/get_weight_version") == (200, {"weight_version": "5"})
         assert get(server + "/v1/models")[1]["data"][0]["weight_version"] == "5"
-        status, answer = post(server + "/update_weights_from_disk", {"weight_version": 7})
+        admin = {"Authorization": f"Bearer {token}"}
+        status, answer = post(server + "/update_weights_from_disk", {"weight_version": 7}, admin)
         assert status == 400 and "`model_path` is required" in answer["error"]["message"]
     finally:
-        status, answer = post(server + "/update_weights_from_disk", {"model_path": str(checkpoint),
-                                                                      "weight_version": "0"})
+        first = weights_dir / "first"
+        shutil.copytree(checkpoint, first, dirs_exist_ok=True)
+        status, answer = post(server + "/update_weights_from_disk", {"model_path": str(first), "weight_version": "0"},
+                              {"Authorization": f"Bearer {token}"})
     assert status == 200 and answer == {"success": True, "num_paused_requests": 0, "weight_version": "0",
-                                        "message": f"loaded {checkpoint} as weight version 0"}
+                                        "message": f"loaded {first} as weight version 0"}
 
 
 async def _generate_with(policy, request: dict) -> dict:

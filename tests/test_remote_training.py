@@ -67,9 +67,10 @@ def remote_run(checkpoint, tmp_path_factory, terminal_image):
     """Three RL steps of configs/terminal.yaml through the server; (run directory, server log, server URL)."""
     tmp = tmp_path_factory.mktemp("remote")
     log, out = tmp / "serve.log", tmp / "run"
-    with serve_process(checkpoint, log) as (_, url):
+    with serve_process(checkpoint, log, weights_dir=tmp / "weights") as (_, url):
         proc = subprocess.run(sandforge("train", "configs/terminal.yaml", f"run.output_dir={out}", "trainer.steps=3",
-                                        f"engine.remote.url={url}", *SHORT),
+                                        f"engine.remote.url={url}", f"engine.remote.weights_dir={tmp / 'weights'}",
+                                        *SHORT),
                               cwd=ROOT, capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stderr[-5000:] + log.read_text()[-2000:]
         with urllib.request.urlopen(url + "/get_weight_version", timeout=30) as answer:
@@ -79,13 +80,13 @@ def remote_run(checkpoint, tmp_path_factory, terminal_image):
 
 def test_the_server_takes_a_new_weight_version_every_step(remote_run):
     out, log, final = remote_run
-    weights = (out / "weights").resolve()
+    weights = (out.parent / "weights").resolve()  # the job's engine.remote.weights_dir, the server's --weights-dir
     # version 0: the policy RL starts from; then one per step, each from the directory the trainer wrote
     assert loaded_versions(log) == [(v, str(weights / f"version_{v}")) for v in range(4)]
     assert final == {"weight_version": "3"}
     assert [r["policy/version"] for r in rows(out, "metrics.jsonl") if r["phase"] == "rl"] == [1, 2, 3]
     # only the newest version stays on disk, and it is the policy the run ended with
-    assert sorted(p.name for p in weights.iterdir()) == ["version_3"]
+    assert sorted(p.name for p in weights.iterdir()) == [".sandforge-admin-token", "version_3"]
     served_weights = load_file(weights / "version_3" / "model.safetensors")
     final_policy = load_file(out / "checkpoints" / "step_3" / "policy" / "model.safetensors")
     assert served_weights.keys() == final_policy.keys()
@@ -122,9 +123,10 @@ def test_metrics_have_the_embedded_engines_shape(remote_run, tmp_path):
 
 def test_a_server_killed_mid_run_stops_it_in_one_line(checkpoint, tmp_path, terminal_image):
     log, out = tmp_path / "serve.log", tmp_path / "run"
-    with serve_process(checkpoint, log) as (server, url):
+    with serve_process(checkpoint, log, weights_dir=tmp_path / "weights") as (server, url):
         run = subprocess.Popen(sandforge("train", "configs/terminal.yaml", f"run.output_dir={out}", "trainer.steps=20",
-                                         f"engine.remote.url={url}", "engine.remote.retries=2", *SHORT),
+                                         f"engine.remote.url={url}", "engine.remote.retries=2",
+                                         f"engine.remote.weights_dir={tmp_path / 'weights'}", *SHORT),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 600

@@ -108,9 +108,13 @@ class DiskWeightSync:
 
 
 async def load_remote_weights(remote: RemoteEngineConfig, directory: Path, version: int) -> int:
-    """Have the server of ``engine.remote`` serve the policy in ``directory`` as ``version``; the version it serves."""
+    """Have the server of ``engine.remote`` serve the policy in ``directory`` as ``version``; the version it serves.
+    `sandforge serve` loads weights only for the token it wrote into the weights directory (``directory``'s parent,
+    the one it was started with: ``--weights-dir``), read here at each push."""
     from sandforge.engine.remote import RemoteEngine
+    from sandforge.engine.server import read_admin_token
 
+    token = read_admin_token(Path(directory).parent) if remote.api == "sandforge" else None
     async with RemoteEngine(remote.url, model=remote.model, api_key=remote.api_key, timeout=remote.timeout,
                             retries=remote.retries) as engine:
-        return await engine.update_weights(str(directory), version, remote.api)
+        return await engine.update_weights(str(directory), version, remote.api, admin_token=token)
