@@ -124,6 +124,9 @@ def test_the_guard_stops_the_policy_without_an_exec(sandbox):
         rows = sandbox._container.top(ps_args="-eo uid,pid,stat")["Processes"] or []
         return [pid for uid, pid, stat in rows if uid == "1000" and not stat.startswith("Z")]
 
+    filling = time.monotonic() + 30  # a loaded machine forks slower: wait for the loop to take the pids
+    while len(policy_pids()) <= 200 and time.monotonic() < filling:
+        time.sleep(0.2)
     assert len(policy_pids()) > 200  # the pids limit is 256
     sandbox.signal_guard()
     deadline = time.monotonic() + 60
