@@ -9,27 +9,31 @@ importing its sibling module is no attack. So the planted modules go instead.
 At reset, before the policy acts, ``mark_start`` records the names in the workdir (root-only, on the verifiers'
 tmpfs). Before a check runs commands there, ``set_aside`` moves every *new* top-level entry that would be imported
 under the name of a module the grader's Python can import (the standard library, the installed packages, pytest and
-its plugins, ``sitecustomize``) into a root-only folder: ``X.py``, ``X.pyc``, ``X*.so`` and packages ``X/``. A file the
-task shipped (there at the start) is never touched, and a solution's own module names are not the standard library's.
-Without a start record (a sandbox graded outside an env) nothing is moved.
+its plugins, ``sitecustomize``) into a fresh root-only folder in the workdir itself, ``.sandforge-aside.XXXXXX``
+(Python cannot import it; pytest does not collect dot-folders): ``X.py``, ``X.pyc``, ``X*.so`` and packages ``X/``.
+The move is a rename on the same filesystem, whatever the entries' sizes, in batches (one ``mv`` for many names), so
+its cost is bounded by the number of names, not their bytes: neither a huge planted file nor 30,000 planted names can
+make it fail or overrun. A file the task shipped (there at the start) is never touched, and a solution's own module
+names are not the standard library's. Without a start record (a sandbox graded outside an env) nothing is moved.
 """
 
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass
 
 from sandforge.types import Sandbox
 
 START = "/run/sandforge-root/workdir-at-start"  # NUL-separated names
-ASIDE = "/run/sandforge-root/set-aside"
+SHOWN = 20  # names of the entries set aside that come back (the count is always exact)
 ALWAYS = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "sitecustomize", "usercustomize")
 
 _MARK = r"""shopt -s nullglob dotglob
 for e in "$1"/*; do printf '%s\0' "${e##*/}"; done > "$2"
 """
 
-_SET_ASIDE = r"""wd=$1 start=$2 aside=$3; shift 3
-[[ -r $start && -d $wd ]] || exit 0
+_SET_ASIDE = r"""wd=$1 start=$2; shift 2
+[[ -r $start && -d $wd ]] || { echo "count 0"; exit 0; }
 declare -A old known
 while IFS= read -r -d '' n; do old[$n]=1; done < "$start"
 for n in "$@"; do known[$n]=1; done
@@ -45,10 +49,14 @@ for e in "$wd"/*; do
   else
     case $b in *.py|*.pyc) m=${b%.*} ;; *.so) m=${b%%.*} ;; esac
   fi
-  [[ -n $m && -n ${known[$m]} ]] || continue
-  mkdir -p -m 0700 "$aside" && mv -f -- "$e" "$aside/" && printf '%s\n' "$b"
+  [[ -n $m && -n ${known[$m]} ]] && found+=("$b")
 done
-"""
+(( ${#found[@]} )) || { echo "count 0"; exit 0; }
+aside=$(mktemp -d "$wd/.sandforge-aside.XXXXXX") && chmod 0700 "$aside" && cd "$wd" || exit 1
+for ((i = 0; i < ${#found[@]}; i += 500)); do mv -f -- "${found[@]:i:500}" "$aside/" || exit 1; done
+printf '%s\n' "${found[@]:0:SHOWN}"
+echo "count ${#found[@]}"
+""".replace("SHOWN", str(SHOWN))
 
 
 def mark_start(sandbox: Sandbox, workdir: str | None = None) -> None:
@@ -59,19 +67,30 @@ def mark_start(sandbox: Sandbox, workdir: str | None = None) -> None:
         raise OSError(f"cannot record the workdir's names: {result.output.strip()[-200:]}")
 
 
-def set_aside(sandbox: Sandbox, workdir: str | None, timeout: float) -> list[str]:
-    """Move the policy's new shadow modules out of ``workdir`` (default the sandbox's); the names moved."""
-    words = " ".join(shlex.quote(w) for w in (workdir or sandbox.workdir, START, ASIDE, *ALWAYS))
+@dataclass(frozen=True)
+class SetAside:
+    """What ``set_aside`` moved: how many entries, and the names of the first ``SHOWN``."""
+
+    count: int = 0
+    names: tuple[str, ...] = ()
+
+
+def set_aside(sandbox: Sandbox, workdir: str | None, timeout: float) -> SetAside:
+    """Move the policy's new shadow modules out of ``workdir``'s top level (default the sandbox's). OSError when that
+    cannot be done (the check cannot run soundly: its caller scores the episode 0, the policy's doing)."""
+    words = " ".join(shlex.quote(w) for w in (workdir or sandbox.workdir, START, *ALWAYS))
     result = sandbox.exec(f"bash -c {shlex.quote(_SET_ASIDE)} set-aside {words}", timeout=timeout, user="root",
                           session=False, workdir="/")
     if result.exit_code != 0 or result.timed_out:
         raise OSError(f"cannot set the workdir's shadow modules aside: {result.output.strip()[-200:]}")
-    return [line for line in result.output.splitlines() if line]
+    lines = [line for line in result.output.splitlines() if line]
+    counted = lines[-1].split() if lines and lines[-1].startswith("count ") else ["count", "0"]
+    return SetAside(int(counted[1]), tuple(line for line in lines if not line.startswith("count "))[:SHOWN])
 
 
-def note(moved: list[str]) -> str:
+def note(moved: SetAside) -> str:
     """What a check's reason says about modules set aside ("" when none were)."""
-    if not moved:
+    if not moved.count:
         return ""
-    shown = ", ".join(moved[:5]) + (f" and {len(moved) - 5} more" if len(moved) > 5 else "")
+    shown = ", ".join(moved.names[:5]) + (f" and {moved.count - 5} more" if moved.count > 5 else "")
     return f" (set aside before the check: {shown}, which shadowed modules the grader imports)"

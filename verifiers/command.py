@@ -33,12 +33,12 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
     be proven from it: such a check scores 0 and says so (pipe the output through ``tail`` or ``grep -c``). Modules
     the policy planted to shadow what the command's Python imports are set aside first (sandforge/shadows.py).
     """
-    moved = []
+    moved = shadows.SetAside()
     if workdir in (None, sandbox.workdir):
         try:
             moved = shadows.set_aside(sandbox, workdir, timeout=min(30.0, time_left()))
-        except OSError as e:
-            raise VerifierError(f"command: {e}") from None
+        except OSError as e:  # what the policy left in its workdir stops a sound check: its 0, not a failed episode
+            raise ZeroScore("state", f"command: {e}") from None
     score, reason = _judge(sandbox, command, exit_code, pattern, absent, user, workdir)
     return score, reason + shadows.note(moved)
 

@@ -106,9 +106,12 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
         data = base64.b64decode(content["base64"]) if isinstance(content, dict) else content.encode()
         mode = 0o755 if rel.endswith(".sh") else 0o644
         sandbox.put_file(f"{TESTS_DIR}/{rel}", data, user="root", mode=mode)
-    moved = []
+    moved = shadows.SetAside()
     if workdir in (None, sandbox.workdir):  # the policy's new shadow modules go first (sandforge/shadows.py)
-        moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT)
+        try:
+            moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT)
+        except OSError as e:  # what the policy left stops a sound test.sh: its 0, not a failed episode
+            return 0.0, f"test.sh not run: {e}"
     run = sandbox.exec(f"{shell_exports(env or {})}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout,
                        user=user, workdir=workdir, session=False)
     tail = run.output.strip()[-300:]

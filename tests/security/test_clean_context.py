@@ -166,3 +166,20 @@ def test_a_planted_pytest_does_not_grade_a_harbor_task(repo_spec, run_id, docker
     assert "set aside before the check: pytest.py" in planted.reward.reason
     solved = run(task.solution[:-1])
     assert solved.reward.value == 1.0, solved.reward.reason
+
+
+@pytest.mark.parametrize("plant, moved", [
+    # one shadow module larger than the verifiers' 64 MiB spool: the set-aside copied it there and failed (ENOSPC)
+    ("head -c 100000000 /dev/zero > json.py && echo planted", "json.py"),
+    # 30,000 names that each shadow a module (X.<n>.so imports as X): one mv per name passed the 30 s limit
+    ("for i in $(seq 30000); do : > json.$i.so; done && echo planted", "and 29995 more"),
+])
+def test_the_set_aside_cannot_be_made_to_fail(plant, moved, repo_spec, run_id, docker_client):
+    """Turning a loss into a failed episode takes it out of the gradient (#32, item 4). The set-aside renames on the
+    workdir's own filesystem, in batches: it holds whatever the policy planted, and the check grades (0 here)."""
+    check = {"verifier": "command", "pattern": "^True$",
+             "command": "python3 -c \"print(open('answer.txt').read().strip() == '42')\""}
+    traj = episode([plant], [check], repo_spec, run_id, docker_client)
+    assert traj.turns[0].observations[0].startswith("planted"), traj.turns[0].observations[0]
+    assert traj.reward.value == 0.0 and "set aside before the check" in traj.reward.reason, traj.reward.reason
+    assert moved in traj.reward.reason, traj.reward.reason
