@@ -55,7 +55,10 @@ class SandboxSpec:
     """How to start a sandbox. Sizes use Docker's units ("512m").
 
     Everything on tmpfs (the workspace, /tmp, the scratch folders, the output spool) is memory and counts towards
-    ``memory``: the caps bound each folder, the memory limit all of them together.
+    ``memory``: the caps bound each folder, the memory limit all of them together. Each cap fits inside the memory
+    limit with the two spools and ``RESERVE`` to spare (``fitted_cap``): a cap larger than that (a Harbor task's 1 GiB
+    WORKDIR in a 512 MiB sandbox) let one write OOM-kill the whole container, a failed episode; fitted, the write
+    gets "No space left on device" and the episode is graded.
     """
 
     image: str
@@ -76,6 +79,21 @@ class SandboxSpec:
     nofile: int = 4096  # open files per process
     max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ
     root_caps: tuple[str, ...] = tuple(ROOT_CAPS)  # what root in the container may do (ROOT_AGENT_CAPS: a root agent)
+
+    def __post_init__(self) -> None:
+        if self.workspace_size is not None:
+            self.workspace_size = fitted_cap(self.workspace_size, self.memory)
+        self.tmp_size = fitted_cap(self.tmp_size, self.memory)
+
+
+RESERVE = "64m"  # of a sandbox's memory, kept for its processes whatever the tmpfs caps
+
+
+def fitted_cap(size: str | int, memory: str | int) -> str | int:
+    """``size`` (a tmpfs cap), or what of ``memory`` is left after both spools and ``RESERVE`` when it is larger (at
+    least 1 MiB): one folder filled to its cap never takes the sandbox's whole memory."""
+    room = max(1 << 20, parse_size(memory) - 2 * parse_size(SPOOL_SIZE) - parse_size(RESERVE))
+    return f"{room >> 10}k" if parse_size(size) > room else size
 
 
 def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str]) -> dict:
