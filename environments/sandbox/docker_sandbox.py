@@ -263,9 +263,24 @@ class DockerSandbox:
             raise self.broken(e) from e
 
     def broken(self, cause: Exception) -> SandboxError:
-        """The error that fails the episode when this sandbox stopped answering because of ``cause``."""
-        state = "running" if self.alive() else "not running (exited, killed or removed)"
+        """The error that fails the episode when this sandbox stopped answering because of ``cause``: whether it is
+        still running, and if not, how it ended (closed here, removed, or its main process's exit as Docker saw it)."""
+        state = "running" if self.alive() else f"not running ({self.how_it_ended()})"
         return SandboxError(f"sandbox {self.name} is {state}: {cause}")
+
+    def how_it_ended(self) -> str:
+        """A stopped sandbox's end, as far as can be told: closed by sandforge, removed, or Docker's state of it
+        (exit code, OOM kill, error, when)."""
+        if self._closed:
+            return "closed by sandforge"
+        try:
+            self._container.reload()
+        except Exception:  # noqa: BLE001 - a container gone entirely
+            return "removed"
+        state = self._container.attrs.get("State") or {}
+        said = [f"exit code {state.get('ExitCode')}", "OOM-killed" * bool(state.get("OOMKilled")),
+                f"error {state.get('Error')!r}" * bool(state.get("Error")), f"at {state.get('FinishedAt', '?')}"]
+        return f"{state.get('Status', 'exited')}: " + ", ".join(x for x in said if x)
 
     # --- files (file_transfer.py) ----------------------------------------------------------------------------------
 
