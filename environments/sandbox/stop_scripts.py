@@ -14,23 +14,16 @@ _FUNCTIONS = r"""__sf_uid() {  # the uid of user $1 (a name in /etc/passwd, or a
   while IFS=: read -r name x id x; do [[ $name == "$1" ]] && { REPLY=$id; return 0; }; done < /etc/passwd
   return 1
 }
-__sf_live() {  # is process $1 running anything: a thread of it (its leader included) that is not Z or X
-  local t k v st
-  for t in /proc/$1/task/[0-9]*/status; do
-    st=
-    while read -r k v _; do [[ $k == State: ]] && { st=$v; break; }; done 2>/dev/null < "$t"
-    [[ -n $st && $st != Z && $st != X ]] && return 0
-  done
-  return 1
-}
-__sf_scan() {  # send signal $1 to every live process of uid $2 (by its threads, not its leader's state); how many in N
-  local s pid k v u; N=0
+__sf_scan() {  # send signal $1 to every live process of uid $2; how many in N
+  local s pid k v st u; N=0
   for s in /proc/[0-9]*/status; do
     pid=${s#/proc/}; pid=${pid%/status}
     [[ $pid == "$$" || $pid == "$BASHPID" ]] && continue
-    u=
-    while read -r k v _; do [[ $k == Uid: ]] && { u=$v; break; }; done 2>/dev/null < "$s"
-    [[ $u == "$2" ]] && __sf_live "$pid" || continue
+    st= u=
+    while read -r k v _; do
+      case $k in State:) st=$v ;; Uid:) u=$v; break ;; esac
+    done 2>/dev/null < "$s"
+    [[ $u == "$2" && $st != Z ]] || continue
     kill "-$1" "$pid" 2>/dev/null && N=$((N + 1))
   done
 }

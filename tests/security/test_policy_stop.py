@@ -34,6 +34,8 @@ LIVE_TASKS = r"""n=0; for s in /proc/[0-9]*/task/[0-9]*/status; do
 done; echo $n"""
 
 
+@pytest.mark.xfail(strict=True, reason="#32 item 1, open: counting threads in the stop (/proc/PID/task) was tried and "
+                   "reverted after two CI runs each saw a browser sandbox's main process SIGKILLed during grading")
 def test_a_process_whose_main_thread_exited_is_stopped_with_its_threads(repo_spec, run_id, docker_client):
     with DockerSandbox.create(repo_spec, run_id, client=docker_client) as sb:
         assert sb.exec(HALF_DEAD, timeout=30).output.strip().endswith("planted")
