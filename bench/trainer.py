@@ -33,6 +33,9 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
 - precision: train tokens/s of the quickstart's RL step (SmolLM2, LoRA on the top layers) without the KL reference's
   forward (``trainer.log_kl: false``) over with it, and with DeepSpeed bf16 (``trainer.bf16``) over fp32; JSON
   ``no_kl_vs_kl``, ``bf16_vs_fp32``.
+- loss_mask_scoring: train tokens/s of the same step when logits are computed only where a loss-mask token is
+  predicted (the trainer's path) over scoring every token (the reference), on quickstart-shaped episodes
+  (``--policy-share`` of the tokens the policy's); JSON ``loss_mask_vs_all_tokens``.
 
 ``--sections weight_sync deepspeed_vs_torch`` runs only those.
 
@@ -440,9 +443,81 @@ def precision_section(args, table: Table) -> dict:
             "precision_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
 
 
+def _agentic_rows(vocab: int, n: int, length: int, policy_share: float) -> list[TrainingRow]:
+    """Episodes shaped as the quickstart's: a system prompt with the tool declarations, then policy turns between tool
+    outputs, ``policy_share`` of the tokens the policy's own (the loss mask)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        size = length - 7 * i  # uneven, as episodes are
+        policy = round(size * policy_share) // 4  # per turn, 4 turns
+        prompt = (size - 4 * policy) // 2
+        tool = (size - 4 * policy - prompt) // 4
+        mask = ([0] * prompt + ([1] * policy + [0] * tool) * 4 + [0] * size)[:size]
+        rows.append(TrainingRow(token_ids=torch.randint(1, vocab, (size,), generator=g).tolist(), loss_mask=mask))
+    return rows
+
+
+def loss_mask_scoring_section(args, table: Table) -> dict:
+    """Train tokens/s of the quickstart's RL step (SmolLM2-135M, LoRA on the top layers, bf16, no KL reference) when
+    the forward computes logits only where a loss-mask token is predicted (what the trainer does) over scoring every
+    token (``forward_scores(all_tokens=True)``, the reference), on episodes ``--policy-share`` of which the policy
+    wrote. One TrainerRank; its steps alternate between the two, so machine noise hits both alike."""
+    import functools
+    import os
+    import statistics
+    import time
+
+    import torch
+
+    import sandforge.trainer.rank as rank_module
+    from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
+    from sandforge.job.fleet.lifecycle import free_port
+    from sandforge.models.sampling import token_logprobs
+    from sandforge.models.sources import local_model_dir
+    from sandforge.trainer.batches import forward_scores, token_batch
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    model = ModelConfig(path=str(local_model_dir(args.smollm2)), lora=LoraConfig(top_layers=args.lora_top_layers))
+    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model,
+                       TrainerConfig(grad_accum_steps=2, kl_coef=0.0, log_kl=False, bf16=True),
+                       RolloutShape(1.0, args.lora_len), seed=0, num_threads=args.lora_threads)
+    rows = _agentic_rows(len(rank.tokenizer), args.lora_rows, args.lora_len, args.policy_share)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(rank.engine.module.eval(), *token_batch(rows))
+    rows = [replace(r, logprobs=logprobs[i, : len(r.token_ids)].tolist(),
+                    advantages=[1.0 if i % 2 else -1.0] * len(r.token_ids)) for i, r in enumerate(rows)]
+    total, tokens = sum(sum(r.loss_mask) for r in rows), sum(len(r.token_ids) for r in rows)
+    variants = {"all_tokens": functools.partial(forward_scores, all_tokens=True), "loss_mask": forward_scores}
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for i in range(args.train_steps + 1):
+            for name, scorer in variants.items():
+                rank_module.forward_scores = scorer
+                t0 = time.perf_counter()
+                rank.train_step(rows, total, mode="rl")
+                if i:  # step 0 warms up
+                    timings[name].append(time.perf_counter() - t0)
+    finally:
+        rank_module.forward_scores = forward_scores
+    tps = {name: tokens / statistics.median(v) for name, v in timings.items()}
+    ratio = tps["loss_mask"] / tps["all_tokens"]
+    share = total / tokens
+    table.add_row(f"RL step, SmolLM2 LoRA top {args.lora_top_layers} bf16, every token scored "
+                  f"({len(rows)} rows, {tokens} tokens, {share:.0%} policy)", f"{tps['all_tokens']:.0f} tok/s",
+                  f"wall clock, median of {args.train_steps} steps, {args.lora_threads} threads")
+    table.add_row("the same, logits only where a policy token is predicted", f"{tps['loss_mask']:.0f} tok/s",
+                  f"loss_mask_vs_all_tokens = {ratio:.2f}x")
+    return {"loss_mask_vs_all_tokens": round(ratio, 3), "loss_mask_policy_share": round(share, 3),
+            "loss_mask_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
+
+
 # Sections run in order; each adds rows to the table and returns its JSON keys.
 SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section,
-            lora_vs_full_section, precision_section]
+            lora_vs_full_section, precision_section, loss_mask_scoring_section]
 
 
 def main() -> None:
@@ -468,6 +543,8 @@ def main() -> None:
     ap.add_argument("--lora-threads", type=int, default=2, help="lora_vs_full: torch threads")
     ap.add_argument("--lora-top-layers", type=int, default=10,
                     help="lora_vs_full: model.lora.top_layers of its third run")
+    ap.add_argument("--policy-share", type=float, default=0.2,
+                    help="loss_mask_scoring: the share of each episode's tokens the policy wrote")
     ap.add_argument("--sections", nargs="+", choices=[s.__name__.removesuffix("_section") for s in SECTIONS],
                     help="run only these sections (default: all)")
     args = ap.parse_args()

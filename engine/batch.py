@@ -62,10 +62,12 @@ def run_prefill(model: nn.Module, items: list[Prefill], device: torch.device) ->
         ids[i, width - len(item.tokens) :] = torch.tensor(item.tokens, dtype=torch.long)
         mask[i, width - len(item.tokens) :] = 1
     cache = None if items[0].cache is None else cat_caches([item.cache for item in items])
-    out = model(ids.to(device), attention_mask=mask.to(device), cache=cache, use_cache=True)
+    last = torch.tensor([width - 1], device=device)  # left padding: the last column is every row's last new token,
+    out = model(ids.to(device), attention_mask=mask.to(device), cache=cache, use_cache=True,
+                logits_at=last)  # and the only one sampled from: a prompt's other logits are never computed
     new_cache = out.cache.compact()
     for i, item in enumerate(items):
-        item.logits = out.logits[i, -1]  # left padding: the last column is every row's last new token
+        item.logits = out.logits[i, -1]
         if out.router_ids is not None:
             item.routed = out.router_ids[i, width - len(item.tokens) :]
         item.out_cache, item.out_row = new_cache, i

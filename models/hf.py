@@ -109,7 +109,7 @@ class HFCache:
 
 @dataclass
 class HFOutput:
-    logits: Tensor  # [B, T, V] float32
+    logits: Tensor  # [B, T, V] float32 ([B, K, V] with logits_at)
     cache: HFCache | None
     aux_loss: Tensor  # the model's router auxiliary loss (scaled by its own coefficient), or 0
     router_ids: Tensor | None  # HF models do not report routing
@@ -147,12 +147,14 @@ class HFPolicy(nn.Module):
         cache: HFCache | None = None,
         use_cache: bool = False,
         return_hidden: bool = False,
+        logits_at: Tensor | None = None,
     ) -> HFOutput:
         """input_ids [B, T] (left padding allowed) -> HFOutput(logits [B, T, V] fp32, cache, aux_loss, None).
 
         Positions count real tokens only (cumsum of the mask), so a left-padded row sees the positions it would see
         alone and batched decoding equals unbatched. ``aux_loss`` is the router balance loss times
-        ``router_aux_loss_coef`` on a full forward of an MoE config, else 0.
+        ``router_aux_loss_coef`` on a full forward of an MoE config, else 0. ``logits_at`` [K]: logits [B, K, V] at
+        those columns only (transformers' ``logits_to_keep``, so a model's own logit scaling or soft-capping holds).
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -165,6 +167,8 @@ class HFPolicy(nn.Module):
         extra = {"output_router_logits": True} if want_aux else {}
         if return_hidden:
             extra["output_hidden_states"] = True
+        if logits_at is not None:
+            extra["logits_to_keep"] = logits_at
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,

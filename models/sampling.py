@@ -62,41 +62,78 @@ class TokenScores:
     hidden: Tensor | None = None  # [B, T, D] the final hidden state that predicted token t (a value head reads it)
 
 
+def score_columns(score_mask: Tensor) -> Tensor:
+    """The logit columns a forward must compute to score the tokens in ``score_mask`` [B, T]: column c predicts token
+    c + 1, so c where any row needs token c + 1 (a micro-batch's rows share columns). Never empty: a batch with nothing
+    to score (a rank's stand-in row) still gets one column, so its loss keeps a graph to backward through."""
+    cols = score_mask[:, 1:].any(0).nonzero().squeeze(-1)
+    return cols if cols.numel() else cols.new_zeros(1)
+
+
 def token_scores(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, temperature: float = 1.0,
     entropy: bool | str = False, hidden: bool = False, segment_ids: Tensor | None = None,
+    score_mask: Tensor | None = None,
 ) -> TokenScores:
     """One forward pass over right-padded ``input_ids``: log-probs (and optionally entropies and hidden states).
     ``entropy``: True gives entropies with grad (an entropy bonus trains on them); "metric" without, so none of the
     [B, T, vocab] tensors they take are kept for the backward (with a 49k vocabulary they dominate a step's memory).
 
     With ``segment_ids`` (packed sequences, ``models/packing.py``) the rows hold several sequences: a token is scored
-    only from the previous token of its own segment, so each sequence's first token gets 0 as in the padded layout."""
+    only from the previous token of its own segment, so each sequence's first token gets 0 as in the padded layout.
+
+    ``score_mask`` [B, T] (the loss mask): only these tokens are scored, the rest come back 0. The model then computes
+    logits at ``score_columns`` only: the lm_head, the fp32 log_softmax over the vocabulary and their backward shrink
+    from every token to the policy's own (an agentic episode is mostly prompt and tool output). Without it every token
+    is scored, the reference the masked path is tested against (tests/test_token_scores.py)."""
     kwargs = {"return_hidden": True} if hidden else {}
     if segment_ids is not None:
         kwargs["segment_ids"] = segment_ids
         attention_mask = segment_ids > 0
+    B, T = input_ids.shape
+    if score_mask is None:
+        cols = torch.arange(T - 1, device=input_ids.device)
+    else:
+        cols = score_columns(score_mask).to(input_ids.device)  # a mask on the host costs the device no sync
+        score_mask = score_mask.to(input_ids.device)
+        kwargs["logits_at"] = cols
     res = model(input_ids, attention_mask=attention_mask, **kwargs)
     aux_loss, last_hidden, logits = res.aux_loss, res.hidden, res.logits
-    del res  # from here on the [B, T, vocab] tensors are the only large ones, one saved for the backward at a time
+    del res  # from here on the [B, K, vocab] tensors are the only large ones, one saved for the backward at a time
+    if score_mask is None:
+        logits = logits[:, :-1]  # the last column predicts past the row
     scale = _scale(temperature)
     logits = logits.float()  # fp32 log-probs, whatever the weights are in
     if scale != 1.0:
         logits = logits / scale
-    logp = F.log_softmax(logits, dim=-1)  # what the backward keeps; the logits themselves go
+    logp = F.log_softmax(logits, dim=-1)  # [B, K, V], what the backward keeps; the logits themselves go
     del logits
-    targets = input_ids[:, 1:]
-    keep = attention_mask[:, 1:].to(logp.dtype)
-    if segment_ids is not None:
-        keep = keep * (segment_ids[:, 1:] == segment_ids[:, :-1]).to(logp.dtype)
-    lp = logp[:, :-1].gather(-1, targets[..., None]).squeeze(-1)
-    out = TokenScores(F.pad(lp * keep, (1, 0)), aux_loss)
+    targets = input_ids[:, cols + 1]
+    kept = _next_token_kept(input_ids, attention_mask, segment_ids)
+    keep = kept[:, cols]
+    if score_mask is not None:
+        keep = keep * score_mask[:, cols + 1].to(logp.dtype)
+
+    def spread(x: Tensor) -> Tensor:  # [B, K] at columns cols -> [B, T] by the token each column scores
+        return x.new_zeros(B, T).index_copy(1, cols + 1, x * keep)
+
+    out = TokenScores(spread(logp.gather(-1, targets[..., None]).squeeze(-1)), aux_loss)
     if entropy:
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy != "metric"):
-            out.entropy = F.pad(-(logp[:, :-1].exp() * logp[:, :-1]).sum(-1) * keep, (1, 0))
+            out.entropy = spread(-(logp.exp() * logp).sum(-1))
     if hidden:
-        out.hidden = F.pad(last_hidden[:, :-1] * keep[..., None], (0, 0, 1, 0))
+        out.hidden = F.pad(last_hidden[:, :-1] * kept[..., None], (0, 0, 1, 0))
     return out
+
+
+def _next_token_kept(input_ids: Tensor, attention_mask: Tensor | None, segment_ids: Tensor | None) -> Tensor:
+    """[B, T - 1] float: 1 where token t + 1 is scored from column t (a real token, of the same sequence)."""
+    if attention_mask is None:
+        return torch.ones(input_ids.shape[0], input_ids.shape[1] - 1, device=input_ids.device)
+    kept = attention_mask[:, 1:].float()
+    if segment_ids is not None:
+        kept = kept * (segment_ids[:, 1:] == segment_ids[:, :-1]).float()
+    return kept
 
 
 def token_logprobs(

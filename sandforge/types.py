@@ -277,7 +277,8 @@ class TrainingRow:
 class RowScores:
     """What the trainer ranks know of a row before its step (``TrainerRank.score``), per token: ``kl_penalty`` (kl_coef
     times the KL to the reference with ``trainer.kl_in: reward``; zeros otherwise), PPO's value estimates ``values``
-    (None without a value head) and ``old_logprobs``, the policy's log-probs now."""
+    (None without a value head) and ``old_logprobs``, the policy's log-probs now. KL and log-probs are scored on the
+    loss-mask tokens only (0 elsewhere): nothing reads them on the prompt or tool outputs."""
 
     kl_penalty: list[float]
     values: list[float] | None

@@ -356,10 +356,11 @@ class TinyLM(torch.nn.Module):
         torch.manual_seed(0)
         self.embed, self.head = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, vocab)
 
-    def forward(self, ids, attention_mask=None, return_hidden=False):
+    def forward(self, ids, attention_mask=None, return_hidden=False, logits_at=None):
         x = self.embed(ids)
         h = torch.tanh(x.cumsum(1) / torch.arange(1, ids.shape[1] + 1)[:, None])
-        return SimpleNamespace(logits=self.head(h), aux_loss=torch.zeros(()), hidden=h if return_hidden else None)
+        logits = self.head(h if logits_at is None else h[:, logits_at])
+        return SimpleNamespace(logits=logits, aux_loss=torch.zeros(()), hidden=h if return_hidden else None)
 
 
 class Engine(torch.nn.Module):

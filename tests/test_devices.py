@@ -45,7 +45,8 @@ class DeviceCheckingPolicy(torch.nn.Module):
                 assert t.device.type == "meta", f"{name} on {t.device}"
                 self.seen.append(name)
         h = self.emb(input_ids)
-        return SimpleNamespace(logits=self.head(h), hidden=h, aux_loss=torch.zeros((), device="meta"))
+        at = h if kwargs.get("logits_at") is None else h[:, kwargs["logits_at"]]
+        return SimpleNamespace(logits=self.head(at), hidden=h, aux_loss=torch.zeros((), device="meta"))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -61,7 +62,7 @@ def test_a_forward_takes_every_input_from_the_models_device(packed):
     scores = forward_scores(model, rows, layout, 0.7, forced, device="meta", entropy="metric", hidden=True)
     assert scores.logprobs.device.type == "meta" and scores.logprobs.shape == (3, 20)
     assert scores.entropy.shape == (3, 20) and scores.hidden.shape == (3, 20, 8)
-    assert {"input_ids", "forced_ids"} <= set(model.seen)
+    assert {"input_ids", "forced_ids", "logits_at"} <= set(model.seen)
     assert ("segment_ids" in model.seen) == packed
 
 

@@ -150,7 +150,8 @@ def test_later_mini_batches_take_their_ratio_against_the_steps_start(rank):
     mini-batch's ratio moves away from 1 (and can be clipped), while without old log-probs it would read exactly 1."""
     rows = make_rows(rank, [1.0, -1.0, 1.0])
     for i, (r, s) in enumerate(zip(rows, rank.score(rows))):
-        assert s.old_logprobs == pytest.approx(r.logprobs, abs=1e-5)  # score sees the policy the engine had
+        # score sees the policy the engine had, on the tokens the loss reads (the rest are not scored: 0)
+        assert s.old_logprobs == pytest.approx([lp * m for lp, m in zip(r.logprobs, r.loss_mask)], abs=1e-5)
         rows[i] = replace(r, old_logprobs=s.old_logprobs)
     first, second = rows[:1], rows[1:]
     m1 = rank.train_step(first, sum(sum(r.loss_mask) for r in first), mode="rl")

@@ -34,18 +34,22 @@ def token_batch(rows: list[TrainingRow], device: torch.device | str | None = Non
 
 def forward_scores(model, rows: list[TrainingRow], layout: PackedLayout, temperature: float = 1.0,
                    forced: torch.Tensor | None = None, device: torch.device | str | None = None,
-                   **kwargs) -> TokenScores:
+                   all_tokens: bool = False, **kwargs) -> TokenScores:
     """``token_scores`` of right-padded ``rows``, computed in ``layout`` (packed rows, or one row each) and returned
     in the padded layout, so everything after the forward is the same whether sequences were packed or not.
+    Only the rows' loss-mask tokens are scored (the rest are 0; ``all_tokens``: every token, the reference).
     ``forced``: the engine's routing [B, T, layers, k] to replay (padded layout, -1 unknown); ``device``: the
     model's, where the batch is built."""
     ids, attn = token_batch(rows, device)
+    score_mask = None if all_tokens else pad_right([r.loss_mask for r in rows], 0, torch.bool)  # host: no sync
     if layout.is_padded:
-        return token_scores(replaying(model, forced), ids, attn, temperature, **kwargs)
+        return token_scores(replaying(model, forced), ids, attn, temperature, score_mask=score_mask, **kwargs)
     if forced is not None:
         forced = layout.pack_tensor(forced, fill=UNKNOWN)
+    if score_mask is not None:
+        score_mask = layout.pack_tensor(score_mask, fill=False)
     s = token_scores(replaying(model, forced), layout.pack_tensor(ids), None, temperature,
-                     segment_ids=layout.segment_ids(ids.device), **kwargs)
+                     segment_ids=layout.segment_ids(ids.device), score_mask=score_mask, **kwargs)
     unpack = layout.unpack
     return TokenScores(unpack(s.logprobs), s.aux_loss, None if s.entropy is None else unpack(s.entropy),
                        None if s.hidden is None else unpack(s.hidden))

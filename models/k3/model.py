@@ -113,6 +113,7 @@ class K3Model(nn.Module):
         forced_ids: Tensor | None = None,  # [B, T, n_moe_layers, top_k]: routing replay
         return_hidden: bool = False,
         segment_ids: Tensor | None = None,  # [B, T] packed sequences (models/packing.py): 1.. per sequence, 0 = pad
+        logits_at: Tensor | None = None,  # [K] columns: logits [B, K, V] there only (models/sampling.py score_columns)
     ) -> K3Output:
         if segment_ids is not None:
             attention_mask = segment_ids > 0
@@ -137,7 +138,8 @@ class K3Model(nn.Module):
             else:
                 state.add(layer.ffn(h))
         h = self.norm(self.final_res(state.sources()))
-        logits = F.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        at = h if logits_at is None else h[:, logits_at]
+        logits = F.linear(at, self.embed.weight) if self.lm_head is None else self.lm_head(at)
         return K3Output(
             logits=logits.float(),
             cache=K3Cache(new_caches) if use_cache else None,
