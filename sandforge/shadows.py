@@ -13,18 +13,24 @@ its plugins, ``sitecustomize``) into a fresh root-only folder in the workdir its
 (Python cannot import it; pytest does not collect dot-folders): ``X.py``, ``X.pyc``, ``X*.so`` and packages ``X/``.
 The move is a rename on the same filesystem, whatever the entries' sizes, in batches (one ``mv`` for many names), so
 its cost is bounded by the number of names, not their bytes: neither a huge planted file nor 30,000 planted names can
-make it fail or overrun. A file the task shipped (there at the start) is never touched, and a solution's own module
-names are not the standard library's. Without a start record (a sandbox graded outside an env) nothing is moved.
+make it fail or overrun. A file the task shipped (there at the start) is never touched, nor a Python file the task's
+instruction names in the workdir (a task asking for ``statistics.py``: that file is the code under test, and the
+tests import it as the task says; ``answer_paths``). Without a start record (a sandbox graded outside an env) nothing
+is moved.
 """
 
 from __future__ import annotations
 
+import posixpath
+import re
 import shlex
 from dataclasses import dataclass
 
 from sandforge.types import Sandbox
 
 START = "/run/sandforge-root/workdir-at-start"  # NUL-separated names
+# a Python file named in prose: `statistics.py`, /app/json.py, ./solver.py (not part of a longer word or path)
+_NAMED_FILE = re.compile(r"(?<![\w.\-/])((?:\.{0,2}/)?(?:[\w.\-]+/)*[A-Za-z_]\w*\.py)(?![\w/])")
 SHOWN = 20  # names of the entries set aside that come back (the count is always exact)
 ALWAYS = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "sitecustomize", "usercustomize")
 
@@ -32,10 +38,11 @@ _MARK = r"""shopt -s nullglob dotglob
 for e in "$1"/*; do printf '%s\0' "${e##*/}"; done > "$2"
 """
 
-_SET_ASIDE = r"""wd=$1 start=$2; shift 2
+_SET_ASIDE = r"""wd=$1 start=$2 keep=$3; shift 3
 [[ -r $start && -d $wd ]] || { echo "count 0"; exit 0; }
 declare -A old known
 while IFS= read -r -d '' n; do old[$n]=1; done < "$start"
+for ((i = 0; i < keep; i++)); do old[$1]=1; shift; done
 for n in "$@"; do known[$n]=1; done
 while IFS= read -r n; do [[ -n $n ]] && known[$n]=1; done < <(python3 -I -c 'import pkgutil, sys
 print("\n".join(sorted(set(sys.stdlib_module_names) | {m.name for m in pkgutil.iter_modules()})))' 2>/dev/null)
@@ -75,10 +82,27 @@ class SetAside:
     names: tuple[str, ...] = ()
 
 
-def set_aside(sandbox: Sandbox, workdir: str | None, timeout: float) -> SetAside:
-    """Move the policy's new shadow modules out of ``workdir``'s top level (default the sandbox's). OSError when that
-    cannot be done (the check cannot run soundly: its caller scores the episode 0, the policy's doing)."""
-    words = " ".join(shlex.quote(w) for w in (workdir or sandbox.workdir, START, *ALWAYS))
+def answer_paths(instruction: str) -> tuple[str, ...]:
+    """The Python files a task's instruction names (``statistics.py``, ``/app/json.py``), in order, once each."""
+    return tuple(dict.fromkeys(m.group(1) for m in _NAMED_FILE.finditer(instruction)))
+
+
+def answer_names(paths: list[str] | tuple[str, ...], workdir: str) -> tuple[str, ...]:
+    """Of ``paths`` (``answer_paths``), the entry names at the top of ``workdir``: bare, ``./``, or under ``workdir``."""
+    top = posixpath.normpath(workdir)
+    names = []
+    for path in paths:
+        folder, name = posixpath.split(str(path))
+        if name and (folder in ("", ".") or posixpath.normpath(posixpath.join(top, folder)) == top):
+            names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
+def set_aside(sandbox: Sandbox, workdir: str | None, timeout: float, keep: tuple[str, ...] = ()) -> SetAside:
+    """Move the policy's new shadow modules out of ``workdir``'s top level (default the sandbox's), except the entry
+    names in ``keep`` (the code under test the task names: ``answer_names``). OSError when that cannot be done (the
+    check cannot run soundly: its caller scores the episode 0, the policy's doing)."""
+    words = " ".join(shlex.quote(w) for w in (workdir or sandbox.workdir, START, str(len(keep)), *keep, *ALWAYS))
     result = sandbox.exec(f"bash -c {shlex.quote(_SET_ASIDE)} set-aside {words}", timeout=timeout, user="root",
                           session=False, workdir="/")
     if result.exit_code != 0 or result.timed_out:

@@ -25,18 +25,21 @@ def _tail(text: str, limit: int = 200) -> str:
 
 
 def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0, pattern: str | None = None,
-                      absent: bool = False, user: str = "root", workdir: str | None = None) -> tuple[float, str]:
+                      absent: bool = False, user: str = "root", workdir: str | None = None,
+                      answers: list[str] | tuple[str, ...] = ()) -> tuple[float, str]:
     """1.0 if ``command`` exits with ``exit_code`` (None: any) and its output (stdout and stderr merged) matches
     ``pattern`` (a Python regex, multiline) - or, with ``absent``, does not match it. Both must hold.
 
     Output longer than the sandbox's ``max_output_bytes`` keeps only its head and tail, so a pattern's absence cannot
     be proven from it: such a check scores 0 and says so (pipe the output through ``tail`` or ``grep -c``). Modules
-    the policy planted to shadow what the command's Python imports are set aside first (sandforge/shadows.py).
+    the policy planted to shadow what the command's Python imports are set aside first (sandforge/shadows.py), but
+    not ``answers``: the Python files the task asks for (a ``statistics.py`` the command imports is the answer).
     """
     moved = shadows.SetAside()
     if workdir in (None, sandbox.workdir):
         try:
-            moved = shadows.set_aside(sandbox, workdir, timeout=min(30.0, time_left()))
+            moved = shadows.set_aside(sandbox, workdir, timeout=min(30.0, time_left()),
+                                      keep=shadows.answer_names(answers, sandbox.workdir))
         except OSError as e:  # what the policy left in its workdir stops a sound check: its 0, not a failed episode
             raise ZeroScore("state", f"command: {e}") from None
     score, reason = _judge(sandbox, command, exit_code, pattern, absent, user, workdir)
@@ -66,10 +69,13 @@ def _judge(sandbox: Sandbox, command: str, exit_code: int | None, pattern: str |
 
 def command_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str]:
     args = without_timeout(args)
-    allowed = {"command", "exit_code", "pattern", "absent", "user", "workdir"}
+    allowed = {"command", "exit_code", "pattern", "absent", "user", "workdir", "answers"}
     if "command" not in args or set(args) - allowed:
-        raise VerifierError(f"command takes command[, exit_code, pattern, absent, user, workdir, timeout]; "
+        raise VerifierError(f"command takes command[, exit_code, pattern, absent, user, workdir, answers, timeout]; "
                             f"got {sorted(args)}")
+    answers = args.get("answers", [])
+    if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+        raise VerifierError(f"command: answers must be a list of file paths (the code under test), got {answers!r}")
     if not isinstance(args["command"], str) or not args["command"].strip():
         raise VerifierError(f"command: command must be a non-empty string, got {args['command']!r}")
     code = args.get("exit_code", 0)

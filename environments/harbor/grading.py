@@ -89,10 +89,12 @@ def combine(rewards: dict[str, float], rule: str = "auto") -> tuple[float, str]:
 
 
 def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "root", workdir: str | None = None,
-                 env: dict[str, str] | None = None, rule: str = "auto") -> tuple[float, str] | tuple[float, str, dict]:
+                 env: dict[str, str] | None = None, rule: str = "auto",
+                 answers: tuple[str, ...] = ()) -> tuple[float, str] | tuple[float, str, dict]:
     """Copy ``files`` (tests/ as plain data) to a fresh root-owned /tests, run test.sh as ``user`` in ``workdir``
     (default: the sandbox's) with ``env``, read the rewards and combine them by ``rule`` (``combine``). Named rewards
-    (more than one) come back as the check's parts, so each is in the episode's reward breakdown."""
+    (more than one) come back as the check's parts, so each is in the episode's reward breakdown. ``answers``: the
+    Python files the instruction names (``shadows.answer_paths``), which the shadow set-aside keeps."""
     dirs = " ".join((TESTS_DIR, LOGS_DIR))
     root = user in ("root", "0", "0:0")
     owner = "" if root else f" -o {shlex.quote(user)}"
@@ -109,7 +111,8 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
     moved = shadows.SetAside()
     if workdir in (None, sandbox.workdir):  # the policy's new shadow modules go first (sandforge/shadows.py)
         try:
-            moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT)
+            keep = shadows.answer_names(answers, sandbox.workdir)
+            moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT, keep=keep)
         except OSError as e:  # what the policy left stops a sound test.sh: its 0, not a failed episode
             return 0.0, f"test.sh not run: {e}"
     run = sandbox.exec(f"{shell_exports(env or {})}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout,
@@ -132,13 +135,14 @@ def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str] | t
     """The ``harbor_tests`` check: ``{"verifier": "harbor_tests", "files": {path: text}, "timeout": seconds}``, and
     optionally ``user``, ``workdir`` and ``env`` (a task.toml's ``[verifier]``) and ``reward`` (how named rewards
     become one: ``auto``, ``mean``, ``min`` or a reward's name; ``combine``)."""
-    unknown = set(args) - {"files", "timeout", "user", "workdir", "env", "reward"}
-    rule = args.get("reward", "auto")
-    if unknown or not isinstance(args.get("files"), dict) or "test.sh" not in args["files"] or not isinstance(rule, str):
-        raise ValueError("harbor_tests takes files (with test.sh), timeout, user, workdir, env and reward (a rule "
-                         f"name); got {sorted(args)}")
+    unknown = set(args) - {"files", "timeout", "user", "workdir", "env", "reward", "answers"}
+    rule, answers = args.get("reward", "auto"), args.get("answers", [])
+    if (unknown or not isinstance(args.get("files"), dict) or "test.sh" not in args["files"]
+            or not isinstance(rule, str) or not isinstance(answers, list)):
+        raise ValueError("harbor_tests takes files (with test.sh), timeout, user, workdir, env, reward (a rule "
+                         f"name) and answers (a list of paths); got {sorted(args)}")
     return harbor_tests(sandbox, args["files"], float(args.get("timeout", 600.0)), str(args.get("user", "root")),
-                        args.get("workdir"), args.get("env"), rule)
+                        args.get("workdir"), args.get("env"), rule, tuple(str(a) for a in answers))
 
 
 harbor_tests_verifier.reward_rule = True  # its checks take "reward": auto | mean | min | a reward's name

@@ -30,6 +30,7 @@ from sandforge.environments.harbor.dockerfile import AGENT_USER, MODES, HarborBu
 from sandforge.environments.sandbox.images import BuildContext
 from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings
 from sandforge.environments.task_sources import TaskSourceError
+from sandforge import shadows
 from sandforge.types import Task, ToolCall
 
 FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`environments[i].tasks` in the job)
@@ -137,6 +138,10 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         sandbox["home"] = home  # as in Harbor, where HOME is the user's own: ~/.ssh is not the WORKDIR's
     check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
              "timeout": settings.verifier_timeout, "user": settings.verifier_user}
+    instruction = (task_dir / "instruction.md").read_text().strip()
+    answers = shadows.answer_paths(instruction)
+    if answers:  # Python files the instruction asks for: the code under test, never set aside (sandforge/shadows.py)
+        check["answers"] = list(answers)
     if settings.verifier_env:
         check["env"] = settings.verifier_env
     if settings.workdir:
@@ -161,7 +166,7 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         env="harbor",
         family=str(metadata.get("category") or "default"),
         seed=0,
-        instruction=(task_dir / "instruction.md").read_text().strip(),
+        instruction=instruction,
         setup=setup,
         checks=[check],
         solution=solution,

@@ -183,3 +183,47 @@ def test_the_set_aside_cannot_be_made_to_fail(plant, moved, repo_spec, run_id, d
     assert traj.turns[0].observations[0].startswith("planted"), traj.turns[0].observations[0]
     assert traj.reward.value == 0.0 and "set aside before the check" in traj.reward.reason, traj.reward.reason
     assert moved in traj.reward.reason, traj.reward.reason
+
+
+def test_an_honest_solution_named_like_a_standard_module_scores_1(repo_spec, run_id, docker_client, tmp_path):
+    """A task that asks for `statistics.py` (#32): its tests import the policy's module, which is the code under test.
+    The set-aside moved it (a new top-level file named like a standard module) and the honest solution scored 0. A
+    Python file the instruction names in the workdir is the task's answer and stays; anything else that shadows a
+    module the grader imports is still set aside."""
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.harbor.tasks import load_tasks
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+
+    task_dir = tmp_path / "statistics-task"
+    (task_dir / "tests").mkdir(parents=True)
+    (task_dir / "instruction.md").write_text(
+        "Write `/workspace/statistics.py` with a function `spread(xs)` that returns max(xs) - min(xs).\n")
+    (task_dir / "task.toml").write_text(f'version = "2.0"\n[environment]\ndocker_image = "{repo_spec.image}"\n'
+                                        '[verifier]\ntimeout_sec = 60\n')
+    (task_dir / "tests" / "test_outputs.py").write_text(
+        "from statistics import spread\n\ndef test_spread():\n    assert spread([3, 9, 4]) == 6\n")
+    (task_dir / "tests" / "test.sh").write_text(
+        "cd /workspace\nif python3 -m pytest -q -p no:cacheprovider /tests/test_outputs.py; then r=1; else r=0; fi\n"
+        "echo $r > /logs/verifier/reward.txt\n")
+    [task], images = load_tasks(task_dir, "hardened")
+    tags = build_images([], client=docker_client, show_progress=False, contexts=images)
+    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+
+    def run(command):
+        env = HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client)
+        scripted = replace(task, solution=[ToolCall("bash", {"command": command}), ToolCall("submit")])
+        traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3), "g"))
+        assert not traj.failed, traj.failure
+        return traj
+
+    honest = "printf 'def spread(xs):\\n    return max(xs) - min(xs)\\n' > /workspace/statistics.py"
+    solved = run(honest)
+    assert solved.reward.value == 1.0, solved.reward.reason
+    assert "set aside" not in solved.reward.reason, solved.reward.reason
+    # the same answer, plus a module the instruction never named: that one still goes
+    planted = run(honest + " && printf 'import sys\\nsys.exit(0)\\n' > /workspace/pytest.py")
+    assert planted.reward.value == 1.0 and "set aside before the check: pytest.py" in planted.reward.reason
+    cheat = run("printf 'import sys\\nsys.exit(0)\\n' > /workspace/pytest.py")
+    assert cheat.reward.value == 0.0 and "set aside before the check: pytest.py" in cheat.reward.reason
