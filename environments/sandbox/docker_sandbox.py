@@ -175,6 +175,29 @@ class DockerSandbox:
             shell.stream.close()
         return killed
 
+    def kill_all_as(self, user: str, timeout: float = 10.0) -> bool:
+        """As ``user``, in a plain ``docker exec`` (no dispatcher, whose process ``user`` would own), SIGSTOP then SIGKILL
+        every process ``user`` may signal until none is left (policy_stop.py's first pass: the kernel's selection).
+        Detached and waited for at most ``timeout`` seconds: whether it ended. One that cannot start (the policy holds
+        every pid) or does not end (it is ``user``'s, so the scan that follows kills it) leaves the rest to the scan."""
+        from sandforge.environments.sandbox.stop_scripts import KILL_ALL
+
+        api = self._container.client.api
+        try:
+            job = api.exec_create(self._container.id, ["bash", "-c", KILL_ALL], user=user, workdir="/",
+                                  stdout=False, stderr=False)
+            api.exec_start(job["Id"], detach=True)
+            deadline = time.monotonic() + timeout
+            while api.exec_inspect(job["Id"]).get("Running"):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+        except docker.errors.APIError:  # no process could start: the guard and the scan do it
+            return False
+        except (docker.errors.DockerException, requests.RequestException) as e:
+            raise self.broken(e) from e
+        return True
+
     def signal_guard(self) -> None:
         """Ask the sandbox's main process to stop the policy's processes itself (policy_stop.py: when no exec can
         start because the policy holds every pid)."""

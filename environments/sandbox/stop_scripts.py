@@ -14,17 +14,24 @@ _FUNCTIONS = r"""__sf_uid() {  # the uid of user $1 (a name in /etc/passwd, or a
   while IFS=: read -r name x id x; do [[ $name == "$1" ]] && { REPLY=$id; return 0; }; done < /etc/passwd
   return 1
 }
-__sf_scan() {  # send signal $1 to every live process of uid $2; how many in N
-  local s pid k v st u; N=0
+__sf_live() {  # does process $1 run anything: a thread of it (its leader included) that is not Z or X
+  local t k v st
+  for t in /proc/$1/task/[0-9]*/status; do
+    st=
+    while read -r k v _; do [[ $k == State: ]] && { st=$v; break; }; done 2>/dev/null < "$t"
+    [[ -n $st && $st != Z && $st != X ]] && return 0
+  done
+  return 1
+}
+__sf_scan() {  # send signal $1 (0: none, count only) to every live process of uid $2, by its threads; how many in N
+  local s pid k v u; N=0
   for s in /proc/[0-9]*/status; do
     pid=${s#/proc/}; pid=${pid%/status}
     [[ $pid == "$$" || $pid == "$BASHPID" ]] && continue
-    st= u=
-    while read -r k v _; do
-      case $k in State:) st=$v ;; Uid:) u=$v; break ;; esac
-    done 2>/dev/null < "$s"
-    [[ $u == "$2" && $st != Z ]] || continue
-    kill "-$1" "$pid" 2>/dev/null && N=$((N + 1))
+    u=
+    while read -r k v _; do [[ $k == Uid: ]] && { u=$v; break; }; done 2>/dev/null < "$s"
+    [[ $u == "$2" ]] && __sf_live "$pid" || continue
+    if [[ $1 == 0 ]]; then N=$((N + 1)); else kill "-$1" "$pid" 2>/dev/null && N=$((N + 1)); fi
   done
 }
 __sf_listening() {  # the TCP ports uid $1 listens on (IPv4 and IPv6), space-separated, in PORTS
@@ -50,12 +57,26 @@ __sf_stop() {  # stop, then kill, every process of uid $1 until none is left; ho
 }
 """.replace("ROUNDS", str(ROUNDS))
 
+# Run as the policy's user (its own docker exec: root in a sandbox has no CAP_SETUID): the kernel's own selection.
+# kill(-1) reaches every process that user may signal, in any state and with all its threads, and nothing else (not
+# the caller, not init): no list of states or names.
+KILL_ALL = r"""for ((r = 0; r < ROUNDS; r++)); do kill -STOP -1 2>/dev/null || exit 0; kill -KILL -1 2>/dev/null; done
+exit 1""".replace("ROUNDS", str(ROUNDS))
+
 STOP_SCRIPT = _FUNCTIONS + r"""__sf_uid "$1" || { echo "no user $1 in /etc/passwd" >&2; exit 2; }
-__sf_listening "$REPLY"; echo "listening $PORTS"
-__sf_stop "$REPLY" || { echo "processes of uid $REPLY still running after ROUNDS rounds of SIGSTOP and SIGKILL" >&2
-                        exit 1; }
+uid=$REPLY
+__sf_stop "$uid" || { echo "processes of uid $uid still running after ROUNDS rounds of SIGSTOP and SIGKILL" >&2
+                      exit 1; }
+__sf_scan 0 "$uid"
+(( N == 0 )) || { echo "$N processes of uid $uid still run a thread after the stop" >&2; exit 1; }
 echo "$TOTAL"
 """.replace("ROUNDS", str(ROUNDS))
+
+# Read-only, before any signal: the ports the policy's user listens on, and how many processes it runs.
+SURVEY_SCRIPT = _FUNCTIONS + r"""__sf_uid "$1" || { echo "no user $1 in /etc/passwd" >&2; exit 2; }
+__sf_listening "$REPLY"; echo "listening $PORTS"
+__sf_scan 0 "$REPLY"; echo "$N"
+"""
 
 # The sandbox's main process (under tini). $1: the policy's user. Root, or a user it cannot find: it only sleeps. It
 # comes in the container's environment (GUARD_VARIABLE), so that `ps` shows a short command line; every shell sandforge
