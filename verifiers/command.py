@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from sandforge import shadows
+from sandforge import harness, shadows
 from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
 
@@ -34,6 +34,8 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
     be proven from it: such a check scores 0 and says so (pipe the output through ``tail`` or ``grep -c``). Modules
     the policy planted to shadow what the command's Python imports are set aside first (sandforge/shadows.py), but
     not ``answers``: the Python files the task asks for (a ``statistics.py`` the command imports is the answer).
+    A root command starts with sandforge's harness (sandforge/harness.py): its Pythons import root's modules before
+    the policy's (but the answers in Python's own order) and load plugins only from root's files.
     """
     moved = shadows.SetAside()
     if workdir in (None, sandbox.workdir):
@@ -42,13 +44,14 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
                                       keep=shadows.answer_names(answers, sandbox.workdir))
         except OSError as e:  # what the policy left in its workdir stops a sound check: its 0, not a failed episode
             raise ZeroScore("state", f"command: {e}") from None
-    score, reason = _judge(sandbox, command, exit_code, pattern, absent, user, workdir)
+    start = harness.prepare(sandbox, user, answers)  # root's imports first, plugins from root's files only
+    score, reason = _judge(sandbox, command, start, exit_code, pattern, absent, user, workdir)
     return score, reason + shadows.note(moved)
 
 
-def _judge(sandbox: Sandbox, command: str, exit_code: int | None, pattern: str | None, absent: bool, user: str,
-           workdir: str | None) -> tuple[float, str]:
-    result = sandbox.exec(command, timeout=time_left(), user=user, workdir=workdir, session=False)
+def _judge(sandbox: Sandbox, command: str, start: str, exit_code: int | None, pattern: str | None, absent: bool,
+           user: str, workdir: str | None) -> tuple[float, str]:
+    result = sandbox.exec(start + command, timeout=time_left(), user=user, workdir=workdir, session=False)
     shown = f"`{command if len(command) <= 60 else command[:57] + '...'}`"
     if result.timed_out:
         raise ZeroScore("timeout", f"{shown} timed out after {result.seconds:.0f} s (killed)")

@@ -7,7 +7,9 @@ they travel inside the task's check. test.sh runs in a fresh shell (not the poli
 the task's verifier user (root by default) in the image's WORKDIR (terminal-bench's test.sh refuses to run from /),
 with the task's ``[verifier] env`` over its ``[environment] env``, and with root's own HOME and no Python user site
 (one-off root commands: environments/sandbox/clean_context.py). Modules the policy planted in the WORKDIR under names
-test.sh's Python would import (``pytest.py``) are set aside first (sandforge/shadows.py).
+test.sh's Python would import (``pytest.py``) are set aside first (sandforge/shadows.py), and test.sh starts with
+sandforge's harness (sandforge/harness.py): its Pythons import root's modules before the policy's and load plugins
+only from root's files, and its ``uv`` is an offline stand-in whose ``uv venv`` makes the venv afresh.
 
 Rewards, read as Harbor reads them: ``reward.json`` first (a JSON object of named numbers), else ``reward.txt`` (one
 number, the reward named "reward"). ``combine`` makes the training reward of them by the check's ``reward`` rule;
@@ -23,7 +25,7 @@ import json
 import math
 import shlex
 
-from sandforge import shadows
+from sandforge import harness, shadows
 from sandforge.environments.harbor.settings import shell_exports
 from sandforge.types import Sandbox
 
@@ -115,7 +117,8 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
             moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT, keep=keep)
         except OSError as e:  # what the policy left stops a sound test.sh: its 0, not a failed episode
             return 0.0, f"test.sh not run: {e}"
-    run = sandbox.exec(f"{shell_exports(env or {})}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout,
+    start = harness.prepare(sandbox, user, answers)  # root's imports first, plugins from root's files, an offline uv
+    run = sandbox.exec(f"{shell_exports(env or {})}{start}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout,
                        user=user, workdir=workdir, session=False)
     tail = run.output.strip()[-300:]
     for name in REWARD_FILES:

@@ -8,9 +8,9 @@ root's own HOME, no Python user site, and git with neither a global nor a system
 image's (the task author's), as declared in the image: the policy's session never reaches a one-off shell.
 
 What this cannot cover: a command that deliberately runs the policy's code as root (a task author's choice), and
-Python putting its working directory first on ``sys.path`` for ``python3 -c`` and ``-m``. sandforge's own in-sandbox
-code runs with ``python3 -I`` from ``/`` (verifiers/state.py); a task's check that runs python from the workspace
-should do the same, or use an absolute path from a root-owned folder.
+Python putting its working directory first on ``sys.path`` for ``python3 -c`` and ``-m``; for a check's command,
+sandforge/harness.py makes root's modules win anyway. sandforge's own in-sandbox code runs with ``python3 -I`` from
+``/`` (verifiers/state.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,209 @@
+"""The grading harness loads nothing the policy left but the code under test (#32, items 2 and 3).
+
+Each attack is a real Harbor task folder (or a command check) graded through run_episode, the real graders and a
+real container, with the policy a non-root user (hardened). Before sandforge's harness (sandforge/harness.py) each
+one scored 1: a pytest plugin a `*.dist-info` in the WORKDIR announced, a module named like one only the tests'
+`PYTHONPATH` has, a shadow module in a subfolder the check `cd`s into, and terminal-bench's `.tbench-testing` venv,
+whose `activate` an offline test.sh sourced as root. Each task's honest solution still scores 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from agent_fakes import CHAT, limits
+
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.policy_client import scripted_policy
+from sandforge.types import ToolCall
+
+pytestmark = pytest.mark.docker
+
+# the reward file, written the moment the planted code runs (as root, in test.sh's Python or shell)
+FORGE = "open('/logs/verifier/reward.txt', 'w').write('1'); import os; os._exit(0)"
+RUN_PYTEST = "if python3 -m pytest -q -p no:cacheprovider /tests/test_outputs.py; then r=1; else r=0; fi\n"
+REWARD = "echo $r > /logs/verifier/reward.txt\n"
+TEST_DONE = "def test_done():\n    assert open('/workspace/done.txt').read().strip() == 'done'\n"
+
+
+def harbor_task(tmp_path, image, test_sh, tests=None, instruction="Write done into /workspace/done.txt.\n",
+                verifier_env=""):
+    """A Harbor task folder in tmp_path: its instruction, task.toml, test.sh and tests/ files."""
+    from sandforge.environments.harbor.tasks import load_tasks
+
+    task_dir = tmp_path / "task"
+    (task_dir / "tests").mkdir(parents=True)
+    (task_dir / "instruction.md").write_text(instruction)
+    (task_dir / "task.toml").write_text(f'version = "2.0"\n[environment]\ndocker_image = "{image}"\n'
+                                        f'[verifier]\ntimeout_sec = 60\n{verifier_env}')
+    for rel, text in {"test_outputs.py": TEST_DONE, **(tests or {}), "test.sh": test_sh}.items():
+        (task_dir / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task_dir / "tests" / rel).write_text(text)
+    [task], images = load_tasks(task_dir, "hardened")
+    return task, images
+
+
+def grader(task, images, run_id, client):
+    """run(commands): one episode of ``task`` whose policy runs ``commands`` and submits; its trajectory."""
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+
+    tags = build_images([], client=client, show_progress=False, contexts=images)
+    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], client)
+
+    def run(*commands):
+        env = HarborEnv(task, spec, run_id, exec_timeout=20, client=client)
+        calls = [ToolCall("bash", {"command": c}) for c in commands] + [ToolCall("submit")]
+        scripted = replace(task, solution=calls)
+        traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=6), "g"))
+        assert not traj.failed, traj.failure
+        return traj
+
+    return run
+
+
+def write(path, text):
+    return f"mkdir -p $(dirname {path}) && printf %s {_q(text)} > {path}"
+
+
+def _q(text):
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+DONE = "echo done > /workspace/done.txt"
+
+
+def test_a_pytest_plugin_announced_from_the_workdir_is_not_loaded(repo_spec, run_id, docker_client, tmp_path):
+    """`python3 -m pytest` in the WORKDIR reads every `*.dist-info` on sys.path, the working directory's too, and
+    autoloads the `pytest11` plugins they announce: the policy's plugin wrote reward 1 as root. Packages' metadata
+    is read only from root's own folders now, so the plugin is never imported."""
+    dist = "/workspace/evil-1.0.dist-info"
+    plant = " && ".join([write(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n"),
+                         write(f"{dist}/entry_points.txt", "[pytest11]\nevil = evilplug\n"),
+                         write("/workspace/evilplug.py", FORGE + "\n"), "echo planted"])
+    task, images = harbor_task(tmp_path, repo_spec.image, "cd /workspace\n" + RUN_PYTEST + REWARD)
+    run = grader(task, images, run_id, docker_client)
+    cheat = run(plant)
+    assert cheat.turns[0].observations[0].startswith("planted"), cheat.turns[0].observations[0]
+    assert cheat.reward.value == 0.0, cheat.reward.reason
+    assert run(DONE).reward.value == 1.0
+
+
+def test_a_module_only_the_tests_path_has_is_not_shadowed(repo_spec, run_id, docker_client, tmp_path):
+    """The tests import `checker` from their own PYTHONPATH (task.toml's [verifier] env); `python3 -m pytest` in the
+    WORKDIR put the policy's `checker.py` ahead of it (the set-aside knows only the system Python's modules):
+    reward 1. Root's own sys.path entries are searched first."""
+    tests = {"lib/checker.py": "def ok():\n    return open('/workspace/done.txt').read().strip() == 'done'\n",
+             "test_outputs.py": "from checker import ok\n\ndef test_done():\n    assert ok()\n"}
+    task, images = harbor_task(tmp_path, repo_spec.image, "cd /workspace\n" + RUN_PYTEST + REWARD, tests,
+                               verifier_env='env = { PYTHONPATH = "/tests/lib" }\n')
+    run = grader(task, images, run_id, docker_client)
+    cheat = run(write("/workspace/checker.py", "def ok():\n    return True\n"))
+    assert cheat.reward.value == 0.0, cheat.reward.reason
+    assert run(DONE).reward.value == 1.0
+
+
+@pytest.mark.parametrize("shadow", ["pytest.py", "pytest/__init__.py"])
+def test_a_shadow_in_a_subfolder_the_check_enters_is_not_imported(shadow, repo_spec, run_id, docker_client,
+                                                                  tmp_path):
+    """test.sh `cd`s into the project the task asked for and runs `python3 -m pytest` there; the set-aside looks only
+    at the WORKDIR's top level, so `proj/pytest.py` (or a package) ran in pytest's place: reward 1."""
+    task, images = harbor_task(tmp_path, repo_spec.image, "mkdir -p /workspace/proj && cd /workspace/proj\n"
+                               + RUN_PYTEST + REWARD)
+    run = grader(task, images, run_id, docker_client)
+    cheat = run(write(f"/workspace/proj/{shadow}", FORGE + "\n"))
+    assert cheat.reward.value == 0.0, cheat.reward.reason
+    assert run(DONE).reward.value == 1.0
+
+
+def test_a_command_check_in_a_subfolder_imports_roots_modules(repo_spec, run_id, docker_client):
+    """A command check whose workdir is a subfolder skips the set-aside, and `python3 -c` put that folder first:
+    the policy's `json.py` there printed the verdict."""
+    from seeded import terminal_task as make_task
+
+    from sandforge.environments.terminal.env import TerminalEnv
+
+    check = {"verifier": "command", "workdir": "/workspace/proj", "pattern": "^true$",
+             "command": "python3 -c \"import json; print(json.dumps(open('answer.txt').read().strip() == '42'))\""}
+    task = make_task("write_file", 3)
+
+    def run(command):
+        calls = [ToolCall("bash", {"command": command}), ToolCall("submit")]
+        scripted = replace(task, checks=[check], solution=calls)
+        env = TerminalEnv(scripted, repo_spec, run_id, client=docker_client)
+        traj = asyncio.run(run_episode(scripted, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3),
+                                       "g"))
+        assert not traj.failed, traj.failure
+        return traj
+
+    cheat = run(write("/workspace/proj/json.py", "import sys\nprint('true')\nsys.exit(0)\n"))
+    assert cheat.reward.value == 0.0, cheat.reward.reason
+    assert run("mkdir -p /workspace/proj && echo 42 > /workspace/proj/answer.txt").reward.value == 1.0
+
+
+TBENCH = ("#!/bin/bash\n"  # terminal-bench's test.sh template, as its tasks ship it
+          "apt-get update >/dev/null 2>&1\n"
+          "curl -LsSf https://astral.sh/uv/0.7.13/install.sh 2>/dev/null | sh\n"
+          "source $HOME/.local/bin/env\n"
+          'if [ "$PWD" = "/" ]; then\n    echo "Error: No working directory set."\n    exit 1\nfi\n'
+          "uv venv .tbench-testing\n"
+          "source .tbench-testing/bin/activate\n"
+          "uv pip install pytest==8.4.1\n"
+          "uv run pytest /tests/test_outputs.py -rA -p no:cacheprovider\n"
+          "if [ $? -eq 0 ]; then\n  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n")
+
+
+def test_a_planted_tbench_venv_is_never_sourced(repo_spec, run_id, docker_client, tmp_path):
+    """Offline, terminal-bench's `uv venv .tbench-testing` never ran, so test.sh sourced the policy's
+    `.tbench-testing/bin/activate` as root: reward 1 (uid 0). sandforge's offline uv makes the venv afresh (what
+    stood there is removed first), on the image's packages, and the template grades: the oracle scores 1 too."""
+    forged = "echo 1 > /logs/verifier/reward.txt; id -u > /logs/ran-as; exit 0\n"
+    task, images = harbor_task(tmp_path, repo_spec.image, TBENCH)
+    run = grader(task, images, run_id, docker_client)
+    cheat = run(write("/workspace/.tbench-testing/bin/activate", forged))
+    assert cheat.reward.value == 0.0, cheat.reward.reason
+    # a link planted where the venv goes is replaced, never followed
+    linked = run("mkdir -p /tmp/v/bin && printf %s " + _q(forged) + " > /tmp/v/bin/activate && "
+                 "ln -s /tmp/v /workspace/.tbench-testing")
+    assert linked.reward.value == 0.0, linked.reward.reason
+    solved = run(DONE)
+    assert solved.reward.value == 1.0, solved.reward.reason
+
+
+def test_an_honest_answer_named_like_a_standard_module_in_a_subfolder_scores_1(repo_spec, run_id, docker_client,
+                                                                                tmp_path):
+    """The instruction asks for `proj/statistics.py`, and the tests import it from there: the answer keeps Python's
+    own order while every other name is root's first. A shadow the instruction does not name still loses."""
+    tests = {"test_outputs.py": "from statistics import spread\n\ndef test_spread():\n"
+                                "    assert spread([3, 9, 4]) == 6\n"}
+    task, images = harbor_task(tmp_path, repo_spec.image, "cd /workspace/proj\n" + RUN_PYTEST + REWARD, tests,
+                               "Write `/workspace/proj/statistics.py` with `spread(xs)`: max(xs) - min(xs).\n")
+    run = grader(task, images, run_id, docker_client)
+    honest = write("/workspace/proj/statistics.py", "def spread(xs):\n    return max(xs) - min(xs)\n")
+    assert run(honest).reward.value == 1.0
+    assert run(honest + " && " + write("/workspace/proj/pytest.py", FORGE + "\n")).reward.value == 1.0
+    assert run(write("/workspace/proj/statistics.py", "def spread(xs):\n    return 0\n") + " && "
+               + write("/workspace/proj/pytest.py", FORGE + "\n")).reward.value == 0.0
+
+
+def test_the_offline_uv_makes_a_venv_on_the_images_packages(repo_spec, run_id, docker_client):
+    """What terminal-bench's uv lines do with sandforge's stand-in, as root in a sandbox: `uv venv` makes a venv that
+    sees the image's packages, `uv pip install` accepts what is installed and refuses the rest, `uv run` runs."""
+    from sandforge import harness
+    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
+
+    with DockerSandbox.create(repo_spec, run_id, client=docker_client) as sb:
+        start = harness.prepare(sb, "root")
+        out = sb.exec(start + "cd /workspace && uv venv .t && source .t/bin/activate && uv pip install pytest==0.1 "
+                      "&& uv run python3 -c 'import sys, pytest; print(sys.prefix)'; uv pip install no-such-package; "
+                      "echo rc=$?", timeout=60, user="root", session=False)
+        assert "/workspace/.t\n" in out.output, out.output
+        assert "pytest" in out.output and "(asked for ==0.1)" in out.output, out.output
+        assert "not installed, and sandboxes have no network: no-such-package" in out.output, out.output
+        assert out.output.rstrip().endswith("rc=1"), out.output
+        assert sb.exec("stat -c %U /workspace/.t/bin/activate", user="root", session=False).output.strip() == "root"
+        assert harness.prepare(sb, "1000") == ""  # the spool is root's alone
