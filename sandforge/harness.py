@@ -1,56 +1,105 @@
-"""What a grader's own command starts with in a sandbox: Python that trusts root's files first, and an offline uv.
+"""What a grader's own command starts with in a sandbox: Python that trusts root's files first, offline uv, safe git.
 
-A check (a ``command`` check, a Harbor ``test.sh``) runs as root in the policy's workdir, after every process of the
-policy is gone, but among the files the policy left. The harness it starts must load nothing from them except the
-code under test. Python and pytest would: ``python3 -m pytest`` puts the working directory first on ``sys.path`` (a
-``pytest.py`` there, or in a subfolder the check ``cd``s into, or a module named like one only the tests' own
-``PYTHONPATH`` has, would be imported), and pytest autoloads the plugins every ``*.dist-info`` on ``sys.path``
-announces, the working directory's too. And terminal-bench's test.sh sources ``.tbench-testing/bin/activate`` from
-the workdir after a ``uv venv`` that, offline, never ran.
+A check (a ``command`` check, a Harbor ``test.sh``, a judge's command) runs as root in the policy's workdir, after
+every process of the policy is gone, but among the files the policy left. The harness it starts must load nothing
+from them except the code under test. Python and pytest would: ``python3 -m pytest`` puts the working directory
+first on ``sys.path`` (a ``pytest.py`` there, or in a subfolder the check ``cd``s into, or a module named like one
+only the tests' own ``PYTHONPATH`` has, would be imported), libraries try optional imports that the policy can
+answer (``copy``'s ``org.python.core``), and pytest autoloads the plugins every ``*.dist-info`` on ``sys.path``
+announces. terminal-bench's test.sh sources ``.tbench-testing/bin/activate`` from the workdir after a ``uv venv``
+that, offline, never ran; root's git refuses the policy's repository, and trusting it runs what its config names.
 
-So ``prepare`` writes sandforge's own start-up into the root-only spool (``grader_files/``) and returns the shell lines
-a root check runs first:
+So ``prepare`` writes sandforge's own start-up into the root-only spool (``grader_files/``, in one exec) and returns
+the shell lines a root check runs first:
 
-- ``PYTHONPATH`` puts that folder first, so every Python the check starts runs ``grader_files/sitecustomize.py``: a
-  top-level import is found on root's own ``sys.path`` entries before the policy's, and packages' metadata (plugin
-  entry points) is read only from root's. The Python files the task's instruction names (``statistics.py``: the code
-  under test) keep Python's own order (``SANDFORGE_ANSWERS``).
+- every Python the check starts runs ``grader_files/_sandforge_harness.py`` first: from a ``.pth`` in the user site
+  ``PYTHONUSERBASE`` names (before ``site`` imports ``sitecustomize``, whatever ``PYTHONPATH`` says), else from the
+  ``sitecustomize`` on ``PYTHONPATH`` (a venv without the user site). Imports search the folders the policy cannot
+  write first, a library's own import statement never reaches the others, and packages' metadata (plugin entry
+  points) comes from those folders only; the Python files the task's instruction names (``statistics.py``: the code
+  under test) keep Python's own order (``SANDFORGE_ANSWERS``). What the policy can write is judged by its ids
+  (``SANDFORGE_POLICY_IDS``, asked in the sandbox);
+- ``PATH`` keeps only folders the policy cannot write (``grader_files/path.sh``);
 - ``uv`` and ``uvx`` are bash functions running ``grader_files/uv.sh``: ``uv venv`` removes what stands at the path
-  and makes a venv that sees the image's packages, ``uv pip install`` succeeds only for what the image has, and
-  ``uv run`` runs the command.
+  and makes a venv that sees the image's packages, ``uv pip install`` succeeds only for what the image has, ``uv
+  run`` runs the command, and an option it does not know is refused;
+- ``git`` is a bash function running ``grader_files/git.sh``: a repository root does not own is read through a
+  root-owned view of it (its objects, refs and index; a config of the settings that run nothing).
 
 Isolating the check's Python outright (``-I``, ``PYTHONSAFEPATH``) would also drop the working directory that the
 tests import the answer from. The shadow set-aside (sandforge/shadows.py) still runs first, as a second line.
-Not covered: a check running as another user than root (the spool is root's), a command that drops the environment
-(``python3 -E``, ``env -i``) or replaces ``PYTHONPATH`` instead of extending it, and a Python older than 3.4.
+Not covered: a check running as another user than root (the spool is root's); a command that drops the environment
+(``python3 -E`` or ``-I``, ``env -i``); a venv without the system's packages whose ``PYTHONPATH`` the check puts a
+policy folder in front of; ``uv`` or ``git`` started by another program than bash (the functions are bash's: a
+Python test's ``subprocess.run(["git", ...])`` gets the image's git, which refuses the policy's repository).
 """
 
 from __future__ import annotations
 
+import base64
 import posixpath
 import shlex
 from pathlib import Path
 
 from sandforge.types import Sandbox
 
-DIR = "/run/sandforge-root/harness"  # on the verifiers' root-only (0700) spool: the policy can neither read nor write it
+DIR = "/run/sandforge-root/harness"  # on the verifiers' root-only (0700) spool: the policy cannot read or write it
 FILES = Path(__file__).with_name("grader_files")
-SITE = "sitecustomize.py"
-UV = "uv.sh"
+PYTHON = ("_sandforge_harness.py", "sitecustomize.py")  # into DIR/py: PYTHONPATH's folder
+SCRIPTS = ("uv.sh", "git.sh", "path.sh")  # into DIR, run by bash (the spool is noexec)
+VERSIONS = tuple(f"3.{minor}" for minor in range(6, 16))  # the Pythons whose user site gets the .pth
 
 
 def answer_modules(answers: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """The top-level module names of the Python files a task's instruction names (``shadows.answer_paths``)."""
-    names = (posixpath.basename(str(path)) for path in answers)
-    return tuple(dict.fromkeys(name[:-3] for name in names if name.endswith(".py") and name[:-3].isidentifier()))
+    """The top-level module names of the Python files a task's instruction names (``shadows.answer_paths``): a
+    module's stem, or a package's name for its ``__init__.py``."""
+    names = []
+    for path in answers:
+        folder, name = posixpath.split(posixpath.normpath(str(path)))
+        stem = posixpath.basename(folder) if name == "__init__.py" else name[:-3] if name.endswith(".py") else ""
+        if stem.isidentifier():
+            names.append(stem)
+    return tuple(dict.fromkeys(names))
 
 
-def exports(answers: list[str] | tuple[str, ...] = ()) -> str:
+def pth_line(start: str) -> str:
+    """The user site's .pth line: it runs ``start`` by its absolute path (no module found by name, which a policy
+    folder first on PYTHONPATH could answer), before ``site`` imports ``sitecustomize``."""
+    source = f"compile(open({start!r}, 'rb').read(), {start!r}, 'exec')"
+    return f"import sys; exec({source}, {{'__name__': '_sandforge_harness'}})\n"
+
+
+def install_script(folder: str = DIR) -> str:
+    """The bash that writes the harness's files under ``folder``, and a user site per Python version."""
+    lines = ["set -e", f"mkdir -p {folder}/py"]
+    files = [(f"py/{name}", FILES / name) for name in PYTHON] + [(name, FILES / name) for name in SCRIPTS]
+    for rel, source in files:
+        lines.append(f"base64 -d > {folder}/{rel} <<'SANDFORGE_EOF'\n"
+                     f"{base64.b64encode(source.read_bytes()).decode()}\nSANDFORGE_EOF")
+    pth = shlex.quote(pth_line(f"{folder}/py/{PYTHON[0]}"))
+    lines.append(f"for v in {' '.join(VERSIONS)}; do d={folder}/base/lib/python$v/site-packages; mkdir -p \"$d\"; "
+                 f"printf '%s' {pth} > \"$d/sandforge.pth\"; done")
+    return "\n".join(lines) + "\n"
+
+
+def exports(answers: list[str] | tuple[str, ...] = (), policy_ids: tuple[int, ...] = ()) -> str:
     """The shell lines that put the harness in front of a root check's command (``prepare`` writes its files)."""
-    uv = shlex.quote(f"{DIR}/{UV}")
-    return (f"export PYTHONPATH={DIR}/py${{PYTHONPATH:+:$PYTHONPATH}} "
-            f"SANDFORGE_ANSWERS={shlex.quote(' '.join(answer_modules(answers)))}\n"
-            f"uv() {{ bash {uv} uv \"$@\"; }}; uvx() {{ bash {uv} uvx \"$@\"; }}; export -f uv uvx\n")
+    uv, git, path = (shlex.quote(f"{DIR}/{name}") for name in SCRIPTS)
+    return (f"export PYTHONPATH={DIR}/py${{PYTHONPATH:+:$PYTHONPATH}} PYTHONUSERBASE={DIR}/base "
+            f"SANDFORGE_ANSWERS={shlex.quote(' '.join(answer_modules(answers)))} "
+            f"SANDFORGE_POLICY_IDS={shlex.quote(' '.join(map(str, policy_ids)))}\n"
+            f"unset PYTHONNOUSERSITE; PATH=$(bash {path})\n"
+            f"uv() {{ bash {uv} uv \"$@\"; }}; uvx() {{ bash {uv} uvx \"$@\"; }}; git() {{ bash {git} \"$@\"; }}\n"
+            "export -f uv uvx git\n")
+
+
+def policy_ids(sandbox: Sandbox) -> tuple[int, ...]:
+    """The uid and group ids of the sandbox's own (the policy's) user, asked inside it."""
+    result = sandbox.exec("id -u; id -G", timeout=30, session=False, workdir="/")
+    numbers = result.output.split()
+    if result.exit_code != 0 or not numbers or not all(n.isdigit() for n in numbers):
+        raise OSError(f"cannot read the sandbox user's ids: {result.output.strip()[-200:]}")
+    return tuple(int(n) for n in numbers)
 
 
 def prepare(sandbox: Sandbox, user: str, answers: list[str] | tuple[str, ...] = ()) -> str:
@@ -59,6 +108,7 @@ def prepare(sandbox: Sandbox, user: str, answers: list[str] | tuple[str, ...] = 
     is the sandbox's fault, never the policy's)."""
     if user not in ("root", "0", "0:0"):
         return ""
-    sandbox.put_file(f"{DIR}/py/{SITE}", (FILES / SITE).read_bytes(), user="root", mode=0o644)
-    sandbox.put_file(f"{DIR}/{UV}", (FILES / UV).read_bytes(), user="root", mode=0o644)
-    return exports(answers)
+    made = sandbox.exec(install_script(), timeout=30, user="root", session=False, workdir="/")
+    if made.exit_code != 0:
+        raise OSError(f"cannot write the grading harness into the sandbox: {made.output.strip()[-200:]}")
+    return exports(answers, policy_ids(sandbox))

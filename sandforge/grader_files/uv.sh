@@ -6,6 +6,10 @@
 #   bash uv.sh uv ARGS...   or   bash uv.sh uvx ARGS...
 set -u
 say() { echo "uv (sandforge, offline): $*" >&2; }
+die() { say "$*"; exit 2; }
+# a venv that cannot be made where the caller expects one: what stands at that path may be the policy's, and the
+# caller would source its activate next; so the caller (test.sh's shell) is stopped too, and scores no reward
+refuse() { say "$*; the venv is not made, and the script that asked for it is stopped"; kill -TERM "$PPID"; exit 2; }
 
 # version of each requirement that is installed, or "missing"; exit 1 if any is missing
 check_installed() {
@@ -69,16 +73,21 @@ command=${1:-}; shift || true
 case $command in
   --version|-V|version) echo "uv 0.0.0 (sandforge's offline stand-in)" ;;
   venv)
-    path=.venv
+    path=
     while (($#)); do
       case $1 in
-        -p|--python|--prompt|-i|--index-url|--extra-index-url|-f|--find-links|--link-mode|--exclude-newer) shift 2 ;;
-        -*) shift ;;
-        *) path=$1; shift ;;
+        -p|--python|--prompt|-i|--index-url|--extra-index-url|-f|--find-links|--link-mode|--exclude-newer|--index|\
+        --default-index|--index-strategy|--keyring-provider|--python-preference|--cache-dir|--directory|--project|\
+        --color|--config-file) (($# >= 2)) || die "$1 needs a value"; shift 2 ;;
+        --*=*|--seed|--clear|--allow-existing|--system-site-packages|--relocatable|--no-project|-q|--quiet|-v|\
+        --verbose|--no-cache|--offline|--native-tls|--no-progress|--no-config|--no-python-downloads) shift ;;
+        -*) refuse "uv venv $1: an option this offline stand-in does not know" ;;
+        *) [[ -z $path ]] || refuse "uv venv: one path only (got $path and $1)"; path=$1; shift ;;
       esac
     done
-    rm -rf -- "$path" || { say "cannot remove what stands at $path"; exit 2; }
-    python3 -I -m venv --system-site-packages --without-pip "$path" || { say "cannot make a venv at $path"; exit 2; }
+    path=${path:-.venv}
+    rm -rf -- "$path" || die "cannot remove what stands at $path"
+    python3 -I -m venv --system-site-packages --without-pip "$path" || die "cannot make a venv at $path"
     say "made $path (it sees the image's packages)" ;;
   pip)
     sub=${1:-}; shift || true
@@ -88,21 +97,29 @@ case $command in
       *) say "uv pip $sub needs the network or a resolver; not available in a sandbox"; exit 2 ;;
     esac ;;
   run|tool)
-    [[ $command == tool ]] && { [[ ${1:-} == run ]] || { say "uv tool ${1:-} is not available offline"; exit 2; }; shift; }
-    with=()
+    [[ $command == tool ]] && { [[ ${1:-} == run ]] || die "uv tool ${1:-} is not available offline"; shift; }
+    with=() module=
     while (($#)); do
       case $1 in
-        --with|-w) with+=("$2"); shift 2 ;;
+        --with|-w) (($# >= 2)) || die "$1 needs a value"; with+=("$2"); shift 2 ;;
         --with=*) with+=("${1#*=}"); shift ;;
-        --from|-p|--python|--directory|--project|--env-file|--extra|--group|--index-url|--script|-s) shift 2 ;;
+        --with-requirements) (($# >= 2)) || die "$1 needs a value"; with+=(-r "$2"); shift 2 ;;
+        --with-requirements=*) with+=(-r "${1#*=}"); shift ;;
+        -m|--module) module=1; shift ;;
+        --from|-p|--python|--directory|--project|--env-file|--extra|--group|--index-url|-i|--extra-index-url|\
+        --package|--cache-dir|--python-preference|--index|--default-index|--index-strategy|--keyring-provider|\
+        --color|--config-file) (($# >= 2)) || die "$1 needs a value"; shift 2 ;;
+        --*=*|--no-project|--isolated|--frozen|--locked|--no-sync|--active|--no-dev|--all-extras|--no-editable|\
+        -q|--quiet|-v|--verbose|--offline|--no-cache|--native-tls|--no-progress|--no-config|--no-env-file|\
+        --exact|--inexact|--no-python-downloads) shift ;;
         --) shift; break ;;
-        -*) shift ;;
+        -*) die "uv run $1: an option this offline stand-in does not know (nothing was run)" ;;
         *) break ;;
       esac
     done
     ((${#with[@]})) && { check_installed "${with[@]}" || exit 1; }
-    (($#)) || { say "uv run: no command"; exit 2; }
-    [[ $1 == *.py ]] && set -- python3 "$@"
+    (($#)) || die "uv run: no command"
+    if [[ -n $module ]]; then set -- python3 -m "$@"; elif [[ $1 == *.py ]]; then set -- python3 "$@"; fi
     exec "$@" ;;
   *) say "uv $command needs the network or a project resolver; not available in a sandbox"; exit 2 ;;
 esac

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import pytest
 from agent_fakes import CHAT, limits
+from harbor_folder import grader, harbor_task, quoted, write
 
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
@@ -25,53 +26,6 @@ pytestmark = pytest.mark.docker
 FORGE = "open('/logs/verifier/reward.txt', 'w').write('1'); import os; os._exit(0)"
 RUN_PYTEST = "if python3 -m pytest -q -p no:cacheprovider /tests/test_outputs.py; then r=1; else r=0; fi\n"
 REWARD = "echo $r > /logs/verifier/reward.txt\n"
-TEST_DONE = "def test_done():\n    assert open('/workspace/done.txt').read().strip() == 'done'\n"
-
-
-def harbor_task(tmp_path, image, test_sh, tests=None, instruction="Write done into /workspace/done.txt.\n",
-                verifier_env=""):
-    """A Harbor task folder in tmp_path: its instruction, task.toml, test.sh and tests/ files."""
-    from sandforge.environments.harbor.tasks import load_tasks
-
-    task_dir = tmp_path / "task"
-    (task_dir / "tests").mkdir(parents=True)
-    (task_dir / "instruction.md").write_text(instruction)
-    (task_dir / "task.toml").write_text(f'version = "2.0"\n[environment]\ndocker_image = "{image}"\n'
-                                        f'[verifier]\ntimeout_sec = 60\n{verifier_env}')
-    for rel, text in {"test_outputs.py": TEST_DONE, **(tests or {}), "test.sh": test_sh}.items():
-        (task_dir / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (task_dir / "tests" / rel).write_text(text)
-    [task], images = load_tasks(task_dir, "hardened")
-    return task, images
-
-
-def grader(task, images, run_id, client):
-    """run(commands): one episode of ``task`` whose policy runs ``commands`` and submits; its trajectory."""
-    from sandforge.config import SandboxConfig
-    from sandforge.environments.harbor.env import HarborEnv
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
-
-    tags = build_images([], client=client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], client)
-
-    def run(*commands):
-        env = HarborEnv(task, spec, run_id, exec_timeout=20, client=client)
-        calls = [ToolCall("bash", {"command": c}) for c in commands] + [ToolCall("submit")]
-        scripted = replace(task, solution=calls)
-        traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=6), "g"))
-        assert not traj.failed, traj.failure
-        return traj
-
-    return run
-
-
-def write(path, text):
-    return f"mkdir -p $(dirname {path}) && printf %s {_q(text)} > {path}"
-
-
-def _q(text):
-    return "'" + text.replace("'", "'\\''") + "'"
 
 
 DONE = "echo done > /workspace/done.txt"
@@ -120,6 +74,22 @@ def test_a_shadow_in_a_subfolder_the_check_enters_is_not_imported(shadow, repo_s
     assert run(DONE).reward.value == 1.0
 
 
+@pytest.mark.parametrize("prefix, planted", [
+    # copy.py (which pytest imports) tries `from org.python.core import PyStringMap`: the policy's org/ ran as root
+    ("", "/workspace/org/__init__.py"),
+    # a src-layout test.sh puts the policy's folder first on PYTHONPATH: its sitecustomize.py ran before sandforge's
+    ("export PYTHONPATH=/workspace/src:$PYTHONPATH\n", "/workspace/src/sitecustomize.py"),
+], ids=["optional-import", "pythonpath-first"])
+def test_library_code_never_imports_from_the_workdir(prefix, planted, repo_spec, run_id, docker_client, tmp_path):
+    """Found by red-teaming the harness: a library's own import statement that misses on root's folders (an optional
+    dependency, a Jython probe, site's `import sitecustomize`) reached the policy's folders. It stops at root's."""
+    task, images = harbor_task(tmp_path, repo_spec.image, prefix + "cd /workspace\n" + RUN_PYTEST + REWARD)
+    run = grader(task, images, run_id, docker_client)
+    cheat = run(write(planted, FORGE + "\n"))
+    assert cheat.reward.value == 0.0, cheat.reward.reason
+    assert run(DONE).reward.value == 1.0
+
+
 def test_a_command_check_in_a_subfolder_imports_roots_modules(repo_spec, run_id, docker_client):
     """A command check whose workdir is a subfolder skips the set-aside, and `python3 -c` put that folder first:
     the policy's `json.py` there printed the verdict."""
@@ -154,7 +124,8 @@ TBENCH = ("#!/bin/bash\n"  # terminal-bench's test.sh template, as its tasks shi
           "source .tbench-testing/bin/activate\n"
           "uv pip install pytest==8.4.1\n"
           "uv run pytest /tests/test_outputs.py -rA -p no:cacheprovider\n"
-          "if [ $? -eq 0 ]; then\n  echo 1 > /logs/verifier/reward.txt\nelse\n  echo 0 > /logs/verifier/reward.txt\nfi\n")
+          "if [ $? -eq 0 ]; then\n  echo 1 > /logs/verifier/reward.txt\nelse\n"
+          "  echo 0 > /logs/verifier/reward.txt\nfi\n")
 
 
 def test_a_planted_tbench_venv_is_never_sourced(repo_spec, run_id, docker_client, tmp_path):
@@ -167,7 +138,7 @@ def test_a_planted_tbench_venv_is_never_sourced(repo_spec, run_id, docker_client
     cheat = run(write("/workspace/.tbench-testing/bin/activate", forged))
     assert cheat.reward.value == 0.0, cheat.reward.reason
     # a link planted where the venv goes is replaced, never followed
-    linked = run("mkdir -p /tmp/v/bin && printf %s " + _q(forged) + " > /tmp/v/bin/activate && "
+    linked = run("mkdir -p /tmp/v/bin && printf %s " + quoted(forged) + " > /tmp/v/bin/activate && "
                  "ln -s /tmp/v /workspace/.tbench-testing")
     assert linked.reward.value == 0.0, linked.reward.reason
     solved = run(DONE)
@@ -207,3 +178,34 @@ def test_the_offline_uv_makes_a_venv_on_the_images_packages(repo_spec, run_id, d
         assert out.output.rstrip().endswith("rc=1"), out.output
         assert sb.exec("stat -c %U /workspace/.t/bin/activate", user="root", session=False).output.strip() == "root"
         assert harness.prepare(sb, "1000") == ""  # the spool is root's alone
+
+
+def test_a_root_check_reads_the_policys_repository_and_runs_nothing_it_configures(repo_spec, run_id, docker_client):
+    """A command check that runs `git diff` on the repository the policy made: root's git refused it ("dubious
+    ownership", exit 128), so the check always scored 0; trusting it would run the `core.fsmonitor` command its
+    .git/config names, as root. The harness's git reads it on a root-owned view, and the command never runs."""
+    from seeded import terminal_task as make_task
+
+    from sandforge.environments.terminal.env import TerminalEnv
+
+    check = {"verifier": "command", "command": "git -C /workspace/proj status --porcelain && git -C /workspace/proj "
+             "diff HEAD -- a.txt | grep -qx '+answer 42' && ! test -e /tmp/ran-as-root"}
+    task = make_task("write_file", 3)
+    repo = ("git init -q /workspace/proj && cd /workspace/proj && git config user.email p@x.invalid && "
+            "git config user.name p && echo start > a.txt && git add a.txt && git commit -qm start && "
+            "echo 'answer 42' >> a.txt")
+    hook = " && git config core.fsmonitor 'touch /tmp/ran-as-root; false' && git status --porcelain | head -1"
+
+    def run(command):
+        calls = [ToolCall("bash", {"command": command}), ToolCall("submit")]
+        scripted = replace(task, checks=[check], solution=calls)
+        env = TerminalEnv(scripted, repo_spec, run_id, client=docker_client)
+        traj = asyncio.run(run_episode(scripted, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3),
+                                       "g"))
+        assert not traj.failed, traj.failure
+        return traj
+
+    honest = run(repo)
+    assert honest.reward.value == 1.0, honest.reward.reason
+    planted = run(repo + hook + " && rm -f /tmp/ran-as-root")
+    assert planted.reward.value == 1.0, planted.reward.reason
