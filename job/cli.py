@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from sandforge.config import ConfigError, JobConfig, load_config
-from sandforge.job.preflight import check_host, local_model, validate_job
+from sandforge.job.preflight import check_host, local_model, sticky_guard_warnings, validate_job
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Agentic RL post-training on real sandboxes.")
 images_app = typer.Typer(no_args_is_help=True, help="Build the sandbox images (no registry needed).")
@@ -36,6 +36,9 @@ def runnable(cfg: JobConfig, source: str) -> JobConfig:
     """The checks a job must pass before anything starts (job/preflight.py), and its model's weights found locally."""
     validate_job(cfg, source)
     check_host(cfg, source)
+    if cfg.ray.address is None:  # the sandboxes run on this host
+        for line in sticky_guard_warnings():
+            typer.echo(f"warning: {line}", err=True)
     return local_model(cfg, source)
 
 

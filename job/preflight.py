@@ -52,6 +52,26 @@ def local_model(cfg: JobConfig, source: str = "config") -> JobConfig:
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
 
 
+# the kernel's guards for links and files in sticky folders (/tmp), which root graders rely on: scripts/harden_host.sh
+STICKY_GUARDS = {"protected_symlinks": 1, "protected_regular": 2, "protected_fifos": 2, "protected_hardlinks": 1}
+
+
+def sticky_guard_warnings(sysctl_dir: Path = Path("/proc/sys/fs")) -> list[str]:
+    """What the host leaves open to a policy's links in /tmp: one line per guard that is off (the switches are the
+    host's, not a container's; unreadable ones are not reported)."""
+    lines = []
+    for name, want in STICKY_GUARDS.items():
+        try:
+            have = int((sysctl_dir / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if have < want:
+            lines.append(f"fs.{name} is {have} on this host (want {want}): a link or file the policy planted in a "
+                         f"sandbox's /tmp can redirect a root grader's write there; `sudo sysctl -w fs.{name}={want}` "
+                         "(scripts/harden_host.sh sets all of them)")
+    return lines
+
+
 def check_host(cfg: JobConfig, source: str = "config") -> None:
     """What this host cannot give the job, found before anything starts: one sandbox needing more memory or cpus than
     the machine has, a runtime or a named base image the Docker daemon lacks. (On a cluster, ``ray.address``, the

@@ -40,3 +40,4 @@ pip_install -e ".[test]"
 .venv/bin/sandforge models list | grep "smollm2-135m .*\[pulled" >/dev/null \
   || { echo "[sandforge] could not pull smollm2-135m: see above" >&2; exit 1; }
 bash scripts/ensure_docker.sh
+bash scripts/harden_host.sh

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Turn on the kernel's own guards for shared sticky folders (/tmp), which these hosts ship off. Graders run as root in
+# the policy's sandbox after the policy is gone, but among what it left: with the guards off, a link the policy
+# planted at a predictable /tmp path turns a root test.sh's `> /tmp/report.txt` into a write wherever the link
+# points (a reward file, the tests, the system), and a file or FIFO planted there is opened as if root's. The
+# switches are the host's (not namespaced): a container cannot change them. sandforge's preflight warns when off.
+#   fs.protected_symlinks=1  a link in a sticky world-writable folder is followed only by its owner or the folder's
+#   fs.protected_regular=2   root's O_CREAT open of another user's file in a sticky folder fails (no write-through)
+#   fs.protected_fifos=2     the same for FIFOs
+#   fs.protected_hardlinks=1 a hard link needs ownership of (or access to) its target
+set -euo pipefail
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+want=(fs.protected_symlinks=1 fs.protected_regular=2 fs.protected_fifos=2 fs.protected_hardlinks=1)
+for kv in "${want[@]}"; do
+  key=${kv%%=*} value=${kv#*=}
+  have=$(sysctl -n "$key" 2>/dev/null || echo "")
+  if [ "$have" != "$value" ]; then
+    if $SUDO sysctl -q -w "$kv" >/dev/null 2>&1; then
+      echo "[sandforge] set $key from ${have:-unset} to $value (the kernel's guard for links and files in /tmp)"
+    else
+      echo "[sandforge] could not set $kv (have ${have:-unset}); root graders are open to links planted in /tmp" >&2
+    fi
+  fi
+done
