@@ -53,7 +53,7 @@ class SandboxConfig(Section):
     network: str | None = None  # name of an `internal` Docker network to join; None: no network at all
     runtime: str | None = None  # e.g. runsc where gVisor is installed
     read_only: bool = True  # read-only root filesystem
-    workspace_size: str | None = "256m"
+    workspace_size: str | None = "192m"  # with tmp_size, both spools and 64m to spare: 512m (spec.py fitted_caps)
     tmp_size: str = "128m"
     nofile: int = Field(4096, ge=64)
     max_file_size: str = "256m"

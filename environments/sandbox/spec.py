@@ -55,10 +55,12 @@ class SandboxSpec:
     """How to start a sandbox. Sizes use Docker's units ("512m").
 
     Everything on tmpfs (the workspace, /tmp, the scratch folders, the output spool) is memory and counts towards
-    ``memory``: the caps bound each folder, the memory limit all of them together. Each cap fits inside the memory
-    limit with the two spools and ``RESERVE`` to spare (``fitted_cap``): a cap larger than that (a Harbor task's 1 GiB
-    WORKDIR in a 512 MiB sandbox) let one write OOM-kill the whole container, a failed episode; fitted, the write
-    gets "No space left on device" and the episode is graded.
+    ``memory``: the caps bound each folder, the memory limit all of them together. The caps together fit inside the
+    memory limit with the two spools and ``RESERVE`` to spare (``fitted_caps``, scaling each down alike where they do
+    not): a cap larger than that (a Harbor task's 1 GiB WORKDIR in a 512 MiB sandbox), or folders that only together
+    are (the workspace, /tmp and a hardened agent's scratch folders, filled at once), let the policy's writes OOM-kill
+    the whole container, a failed episode; fitted, the write gets "No space left on device" and the episode is
+    graded.
     """
 
     image: str
@@ -71,7 +73,7 @@ class SandboxSpec:
     runtime: str | None = None  # e.g. "runsc" for gVisor where installed
     max_output_bytes: int = 16384
     read_only: bool = True  # read-only root filesystem
-    workspace_size: str | None = "256m"  # tmpfs at workdir; None: a disk volume, image content copied in, no cap
+    workspace_size: str | None = "192m"  # tmpfs at workdir; None: a disk volume, image content copied in, no cap
     tmp_size: str = "128m"  # tmpfs at /tmp
     home: str | None = None  # HOME of every command; None: the workdir
     workspace_from_image: bool = False  # the capped workspace starts with the image's workdir content (seed.py)
@@ -81,19 +83,25 @@ class SandboxSpec:
     root_caps: tuple[str, ...] = tuple(ROOT_CAPS)  # what root in the container may do (ROOT_AGENT_CAPS: a root agent)
 
     def __post_init__(self) -> None:
-        if self.workspace_size is not None:
-            self.workspace_size = fitted_cap(self.workspace_size, self.memory)
-        self.tmp_size = fitted_cap(self.tmp_size, self.memory)
+        self.workspace_size, self.tmp_size = fitted_caps(self.workspace_size, self.tmp_size, 1 + len(self.scratch),
+                                                         self.memory)
 
 
 RESERVE = "64m"  # of a sandbox's memory, kept for its processes whatever the tmpfs caps
 
 
-def fitted_cap(size: str | int, memory: str | int) -> str | int:
-    """``size`` (a tmpfs cap), or what of ``memory`` is left after both spools and ``RESERVE`` when it is larger (at
-    least 1 MiB): one folder filled to its cap never takes the sandbox's whole memory."""
+def fitted_caps(workspace: str | int | None, tmp: str | int, tmp_folders: int,
+                memory: str | int) -> tuple[str | int | None, str | int]:
+    """The caps of the workspace (None: a disk volume, no tmpfs) and of each of ``tmp_folders`` tmpfs folders of
+    ``tmp`` each (/tmp and the scratch folders), as given when all of them together fit in what of ``memory`` is left
+    after both spools and ``RESERVE``, else each scaled down by the same factor (at least 1 MiB each): the policy
+    filling every folder at once never takes the sandbox's whole memory."""
     room = max(1 << 20, parse_size(memory) - 2 * parse_size(SPOOL_SIZE) - parse_size(RESERVE))
-    return f"{room >> 10}k" if parse_size(size) > room else size
+    asked = (parse_size(workspace) if workspace is not None else 0) + tmp_folders * parse_size(tmp)
+    if asked <= room:
+        return workspace, tmp
+    fit = lambda size: f"{max(1 << 10, parse_size(size) * room // asked >> 10)}k"  # noqa: E731
+    return (None if workspace is None else fit(workspace)), fit(tmp)
 
 
 def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str]) -> dict:

@@ -154,3 +154,43 @@ def test_a_workspace_cap_larger_than_the_memory_limit_cannot_oom_the_sandbox(ter
                     checks=[{"verifier": "file_equals", "path": "/workspace/answer.txt", "content": "42"}])
         reward = score_task(sb, task)
         assert reward.value == 0.0 and "missing" in reward.reason, reward
+
+
+def test_every_tmpfs_filled_at_once_cannot_oom_the_sandbox(terminal_image, run_id, docker_client):
+    """Each cap fitted the memory limit alone, not all of them together: a hardened Harbor agent's WORKDIR (1 GiB),
+    /tmp and three scratch folders (128 MiB each) in 512 MiB, filled at once, still exhausted the sandbox's memory (#32,
+    item 4). The caps are fitted together: every write past them gets "No space left on device", the sandbox lives
+    and is graded."""
+    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+    from sandforge.types import Task
+    from sandforge.verifiers.checks import score_task
+
+    scratch = ("/home/sandbox", "/var/tmp", "/run/lock")
+    spec = SandboxSpec(image=terminal_image, memory="512m", workspace_size="1g", scratch=scratch)
+    with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
+        fill = "; ".join(f"for i in 1 2; do head -c 200m /dev/zero > {d}/fill$i || break; done"
+                         for d in ("/workspace", "/tmp", *scratch))
+        full = sb.exec(fill + "; echo filled", timeout=180)
+        assert "No space left on device" in full.output and not full.oom_killed, full
+        assert sb.alive() and sb.exec("echo alive", user="root", session=False).output == "alive\n"
+        task = Task(id="t", env="terminal", family="f", seed=0, instruction="",
+                    checks=[{"verifier": "file_equals", "path": "/workspace/answer.txt", "content": "42"}])
+        reward = score_task(sb, task)
+        assert reward.value == 0.0 and "missing" in reward.reason, reward
+
+
+def test_the_tmpfs_caps_fit_the_memory_limit_together():
+    from sandforge.environments.sandbox.spec import RESERVE, SPOOL_SIZE, SandboxSpec, parse_size
+
+    room = parse_size("512m") - 2 * parse_size(SPOOL_SIZE) - parse_size(RESERVE)
+    default = SandboxSpec(image="x")  # the defaults fit as given
+    assert (default.workspace_size, default.tmp_size) == ("192m", "128m")
+    harbor = SandboxSpec(image="x", memory="512m", workspace_size="1g", scratch=("/home/a", "/var/tmp", "/run/lock"))
+    total = parse_size(harbor.workspace_size) + 4 * parse_size(harbor.tmp_size)
+    assert room - 8 * 1024 <= total <= room  # scaled alike: 1 GiB : 128 MiB kept
+    assert abs(parse_size(harbor.workspace_size) / parse_size(harbor.tmp_size) - 8) < 0.01
+    roomy = SandboxSpec(image="x", memory="4g", workspace_size="1g", scratch=("/var/tmp",))
+    assert (roomy.workspace_size, roomy.tmp_size) == ("1g", "128m")
+    disk = SandboxSpec(image="x", memory="256m", workspace_size=None)
+    assert disk.workspace_size is None and parse_size(disk.tmp_size) <= parse_size("256m") - 2 * parse_size(
+        SPOOL_SIZE) - parse_size(RESERVE)
