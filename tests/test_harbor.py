@@ -207,7 +207,7 @@ class RewardSandbox:
         from sandforge.types import ExecResult
 
         self.commands.append(command)
-        return ExecResult(0, "", False, 0.0)
+        return ExecResult(0, "1000\n1000\n" if command == "id -u; id -G" else "", False, 0.0)  # harness.policy_ids
 
     def put_file(self, path, data, user=None, mode=0o644):
         pass

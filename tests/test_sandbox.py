@@ -88,7 +88,7 @@ def test_sandbox_is_hardened(sandbox, docker_client, run_id):
     (workspace,) = attrs["Mounts"]
     assert (workspace["Type"], workspace["Destination"], workspace["RW"]) == ("volume", "/workspace", True)
     facts = sandbox.exec("stat -c %U:%a /workspace; echo $HOME; df --output=size -B1M /workspace | tail -1").output
-    assert facts.split() == ["sandbox:755", "/workspace", "256"]  # the user's own, size-capped workspace is HOME
+    assert facts.split() == ["sandbox:755", "/workspace", "192"]  # the user's own, size-capped workspace is HOME
     assert list_run_containers(run_id, docker_client) == [sandbox.id]
 
 

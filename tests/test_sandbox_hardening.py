@@ -149,7 +149,7 @@ def test_programs_made_in_tmp_and_the_scratch_folders_run_and_the_caps_hold(term
     nosuid and nodev stay, the session spools stay noexec, each folder keeps its cap, and what a tmpfs holds counts
     towards the sandbox's memory."""
     scratch = ("/var/tmp", "/run/lock", "/home/sandbox")
-    spec = SandboxSpec(image=terminal_image, tmp_size="8m", memory="256m", scratch=scratch)
+    spec = SandboxSpec(image=terminal_image, tmp_size="8m", memory="256m", scratch=scratch, workspace_size="16m")
     with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
         for folder in ("/tmp", *scratch, "/workspace"):
             for user in (None, "root"):
