@@ -12,15 +12,14 @@ set -euo pipefail
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-want=(fs.protected_symlinks=1 fs.protected_regular=2 fs.protected_fifos=2 fs.protected_hardlinks=1)
-for kv in "${want[@]}"; do
-  key=${kv%%=*} value=${kv#*=}
-  have=$(sysctl -n "$key" 2>/dev/null || echo "")
-  if [ "$have" != "$value" ]; then
-    if $SUDO sysctl -q -w "$kv" >/dev/null 2>&1; then
-      echo "[sandforge] set $key from ${have:-unset} to $value (the kernel's guard for links and files in /tmp)"
-    else
-      echo "[sandforge] could not set $kv (have ${have:-unset}); root graders are open to links planted in /tmp" >&2
-    fi
+for kv in protected_symlinks=1 protected_regular=2 protected_fifos=2 protected_hardlinks=1; do
+  name=${kv%%=*} value=${kv#*=} file=/proc/sys/fs/${kv%%=*}
+  [ -r "$file" ] || continue  # a kernel without the switch
+  have=$(cat "$file")
+  [ "$have" -ge "$value" ] && continue
+  if echo "$value" | $SUDO tee "$file" >/dev/null 2>&1; then
+    echo "[sandforge] set fs.$name from $have to $value (the kernel's guard for links and files in /tmp)"
+  else
+    echo "[sandforge] could not set fs.$name=$value (it is $have): root graders are open to links planted in /tmp" >&2
   fi
 done
