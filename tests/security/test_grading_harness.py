@@ -90,25 +90,28 @@ def test_library_code_never_imports_from_the_workdir(prefix, planted, repo_spec,
     assert run(DONE).reward.value == 1.0
 
 
-def test_a_command_check_in_a_subfolder_imports_roots_modules(repo_spec, run_id, docker_client):
-    """A command check whose workdir is a subfolder skips the set-aside, and `python3 -c` put that folder first:
-    the policy's `json.py` there printed the verdict."""
+def command_check_episode(check, command, spec, run_id, client):
+    """A terminal episode whose policy runs ``command`` and submits, graded by ``check`` alone."""
     from seeded import terminal_task as make_task
 
     from sandforge.environments.terminal.env import TerminalEnv
 
+    calls = [ToolCall("bash", {"command": command}), ToolCall("submit")]
+    task = replace(make_task("write_file", 3), checks=[check], solution=calls)
+    env = TerminalEnv(task, spec, run_id, client=client)
+    traj = asyncio.run(run_episode(task, env, scripted_policy(task, CHAT), CHAT, limits(max_turns=3), "g"))
+    assert not traj.failed, traj.failure
+    return traj
+
+
+def test_a_command_check_in_a_subfolder_imports_roots_modules(repo_spec, run_id, docker_client):
+    """A command check whose workdir is a subfolder skips the set-aside, and `python3 -c` put that folder first:
+    the policy's `json.py` there printed the verdict."""
     check = {"verifier": "command", "workdir": "/workspace/proj", "pattern": "^true$",
              "command": "python3 -c \"import json; print(json.dumps(open('answer.txt').read().strip() == '42'))\""}
-    task = make_task("write_file", 3)
 
     def run(command):
-        calls = [ToolCall("bash", {"command": command}), ToolCall("submit")]
-        scripted = replace(task, checks=[check], solution=calls)
-        env = TerminalEnv(scripted, repo_spec, run_id, client=docker_client)
-        traj = asyncio.run(run_episode(scripted, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3),
-                                       "g"))
-        assert not traj.failed, traj.failure
-        return traj
+        return command_check_episode(check, command, repo_spec, run_id, docker_client)
 
     cheat = run(write("/workspace/proj/json.py", "import sys\nprint('true')\nsys.exit(0)\n"))
     assert cheat.reward.value == 0.0, cheat.reward.reason
@@ -184,26 +187,15 @@ def test_a_root_check_reads_the_policys_repository_and_runs_nothing_it_configure
     """A command check that runs `git diff` on the repository the policy made: root's git refused it ("dubious
     ownership", exit 128), so the check always scored 0; trusting it would run the `core.fsmonitor` command its
     .git/config names, as root. The harness's git reads it on a root-owned view, and the command never runs."""
-    from seeded import terminal_task as make_task
-
-    from sandforge.environments.terminal.env import TerminalEnv
-
     check = {"verifier": "command", "command": "git -C /workspace/proj status --porcelain && git -C /workspace/proj "
              "diff HEAD -- a.txt | grep -qx '+answer 42' && ! test -e /tmp/ran-as-root"}
-    task = make_task("write_file", 3)
     repo = ("git init -q /workspace/proj && cd /workspace/proj && git config user.email p@x.invalid && "
             "git config user.name p && echo start > a.txt && git add a.txt && git commit -qm start && "
             "echo 'answer 42' >> a.txt")
     hook = " && git config core.fsmonitor 'touch /tmp/ran-as-root; false' && git status --porcelain | head -1"
 
     def run(command):
-        calls = [ToolCall("bash", {"command": command}), ToolCall("submit")]
-        scripted = replace(task, checks=[check], solution=calls)
-        env = TerminalEnv(scripted, repo_spec, run_id, client=docker_client)
-        traj = asyncio.run(run_episode(scripted, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3),
-                                       "g"))
-        assert not traj.failed, traj.failure
-        return traj
+        return command_check_episode(check, command, repo_spec, run_id, docker_client)
 
     honest = run(repo)
     assert honest.reward.value == 1.0, honest.reward.reason

@@ -136,24 +136,30 @@ def test_the_guard_stops_the_policy_without_an_exec(sandbox):
     assert sandbox.exec("echo graded", user="root", session=False).output == "graded\n"
 
 
+def assert_full_yet_graded(sb, full):
+    """The fill hit its cap (not the memory limit), and the sandbox lives and is graded: 0, the answer missing."""
+    from sandforge.types import Task
+    from sandforge.verifiers.checks import score_task
+
+    assert "No space left on device" in full.output and not full.oom_killed, full
+    assert sb.alive() and sb.exec("echo alive", user="root", session=False).output == "alive\n"
+    task = Task(id="t", env="terminal", family="f", seed=0, instruction="",
+                checks=[{"verifier": "file_equals", "path": "/workspace/answer.txt", "content": "42"}])
+    reward = score_task(sb, task)
+    assert reward.value == 0.0 and "missing" in reward.reason, reward
+
+
 def test_a_workspace_cap_larger_than_the_memory_limit_cannot_oom_the_sandbox(terminal_image, run_id, docker_client):
     """A Harbor task's WORKDIR cap (1 GiB by default) in a 512 MiB sandbox: writing 600 MB there OOM-killed the
     container, and the episode failed (#32, item 4). The cap is fitted inside the memory limit: the write gets "No space
     left on device", the sandbox lives, and the checks grade it (0 here)."""
     from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-    from sandforge.types import Task
-    from sandforge.verifiers.checks import score_task
 
     spec = SandboxSpec(image=terminal_image, memory="512m", workspace_size="1g")
     with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
         full = sb.exec("for i in 1 2 3; do head -c 200m /dev/zero > /workspace/fill$i || break; done; echo exit=$?",
                        timeout=120)  # three files: each stays under the 256m file-size limit
-        assert "No space left on device" in full.output and not full.oom_killed, full
-        assert sb.alive() and sb.exec("echo alive", user="root", session=False).output == "alive\n"
-        task = Task(id="t", env="terminal", family="f", seed=0, instruction="",
-                    checks=[{"verifier": "file_equals", "path": "/workspace/answer.txt", "content": "42"}])
-        reward = score_task(sb, task)
-        assert reward.value == 0.0 and "missing" in reward.reason, reward
+        assert_full_yet_graded(sb, full)
 
 
 def test_every_tmpfs_filled_at_once_cannot_oom_the_sandbox(terminal_image, run_id, docker_client):
@@ -162,8 +168,6 @@ def test_every_tmpfs_filled_at_once_cannot_oom_the_sandbox(terminal_image, run_i
     item 4). The caps are fitted together: every write past them gets "No space left on device", the sandbox lives
     and is graded."""
     from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-    from sandforge.types import Task
-    from sandforge.verifiers.checks import score_task
 
     scratch = ("/home/sandbox", "/var/tmp", "/run/lock")
     spec = SandboxSpec(image=terminal_image, memory="512m", workspace_size="1g", scratch=scratch)
@@ -171,12 +175,7 @@ def test_every_tmpfs_filled_at_once_cannot_oom_the_sandbox(terminal_image, run_i
         fill = "; ".join(f"for i in 1 2; do head -c 200m /dev/zero > {d}/fill$i || break; done"
                          for d in ("/workspace", "/tmp", *scratch))
         full = sb.exec(fill + "; echo filled", timeout=180)
-        assert "No space left on device" in full.output and not full.oom_killed, full
-        assert sb.alive() and sb.exec("echo alive", user="root", session=False).output == "alive\n"
-        task = Task(id="t", env="terminal", family="f", seed=0, instruction="",
-                    checks=[{"verifier": "file_equals", "path": "/workspace/answer.txt", "content": "42"}])
-        reward = score_task(sb, task)
-        assert reward.value == 0.0 and "missing" in reward.reason, reward
+        assert_full_yet_graded(sb, full)
 
 
 def test_the_tmpfs_caps_fit_the_memory_limit_together():
