@@ -28,7 +28,7 @@ class EngineActor:
     def __init__(self, policy_config: dict, engine: EngineConfig, seed: int = 0, num_threads: int = 1,
                  device: str = "cpu"):
         from sandforge.models.build import policy_from_config
-        from sandforge.models.device import part_device, where
+        from sandforge.models.device import engine_dtype, part_device, where
 
         self.device, self.where = part_device(device, "engine"), where(device)
         torch.set_num_threads(num_threads)
@@ -38,7 +38,8 @@ class EngineActor:
             from sandforge.models.lora import LoraMerger
 
             self.lora = LoraMerger(model, policy_config["lora"])  # keeps the base in fp32: merges lose nothing
-        model = model.to(getattr(torch, engine.dtype))  # loads cast the trainer's fp32 weights (load_state_dict)
+        dtype = engine_dtype(engine.dtype, self.device.type)
+        model = model.to(getattr(torch, dtype))  # loads cast the trainer's fp32 weights (load_state_dict)
         self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed)
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:

@@ -29,3 +29,32 @@ def where(kind: str) -> str:
         return "cpu"
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     return f"cuda:{visible.split(',')[0]}" if visible else "cuda"
+
+
+def fast_bf16(kind: str) -> bool:
+    """Whether bf16 pays on a part placed on ``kind``: always on a GPU; on a CPU only with AMX (``amx_bf16``), where
+    the quickstart measured 1.4x the engine's and 2x the trainer's tokens/s of fp32. A CPU without it (no
+    ``avx512_bf16`` either) emulates bf16 matmuls: a 2048-square bf16 matmul took over 20 s where fp32 took 0.2 s on
+    a 2-core AMD EPYC (docs/benchmarks.md), so ``auto`` is fp32 there."""
+    if kind == "cuda":
+        return True
+    return "amx_bf16" in cpu_flags()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def engine_dtype(setting: str, kind: str) -> str:
+    """``engine.dtype`` resolved: ``auto`` is bfloat16 where ``fast_bf16(kind)``, else float32."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if fast_bf16(kind) else "float32"

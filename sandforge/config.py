@@ -217,7 +217,9 @@ class EngineConfig(Section):
     # first). bfloat16: 1.4x the rollout tokens/s of float32 with SmolLM2 on a 2-core CPU with AMX (bench/rollout.py
     # engine_dtype); the trainer recomputes every log-prob it trains on, so the sampler's rounding only moves the
     # importance ratio it reports (tis/*)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # importance ratio it reports (tis/*). auto: bfloat16 on a GPU or a CPU with AMX, else float32 (a CPU without
+    # native bf16 emulates it, many times slower: models/device.py fast_bf16)
+    dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     # where the engine runs (job/fleet/placement.py): auto is cuda when Ray has a GPU to give it, else cpu
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # share trainer rank 0's GPU instead of taking one of its own (verl's hybrid engine): the engine frees its episode
@@ -309,7 +311,8 @@ class TrainerConfig(Section):
     # where the ranks run (job/fleet/placement.py): auto is cuda when Ray has GPUs for them (one each), else cpu
     device: Literal["auto", "cpu", "cuda"] = "auto"
     zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel nor model.lora)
-    bf16: bool | None = None  # bf16 weights and activations, fp32 master weights; null: on when CUDA is available
+    # bf16 weights and activations, fp32 master weights; null: on with CUDA or a CPU with AMX (models/device.py)
+    bf16: bool | None = None
     grad_accum_steps: int = Field(2, ge=1)
     # K3 policies: a micro-batch's sequences share forward rows instead of padding to the longest (models/packing.py);
     # Hugging Face policies always pad

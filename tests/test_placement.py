@@ -11,6 +11,8 @@ import torch
 from sandforge.config import EngineConfig, JobConfig, ModelConfig, RemoteEngineConfig, TrainerConfig
 from sandforge.job.console import JobError
 from sandforge.job.fleet.placement import GPU_SHARE, describe, placement_group, resolve_placement
+from sandforge.models import device
+from sandforge.trainer.rank import deepspeed_config
 from sandforge.types import TrainingRow
 
 
@@ -21,7 +23,21 @@ def job(world: int = 1, trainer: str = "auto", engine: str = "auto", colocate: b
 
 # ---------------------------------------------------------------- resolving devices (no Ray)
 
-def test_a_machine_without_gpus_runs_everything_on_cpu_as_before():
+@pytest.mark.parametrize("flags, bf16", [({"avx2", "fma"}, False), ({"avx512f", "avx512_bf16"}, False),
+                                         ({"avx512f", "amx_bf16", "amx_tile"}, True)])
+def test_auto_precision_is_bf16_only_where_the_cpu_has_amx(monkeypatch, flags, bf16):
+    """A CPU without native bf16 emulates it (a bf16 matmul many times slower than fp32): auto stays fp32 there."""
+    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+    assert resolve_placement(job(), gpus=0).bf16 is bf16
+    assert ("bf16" in deepspeed_config(TrainerConfig(), cuda=False)) is bf16
+    assert device.engine_dtype("auto", "cpu") == ("bfloat16" if bf16 else "float32")
+    assert device.engine_dtype("auto", "cuda") == "bfloat16" and device.engine_dtype("float32", "cuda") == "float32"
+    assert resolve_placement(job(bf16=True), gpus=0).bf16 is True  # a setting always wins
+
+
+
+def test_a_machine_without_gpus_runs_everything_on_cpu_as_before(monkeypatch):
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx2", "fma"})
     p = resolve_placement(job(world=2), gpus=0)
     assert (p.trainer, p.engine, p.colocate, p.bf16, p.gpus) == ("cpu", "cpu", False, False, 0)
     assert p.weight_sync("auto") == "object_store"

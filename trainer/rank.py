@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sandforge.config import ModelConfig, RolloutConfig, TrainerConfig
+from sandforge.models.device import fast_bf16
 from sandforge.models.lora import AdapterSnapshot
 from sandforge.models.packing import PackedLayout
 from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_objective, sft_objective
@@ -42,7 +43,7 @@ class RolloutShape:
 
 
 def deepspeed_config(trainer: TrainerConfig, cuda: bool) -> dict:
-    """DeepSpeed's config for the ``trainer`` section. bf16 (``trainer.bf16``; null: on with CUDA) keeps fp32 master
+    """DeepSpeed's config for the ``trainer`` section. bf16 (``trainer.bf16``; null: ``fast_bf16``) keeps fp32 master
     weights, gradients accumulated in fp32 and fp32 buffers (the LatentMoE biases); log-probs are taken from fp32
     logits."""
     ds_config = {
@@ -54,7 +55,7 @@ def deepspeed_config(trainer: TrainerConfig, cuda: bool) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if cuda if trainer.bf16 is None else trainer.bf16:
+    if fast_bf16("cuda" if cuda else "cpu") if trainer.bf16 is None else trainer.bf16:
         ds_config["bf16"] = {"enabled": True}
     return ds_config
 

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 from sandforge.config import JobConfig
 from sandforge.job.console import console, phase
+from sandforge.models.device import engine_dtype
 from sandforge.job.fleet.placement import Placement, cluster_gpus, describe, placement_group, resolve_placement
 
 ALL_PARTS = frozenset({"trainer", "engine", "workers"})
@@ -160,7 +161,7 @@ def state_placement(fleet: Fleet) -> str:
 
     ranks = ray.get([rank.device_name.remote() for rank in fleet.ranks])
     engine = ray.get(fleet.engine.device_name.remote()) if fleet.engine is not None else None
-    line = describe(fleet.placement, ranks, engine, fleet.cfg.engine.dtype)
+    line = describe(fleet.placement, ranks, engine, engine_dtype(fleet.cfg.engine.dtype, fleet.placement.engine))
     console.print(line, soft_wrap=True)
     return line
 
@@ -205,7 +206,7 @@ def start_rollout_workers(cfg: JobConfig, run_id: str, images: dict[str, str]) -
 
     setup = WorkerSetup(run_id=run_id, engine=engine_name(run_id), images=images, labels=driver_labels(run_id),
                         environments=tuple(cfg.environments), rollout=cfg.rollout, sandbox=cfg.sandbox,
-                        model=cfg.model, remote=cfg.engine.remote)
+                        model=cfg.model, remote=cfg.engine.remote, agent=cfg.agent)
     return start_workers(RolloutWorker, cfg.rollout.workers, setup)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from sandforge.config import JobConfig
 from sandforge.job.console import JobError
+from sandforge.models.device import fast_bf16
 
 HIDE_GPUS = {"runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}}
 GPU_SHARE = 0.5  # a colocated engine's share of rank 0's GPU in Ray's accounting (rank 0 keeps the rest)
@@ -127,7 +128,7 @@ def resolve_placement(cfg: JobConfig, gpus: int, trains: bool = True) -> Placeme
 
 
 def _bf16(setting: bool | None, trainer: str) -> bool:
-    return trainer == "cuda" if setting is None else setting
+    return fast_bf16(trainer) if setting is None else setting
 
 
 def _gpus(n: int) -> str:
