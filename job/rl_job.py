@@ -34,8 +34,31 @@ from sandforge.types import Task, TrainingRow, Trajectory
 
 
 def training_rows(trajs: list[Trajectory]) -> list[TrainingRow]:
-    return [TrainingRow(token_ids=t.token_ids, loss_mask=t.loss_mask, logprobs=t.logprobs,
-                        routed_experts=t.routed_experts) for t in trajs]
+    """Every episode's sequences, in order: one per episode, or several where a harness rewrote its history."""
+    return [TrainingRow(token_ids=r.token_ids, loss_mask=r.loss_mask, logprobs=r.logprobs,
+                        routed_experts=r.routed_experts) for t in trajs for r in t.rows()]
+
+
+def per_episode(per_row: list[list], trajs: list[Trajectory]) -> list[list]:
+    """Per-token lists of ``training_rows(trajs)``, each episode's rows joined in order: the algorithm sees one
+    sequence of policy tokens per episode, however many rows it was recorded in."""
+    out, i = [], 0
+    for t in trajs:
+        n = len(t.earlier_rows) + 1
+        out.append([x for row in per_row[i : i + n] for x in row])
+        i += n
+    return out
+
+
+def per_row(per_ep: list[list], trajs: list[Trajectory]) -> list[list]:
+    """``per_episode`` undone: each episode's joined per-token list cut back into its rows."""
+    out = []
+    for seq, t in zip(per_ep, trajs):
+        start = 0
+        for row in t.rows():
+            out.append(seq[start : start + len(row.token_ids)])
+            start += len(row.token_ids)
+    return out
 
 
 def step_line(step: int, total: int, m: dict[str, float]) -> str:
@@ -173,13 +196,14 @@ class RLJob:
             s.algorithm.advantages,
             [r + p for r, p in zip(signal, penalties)],
             [t.group for t in ok],
-            [t.loss_mask for t in ok],
-            kl_penalty=[x.kl_penalty for x in scores] if scores else None,
-            values=[x.values for x in scores] if scores and s.algorithm.value_head else None,
+            per_episode([row.loss_mask for row in rows], ok),
+            kl_penalty=per_episode([x.kl_penalty for x in scores], ok) if scores else None,
+            values=per_episode([x.values for x in scores], ok) if scores and s.algorithm.value_head else None,
             gamma=s.gamma,
             lam=s.gae_lambda,
             tiebreak=TieBreak(successes, values, s.tiebreak_weight) if s.reward_signal == "tiebreak" else None,
         )
+        adv, returns = per_row(adv, ok), None if returns is None else per_row(returns, ok)
         rows = [replace(row, advantages=adv[i], returns=None if returns is None else returns[i],
                         old_logprobs=scores[i].old_logprobs if mini else None) for i, row in enumerate(rows)]
         metrics = {"dapo/overlong_penalty": sum(penalties) / len(penalties)} if s.overlong_buffer else {}

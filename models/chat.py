@@ -99,13 +99,16 @@ class ChatFormat:
         return ids + [self.end]
 
     def render_observations(self, results: list[Message], closed: bool) -> list[int]:
-        """Tokens appended after a generation: tool results, then the next assistant header.
+        """Tokens appended after a generation: tool results (and user messages), then the next assistant header.
 
         ``closed`` says whether the generation ended with ``<|end|>``; a truncated one is closed here first.
         """
         ids = [] if closed else [self.end]
-        for r in results:
-            ids += [self.tool, *self.tokenizer.encode(f"{r.name}\n{r.content}"), self.end]
+        for r in results:  # tool results; a harness behind the recording proxy may answer in a user turn
+            if r.role == "user":
+                ids += [self.user, *self.tokenizer.encode(r.content), self.end]
+            else:
+                ids += [self.tool, *self.tokenizer.encode(f"{r.name}\n{r.content}"), self.end]
         return ids + [self.assistant]
 
     # ---------------------------------------------------------------- parsing

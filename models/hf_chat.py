@@ -307,7 +307,8 @@ class HFChatFormat:
         return self._assistant_turn(self._assistant(msg))
 
     def render_observations(self, results: list[Message], closed: bool) -> list[int]:
-        """Only the tokens appended after a generation: tool results, then the next assistant header.
+        """Only the tokens appended after a generation: tool results (and user messages, which a harness behind the
+        recording proxy may answer with), then the next assistant header.
 
         ``closed`` says whether the generation ended with the end-of-turn token; a truncated one is closed here.
         Raises ``TemplateDeltaError`` when the template would not extend the sequence exactly.
@@ -323,10 +324,17 @@ class HFChatFormat:
             untrusted[key] = plain_text(text)
             return key
 
-        held = [Message(role="tool", content=hold(r.content), name=hold(r.name), tool_call_id=hold(r.tool_call_id))
+        held = [Message(role="user", content=hold(r.content)) if r.role == "user" else
+                Message(role="tool", content=hold(r.content), name=hold(r.name), tool_call_id=hold(r.tool_call_id))
                 for r in results]
-        if self.declares_tools:
-            tools = [results_message(held)]
+        if self.declares_tools:  # each run of tool results is one user turn of <tool_response> blocks
+            tools, run = [], []
+            for m in held + [None]:
+                if (m is None or m.role == "user") and run:
+                    tools.append(results_message(run))
+                    run = []
+                if m is not None:
+                    (run.append(m) if m.role == "tool" else tools.append(_message_dict(m)))
         else:
             tools = [_message_dict(m) for m in held]
         full = self._render([_BASE_USER, base, *tools], gen=True, untrusted=untrusted)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from sandforge.config import EnvironmentConfig, ModelConfig, RemoteEngineConfig, RolloutConfig, SandboxConfig
+from sandforge.config import (AgentConfig, EnvironmentConfig, ModelConfig, RemoteEngineConfig, RolloutConfig,
+                              SandboxConfig)
 from sandforge.environments.sandbox.daemon import docker_client
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.job_spec import sandbox_spec
@@ -27,6 +28,9 @@ from sandforge.environments.sandbox.stats import SandboxStats
 from sandforge.models.build import load_chat
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.harness_episode import run_harness_episode
+from sandforge.rollout.harnesses import find_harness
+from sandforge.rollout.proxy import ProxyBudget
 from sandforge.rollout.policy_client import EnginePolicy, scripted_policy
 from sandforge.types import Reward, Task, Trajectory
 
@@ -46,6 +50,7 @@ class WorkerSetup:
     sandbox: SandboxConfig
     model: ModelConfig  # for the chat format: how episodes become tokens
     remote: RemoteEngineConfig | None = None  # engine.remote: generate through that server, not the engine actor
+    agent: AgentConfig = field(default_factory=AgentConfig)  # agent.harness: an unmodified harness drives episodes, behind the proxy
 
 
 class RolloutWorker:
@@ -75,6 +80,9 @@ class RolloutWorker:
         entries = {e.name: environment(e.name) for e in setup.environments}
         self.env_classes = {name: entry.env_class() for name, entry in entries.items()}
         self.env_images = {name: entry.image_name for name, entry in entries.items()}
+        a = setup.agent
+        self.harness = find_harness(a.harness, a.options) if a.harness else None
+        self.budget = ProxyBudget(max_requests=a.max_requests, max_tokens=a.max_tokens)
         self.gate = asyncio.Semaphore(r.concurrency)  # episodes at once
         self.slots: dict[str, asyncio.Semaphore] = {}  # sandboxes at once, per pool
         self.episodes = 0  # numbers the engine sessions of this worker
@@ -88,7 +96,8 @@ class RolloutWorker:
                 self._pool(image, self.env_classes[name], s.warm_pool)
 
     def _spec(self, image: str, env_class: type, task_sandbox: dict | None = None) -> SandboxSpec:
-        return sandbox_spec(self.sandbox, image, env_class, task_sandbox, self.client)
+        spec = sandbox_spec(self.sandbox, image, env_class, task_sandbox, self.client)
+        return replace(spec, proxy=True) if self.harness is not None else spec
 
     def _pool(self, image: str, env_class: type, warm: int, task_sandbox: dict | None = None) -> SandboxPool:
         if image not in self.pools:
@@ -147,7 +156,12 @@ class RolloutWorker:
                     limits = replace(limits, episode_timeout=float(timeout))
                 async with slot:  # backpressure: wait here for a sandbox while sandbox.max_live are in use
                     waited = time.monotonic() - waited
-                    traj = await run_episode(task, env, policy, self.chat, limits, group, version, session, seed=seed)
+                    if self.harness is not None and not scripted:
+                        traj = await run_harness_episode(task, env, policy, self.chat, limits, self.harness,
+                                                         self.budget, group, version, session, seed=seed)
+                    else:
+                        traj = await run_episode(task, env, policy, self.chat, limits, group, version, session,
+                                                 seed=seed)
                 traj.metadata["seconds_sandbox_wait"] = waited
         traj.metadata["worker"] = self.worker_id
         return traj.to_dict()

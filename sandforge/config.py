@@ -182,6 +182,26 @@ class RolloutConfig(Section):
     end_on_text: bool = False
 
 
+class AgentConfig(Section):
+    """Who drives an episode: sandforge's own agent loop (``harness: null``), or an unmodified agent harness run
+    inside the sandbox whose model calls go through the episode's recording proxy (docs/harnesses.md)."""
+
+    harness: str | None = None  # "bash-loop", "mini-swe-agent" or a plugin's name (entry-point group sandforge.harnesses)
+    options: dict[str, Any] = Field(default_factory=dict)  # given to the harness's factory
+    max_requests: int = Field(30, ge=1)  # completions per episode; the next request ends it
+    max_tokens: int = Field(8192, ge=1)  # generated tokens per episode, every request's
+
+    @field_validator("harness")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        if v is not None:
+            from sandforge.registry import harness_names  # noqa: PLC0415 - plugins are looked up lazily
+
+            if v not in harness_names():
+                raise ValueError(f"unknown harness {v!r}; known: {', '.join(harness_names())}")
+        return v
+
+
 class RemoteEngineConfig(Section):
     """A separate inference server the rollout workers generate through instead of the embedded engine
     (engine/remote.py): token ids in and out over OpenAI's ``/v1/completions``. After each step the trainer
@@ -380,6 +400,7 @@ class JobConfig(Section):
     environments: list[EnvironmentConfig] = Field(default_factory=lambda: [EnvironmentConfig()], min_length=1)
     model: ModelConfig = Field(default_factory=ModelConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     warmup: WarmupConfig = Field(default_factory=WarmupConfig)

@@ -14,6 +14,10 @@ def combination_problems(cfg, source: str) -> Iterator[str]:
         yield (f"{source}: 'model.lora' with 'trainer.zero_stage' 3 is not supported (the KL reference runs "
                "the policy under other adapters, which ZeRO-3's partitioned parameters do not allow): use "
                "zero_stage 2, which with LoRA already keeps only the adapters' optimizer state")
+    if cfg.agent.harness is not None and cfg.warmup.steps > 0:
+        yield (f"{source}: 'warmup.steps' with 'agent.harness' is not supported: the warm start replays reference "
+               "solutions through sandforge's own agent loop, whose format the harness does not speak; set "
+               "warmup.steps=0 (or start from a checkpoint)")
     remote = cfg.engine.remote
     if cfg.engine.colocate and remote is not None:
         yield (f"{source}: 'engine.colocate' with 'engine.remote' cannot go together (a separate server "

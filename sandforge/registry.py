@@ -55,6 +55,31 @@ BUILTIN_VERIFIERS = {
     "harbor_tests": "sandforge.environments.harbor.grading:harbor_tests_verifier",  # beside its environment
 }
 
+# Agent harnesses by the name ``agent.harness`` gives them: each a factory ``(options) -> Harness``
+# (sandforge.rollout.harnesses); plugins register theirs under HARNESS_GROUP.
+BUILTIN_HARNESSES = {"bash-loop": "sandforge.rollout.harnesses:bash_loop"}
+HARNESS_GROUP = "sandforge.harnesses"
+
+
+def harness_names() -> list[str]:
+    """Every harness a job may name: the built-ins, then installed plugins'."""
+    return sorted({*BUILTIN_HARNESSES, *(ep.name for ep in entry_points(group=HARNESS_GROUP))})
+
+
+def harness_factory(name: str) -> Callable:
+    """The factory of harness ``name``; KeyError naming the known ones if there is none."""
+    if name in BUILTIN_HARNESSES:
+        return resolve(BUILTIN_HARNESSES[name])
+    for ep in entry_points(group=HARNESS_GROUP):
+        if ep.name == name:
+            try:
+                return ep.load()
+            except Exception as e:
+                raise PluginError(f"harness {name!r} ({ep.value}) of {_distribution(ep)} cannot be loaded: "
+                                  f"{type(e).__name__}: {e}") from e
+    raise KeyError(f"unknown harness {name!r}; known: {', '.join(harness_names())} (plugins register under the "
+                   f"{HARNESS_GROUP!r} entry-point group)")
+
 
 @dataclass(frozen=True)
 class CatalogModel:

@@ -196,6 +196,19 @@ class Turn:
 
 
 @dataclass
+class TokenRow:
+    """One training sequence of an episode whose history was rewritten (a harness behind the recording proxy that
+    summarised, dropped reasoning or edited a message): the same fields as ``Trajectory``'s tokens, with the same
+    meaning. ``loss_mask`` is 1 on exactly the tokens the engine generated within this row."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    routed_experts: list | None = None
+
+
+@dataclass
 class Trajectory:
     """One episode, token for token.
 
@@ -212,6 +225,10 @@ class Trajectory:
     ``rollout.max_context``), "timeout" (``rollout.episode_timeout``; still graded: the verifier judges the sandbox as
     it is) or "error". A failed episode (broken sandbox, engine or verifier) keeps ``failed=True`` and its reason, and
     is excluded from the gradient.
+
+    ``earlier_rows``: where a harness behind the recording proxy rewrote its history, the sequences before each
+    rewrite, oldest first; the fields above are then the last one. ``rows()`` is every one of them: each trains as its
+    own sequence with the episode's one advantage, and no generated token is in two.
     """
 
     task: Task
@@ -229,10 +246,17 @@ class Trajectory:
     finish_reason: str = ""
     policy_version: int = 0  # the driver's version when the episode started; per token see token_versions
     metadata: dict[str, Any] = field(default_factory=dict)
+    earlier_rows: list[TokenRow] = field(default_factory=list)
 
     @property
     def response_tokens(self) -> int:
-        return sum(self.loss_mask)
+        """Tokens the policy generated in the whole episode, every row's."""
+        return sum(self.loss_mask) + sum(sum(r.loss_mask) for r in self.earlier_rows)
+
+    def rows(self) -> list[TokenRow]:
+        """The episode's training sequences in the order they were generated: ``earlier_rows``, then its own."""
+        return [*self.earlier_rows, TokenRow(self.token_ids, self.loss_mask, self.logprobs, self.token_versions,
+                                             self.routed_experts)]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -246,6 +270,7 @@ class Trajectory:
                 "messages": [Message.from_dict(m) for m in d.get("messages", [])],
                 "turns": [Turn.from_dict(t) for t in d.get("turns", [])],
                 "reward": Reward(**d["reward"]) if d.get("reward") else None,
+                "earlier_rows": [TokenRow(**r) for r in d.get("earlier_rows", [])],
             }
         )
 

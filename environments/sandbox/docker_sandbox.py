@@ -6,11 +6,14 @@ How a sandbox is confined is in ``spec.py``; how sessions work, and why, in ``sh
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
+import shutil
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import docker
 import docker.errors
@@ -39,6 +42,7 @@ from sandforge.environments.sandbox.shell import (
     read_response,
 )
 from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxSpec, ROOT_CAPS: public here too
+    PROXY_ROOT,
     ROOT_CAPS,
     SPOOL_SIZE,
     SandboxSpec,
@@ -67,6 +71,7 @@ class DockerSandbox:
         self._shells: dict[str, _Shell] = {}  # user -> its live dispatcher
         self._shells_lock = threading.Lock()
         self._closed = False
+        self.proxy_dir: str | None = None  # host folder of the agent harness's proxy socket (spec.proxy)
 
     @classmethod
     def create(
@@ -88,8 +93,9 @@ class DockerSandbox:
         name = f"sandforge-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run_id)[:40]}-{episode[:12]}"
         ours = {LABEL_RUN: run_id, LABEL_EPISODE: episode, LABEL_CREATED: str(int(time.time()))}
         all_labels = {**(labels or {}), **ours}
+        proxy_dir = _proxy_folder(episode) if spec.proxy else None
         try:
-            options = container_options(client, spec, ours)
+            options = container_options(client, spec, ours, proxy_dir)
             # create + start, not run: run would try to pull a missing image from a registry
             container = client.containers.create(spec.image, name=name, labels=all_labels, **options)
             container.start()
@@ -97,8 +103,10 @@ class DockerSandbox:
             raise SandboxError(f"sandbox image {spec.image} is not present: run `sandforge images build`") from e
         except (docker.errors.DockerException, requests.RequestException) as e:
             force_remove(client, name)  # created but failed to start (bad runtime, limits the host refuses)
+            _remove_folder(proxy_dir)
             raise SandboxError(f"could not start a sandbox from {spec.image}: {e}") from e
         sandbox = cls(container, spec, run_id, client)
+        sandbox.proxy_dir = proxy_dir
         if spec.workspace_from_image and spec.workspace_size is not None:
             try:  # the capped tmpfs starts with what the image has there (seed.py)
                 file_transfer.unpack(sandbox,
@@ -118,7 +126,7 @@ class DockerSandbox:
         except (docker.errors.DockerException, requests.RequestException) as e:
             raise self.broken(e) from e
         owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
-        return type(self).create(self.spec, self.run_id, client=self._client, labels=owner)
+        return type(self).create(replace(self.spec, proxy=False), self.run_id, client=self._client, labels=owner)
 
     @property
     def workdir(self) -> str:
@@ -350,6 +358,7 @@ class DockerSandbox:
             for shell in shells:
                 shell.stream.close()
             force_remove(self._client, self.id)
+            _remove_folder(self.proxy_dir)
 
     def __enter__(self) -> DockerSandbox:
         return self
@@ -359,6 +368,19 @@ class DockerSandbox:
 
     def __repr__(self) -> str:
         return f"DockerSandbox({self.name}, image={self.spec.image})"
+
+
+def _proxy_folder(episode: str) -> str:
+    """A new host folder for one sandbox's proxy socket: root's, readable by all (the sandbox's user connects)."""
+    path = os.path.join(PROXY_ROOT, episode)
+    os.makedirs(PROXY_ROOT, mode=0o755, exist_ok=True)
+    os.mkdir(path, 0o755)
+    return path
+
+
+def _remove_folder(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class _Shell:

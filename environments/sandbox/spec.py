@@ -81,12 +81,15 @@ class SandboxSpec:
     nofile: int = 4096  # open files per process
     max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ
     root_caps: tuple[str, ...] = tuple(ROOT_CAPS)  # what root in the container may do (ROOT_AGENT_CAPS: a root agent)
+    proxy: bool = False  # mount a host folder of its own at PROXY_MOUNT, read-only: an agent harness's proxy socket
 
     def __post_init__(self) -> None:
         self.workspace_size, self.tmp_size = fitted_caps(self.workspace_size, self.tmp_size, 1 + len(self.scratch),
                                                          self.memory)
 
 
+PROXY_MOUNT = "/run/sandforge-proxy"  # where a sandbox with ``proxy`` sees its folder (rollout/harnesses.py too)
+PROXY_ROOT = "/run/sandforge/proxy"  # on the Docker host: one folder per such sandbox, named by its episode id
 RESERVE = "64m"  # of a sandbox's memory, kept for its processes whatever the tmpfs caps
 
 
@@ -104,8 +107,11 @@ def fitted_caps(workspace: str | int | None, tmp: str | int, tmp_folders: int,
     return (None if workspace is None else fit(workspace)), fit(tmp)
 
 
-def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str]) -> dict:
+def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: dict[str, str],
+                      proxy_dir: str | None = None) -> dict:
     """Keyword arguments of ``containers.create`` for a sandbox of ``spec`` (the volume gets ``labels`` too).
+    ``proxy_dir``: the host folder mounted read-only at PROXY_MOUNT (``spec.proxy``): a socket in it is the sandbox's
+    one way out, and the policy can neither replace nor add one.
 
     Raises SandboxError for a network that is not internal or a user the image lacks.
     """
@@ -118,7 +124,8 @@ def container_options(client: docker.DockerClient, spec: SandboxSpec, labels: di
         working_dir=spec.workdir,
         environment={"HOME": spec.home or spec.workdir, GUARD_VARIABLE: GUARD_SCRIPT},
         read_only=spec.read_only,
-        mounts=[_workspace_mount(client, spec, labels)],
+        mounts=[_workspace_mount(client, spec, labels)]
+        + ([Mount(PROXY_MOUNT, proxy_dir, type="bind", read_only=True)] if proxy_dir else []),
         tmpfs={
             "/tmp": f"{EXEC},size={spec.tmp_size},mode=1777",
             SESSION_DIR: f"size={SPOOL_SIZE},mode=1777",

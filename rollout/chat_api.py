@@ -1,0 +1,155 @@
+"""The OpenAI chat-completions surface of the recording proxy: a request's JSON as sandforge messages, and a reply as
+the JSON an OpenAI client reads back.
+
+What is supported, and what is refused with a 400 that says so (never silently ignored): text content (a string, or a
+list of ``{"type": "text"}`` parts), ``tools`` of type function, assistant ``tool_calls`` and ``tool`` results, one
+choice (``n`` 1) and no streaming. Sampling settings the harness sends (temperature, top_p) are recorded but not
+used: an RL episode samples at the job's temperature, which is what the trainer's ratio assumes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from sandforge.types import Message, ToolCall
+
+
+class BadRequest(ValueError):
+    """The harness sent something the proxy does not serve; the message says what (answered as a 400)."""
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One ``/v1/chat/completions`` request, read: the conversation, its tools and the completion budget asked."""
+
+    messages: list[Message]
+    tools: list[dict]  # function schemas as environments list them: name, description, parameters
+    max_tokens: int | None
+    asked: dict[str, Any]  # the sampling settings the harness sent, for the record
+
+
+REFUSED = {  # keys whose non-default value would change the completion; value: what "off" looks like
+    "stream": (None, False), "n": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "response_format": (None, {"type": "text"}), "stop": (None, [], ""),
+    "echo": (None, False), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]),
+}
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise BadRequest(f"{where}: only text content parts are supported, got {str(p)[:80]}")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _arguments(raw: Any) -> dict:
+    """A call's arguments: a JSON object, or its JSON text (as OpenAI clients send it back)."""
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return {"__unparsed__": raw}  # compares unequal to anything the proxy returned: a new row
+        return value if isinstance(value, dict) else {"__unparsed__": raw}
+    return {"__unparsed__": str(raw)}
+
+
+def _tool_calls(raw: Any, where: str) -> list[ToolCall]:
+    if raw in (None, []):
+        return []
+    if not isinstance(raw, list):
+        raise BadRequest(f"{where}.tool_calls must be a list")
+    calls = []
+    for j, c in enumerate(raw):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where}.tool_calls[{j}] needs function.name")
+        calls.append(ToolCall(name=fn["name"], arguments=_arguments(fn.get("arguments")), id=str(c.get("id") or "")))
+    return calls
+
+
+def read_message(m: Any, i: int, names: dict[str, str]) -> Message:
+    """``messages[i]`` as a Message. ``names``: tool-call id -> tool name, from the assistant turns before it (OpenAI
+    tool results name their call, not always their tool)."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+        raise BadRequest(f"{where}: expected an object with role system, user, assistant or tool")
+    role = "system" if m["role"] == "developer" else m["role"]
+    content = _text(m.get("content"), where)
+    if role == "assistant":
+        reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
+        msg = Message(role="assistant", content=content, reasoning=reasoning if isinstance(reasoning, str) else "",
+                      tool_calls=_tool_calls(m.get("tool_calls"), where))
+        names.update({c.id: c.name for c in msg.tool_calls if c.id})
+        return msg
+    if role == "tool":
+        call_id = str(m.get("tool_call_id") or "")
+        return Message(role="tool", content=content, name=str(m.get("name") or names.get(call_id, "tool")),
+                       tool_call_id=call_id)
+    return Message(role=role, content=content)
+
+
+def _tool_schema(t: Any, i: int) -> dict:
+    fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadRequest(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+
+
+def read_request(body: Any) -> ChatRequest:
+    """A chat-completions body as a ChatRequest; BadRequest names what is not served."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    for key, off in REFUSED.items():
+        if key in body and body[key] not in off:
+            raise BadRequest(f"{key}={json.dumps(body[key])[:40]} is not supported by the recording proxy "
+                             "(no streaming, one choice, no stop strings or penalties)")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages must be a non-empty list")
+    names: dict[str, str] = {}
+    messages = [read_message(m, i, names) for i, m in enumerate(raw)]
+    if messages[-1].role == "assistant":
+        raise BadRequest("the last message is the assistant's: continuing a prefilled reply is not supported")
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    asked = {k: body[k] for k in ("model", "temperature", "top_p", "seed") if k in body}
+    return ChatRequest(messages, [_tool_schema(t, i) for i, t in enumerate(tools)], max_tokens, asked)
+
+
+def message_json(msg: Message) -> dict:
+    """An assistant reply as the ``choices[0].message`` object clients read."""
+    out: dict[str, Any] = {"role": "assistant", "content": msg.content if (msg.content or not msg.tool_calls) else None}
+    if msg.reasoning:
+        out["reasoning_content"] = msg.reasoning
+    if msg.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                             for c in msg.tool_calls]
+    return out
+
+
+def completion_json(msg: Message, finish_reason: str, prompt_tokens: int, completion_tokens: int, model: str,
+                    request_id: str, created: int) -> dict:
+    return {
+        "id": request_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": 0, "message": message_json(msg), "finish_reason": finish_reason, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }

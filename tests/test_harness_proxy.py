@@ -1,0 +1,148 @@
+"""An unmodified agent harness in a real sandbox, its model calls through the episode's recording proxy
+(rollout/harness_episode.py): the bash-loop harness solves a repo task against a backend that replays a known
+solution, a no-op backend scores 0, and the sandbox reaches nothing but its own proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import asdict
+
+import pytest
+from seeded import repo_task
+
+from sandforge.config import JobConfig
+from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.spec import PROXY_ROOT
+from sandforge.rollout.worker import RolloutWorker, WorkerSetup
+from sandforge.types import GenerateRequest, Message, Sample, ToolCall, Trajectory
+
+pytestmark = pytest.mark.docker
+
+
+class ReplayBackend:
+    """The engine behind the proxy: answers each episode's request i with ``commands[i]`` (a bash command, or None
+    for a reply without a tool call), rendered in the worker's chat format; keeps each request's prompt as text."""
+
+    def __init__(self, commands: list[str | None]):
+        self.commands = list(commands)
+        self.left: dict[str, list] = {}  # per episode (engine session)
+        self.chat = None
+        self.prompts: list[str] = []
+
+    async def generate(self, request: GenerateRequest) -> list[Sample]:
+        self.prompts.append(self.chat.tokenizer.decode(request.prompt_ids))
+        left = self.left.setdefault(request.session_id, list(self.commands))
+        command = left.pop(0) if left else None
+        calls = [ToolCall("bash", {"command": command})] if command else []
+        ids = self.chat.render_assistant(Message(role="assistant", content="" if calls else "done", tool_calls=calls))
+        return [Sample(token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop", version=1)]
+
+    async def close_session(self, session_id: str) -> None:
+        pass
+
+
+def run(backend: ReplayBackend, tasks, run_id, docker_client, **agent) -> list[Trajectory]:
+    image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
+    job = JobConfig.model_validate({"environments": [{"name": "repo"}], "sandbox": {"warm_pool": 0},
+                                    "rollout": {"episode_timeout": 120},
+                                    "agent": {"harness": "bash-loop", **agent}})
+    setup = WorkerSetup(run_id=run_id, engine="unused", images={"repo": image}, labels={},
+                        environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox,
+                        model=job.model, agent=job.agent)
+    worker = RolloutWorker(0, setup, engine=backend)
+    backend.chat = worker.chat
+    try:
+        out = asyncio.run(worker.run_episodes([asdict(t) for t in tasks], [f"g{i}" for i in range(len(tasks))], 1))
+    finally:
+        worker.close()
+    return [Trajectory.from_dict(d) for d in out]
+
+
+def fix_commands(task) -> list[str | None]:
+    """The task's reference solution (read, then str_replace) as the bash a harness would run."""
+    read, edit = task.solution[0].arguments, task.solution[1].arguments
+    replace = (f"python3 - <<'EOF'\nimport pathlib\np = pathlib.Path({edit['path']!r})\n"
+               f"p.write_text(p.read_text().replace({edit['old']!r}, {edit['new']!r}, 1))\nEOF")
+    return [f"cat {read['path']}", replace, None]
+
+
+def test_bash_loop_solves_a_repo_task_through_the_proxy_and_a_no_op_scores_0(run_id, docker_client):
+    task = repo_task("wrong_operator", 3)
+    backend = ReplayBackend(fix_commands(task))
+    solved, = run(backend, [task], run_id, docker_client)
+    assert not solved.failed, solved.failure
+    assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason
+    assert solved.metadata["harness"] == "bash-loop" and solved.metadata["harness_exit_code"] == 0
+    assert solved.finish_reason == "submit" and len(solved.turns) == 3 and not solved.earlier_rows
+    # the file's text came back to the policy as the tool's result, appended to its one row
+    assert "def nine" in backend.prompts[1] and backend.prompts[2].startswith(backend.prompts[1])
+    assert solved.response_tokens == sum(t.generated_tokens for t in solved.turns)
+
+    idle, = run(ReplayBackend([None]), [task], run_id, docker_client)
+    assert not idle.failed, idle.failure
+    assert (idle.reward.value, idle.reward.success) == (0.0, False)
+    assert not os.listdir(PROXY_ROOT) if os.path.isdir(PROXY_ROOT) else True  # every folder went with its sandbox
+
+
+PROBE = r"""ls -A /run/sandforge-proxy; touch /run/sandforge-proxy/x; rm -f /run/sandforge-proxy/proxy.sock
+python3 - <<'EOF'
+import socket
+for host, port in [("1.1.1.1", 80), ("172.17.0.1", 2375), ("10.0.0.1", 80), ("::1", 22)]:
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.settimeout(2)
+    print("connect", host, s.connect_ex((host, port)))
+import http.client, os
+c = http.client.HTTPConnection("127.0.0.1", 8391)
+c.request("POST", "/v1/chat/completions", body="{}", headers={"Authorization": "Bearer not-the-token"})
+print("wrong token", c.getresponse().status)
+EOF"""
+
+
+def test_the_sandbox_reaches_nothing_but_its_own_proxy(run_id, docker_client):
+    tasks = [repo_task("wrong_operator", 3), repo_task("wrong_operator", 4)]
+    backend = ReplayBackend([PROBE, None])
+    trajs = run(backend, tasks, run_id, docker_client)
+    assert [t.failed for t in trajs] == [False, False], [t.failure for t in trajs]
+    probes = [p for p in backend.prompts if "wrong token" in p]
+    assert len(probes) == 2  # one per episode, each seen by the policy
+    for seen in probes:
+        out = seen[seen.index("proxy.sock") :]
+        assert "Read-only file system" in out  # neither a file nor a new socket goes in, the socket stays
+        assert "wrong token 401" in out  # its own proxy wants its own episode's token
+        connects = [line for line in out.splitlines() if line.startswith("connect ")]
+        assert len(connects) == 4 and not any(line.endswith(" 0") for line in connects), connects  # network none
+    # each episode's rows hold its own two generations only
+    assert [t.response_tokens for t in trajs] == [sum(x.generated_tokens for x in t.turns) for t in trajs]
+    assert all(len(t.turns) == 2 for t in trajs)
+
+
+@pytest.mark.slow
+def test_bash_loop_trains_smollm2_for_a_step_on_its_recorded_rows(tmp_path):
+    """configs/bash-loop.yaml, shortened: the harness in real repo sandboxes, the real engine with SmolLM2 behind
+    the proxy, and one RL step on the rows it recorded."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pulled_models import pulled
+
+    pulled("smollm2-135m")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    overrides = ["trainer.steps=1", "rollout.tasks_per_step=1", "rollout.group_size=2", "agent.max_requests=2",
+                 "rollout.max_new_tokens=48", "logging.wandb.mode=disabled", f"run.output_dir={out}"]
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/bash-loop.yaml", *overrides],
+                          cwd=root, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and not any(r["failed"] for r in rows), [r["failure"] for r in rows]
+    for r in rows:
+        assert r["metadata"]["harness"] == "bash-loop" and r["turns"]
+        generated = sum(t["generated_tokens"] for t in r["turns"])
+        masked = sum(r["loss_mask"]) + sum(sum(x["loss_mask"]) for x in r["earlier_rows"])
+        assert generated == masked > 0  # every token the engine produced, in the rows, once
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [m for m in metrics if m["phase"] == "rl"]
+    assert [m["step"] for m in rl] == [0] and rl[0]["policy/version"] == 1

@@ -1,0 +1,151 @@
+"""The recording proxy's HTTP side (rollout/proxy.py), on a real Unix socket, driven by the real OpenAI client: what
+a harness is answered, who is refused, and how budgets and a failing engine end the episode."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from agent_fakes import CHAT, limits
+
+from sandforge.rollout.policy_client import PolicyError
+from sandforge.rollout.proxy import EpisodeProxy, ProxyBudget
+from sandforge.types import GenerateRequest, Message, Sample, ToolCall
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}}}}]
+TOKEN = "episode-token"
+
+
+class ScriptedEngine:
+    """Answers each request with the next reply; records the requests."""
+
+    def __init__(self, replies: list[Message], fail: bool = False):
+        self.replies, self.fail = list(replies), fail
+        self.requests: list[GenerateRequest] = []
+
+    async def generate(self, request: GenerateRequest) -> Sample:
+        self.requests.append(request)
+        if self.fail:
+            raise PolicyError("engine: gone")
+        ids = CHAT.render_assistant(self.replies.pop(0) if self.replies else Message(role="assistant", content="done"))
+        return Sample(token_ids=ids, logprobs=[-0.25] * len(ids), finish_reason="stop", version=7)
+
+    async def close_session(self, session_id: str) -> None:
+        pass
+
+
+class Served:
+    """A proxy on its own event loop in a thread, as the rollout worker runs it beside its episodes."""
+
+    def __init__(self, tmp_path, engine, **budget):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.socket = str(tmp_path / "proxy.sock")
+        ctx = budget.pop("ctx", 4096)
+        b = ProxyBudget(**{"max_requests": 10, "max_tokens": 10_000, **budget})
+        self.proxy = EpisodeProxy(self.socket, TOKEN, engine, CHAT, limits(max_context=ctx), b,
+                                  "s/1", seed=5)
+        asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result(10)
+
+    def client(self, token: str = TOKEN) -> openai.OpenAI:
+        http = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket))
+        return openai.OpenAI(base_url="http://proxy/v1", api_key=token, http_client=http, max_retries=0)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.proxy.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def served(tmp_path):
+    made = []
+
+    def make(engine, **budget):
+        made.append(Served(tmp_path, engine, **budget))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_tool_call_comes_back_as_openai_tool_calls_and_is_recorded(served):
+    engine = ScriptedEngine([Message(role="assistant", reasoning="look first",
+                                     tool_calls=[ToolCall("bash", {"command": "ls -la"})])])
+    s = served(engine)
+    client = s.client()
+    messages = [{"role": "system", "content": "agent"}, {"role": "user", "content": "list the files"}]
+    r = client.chat.completions.create(model="anything", messages=messages, tools=TOOLS, temperature=0.0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.tool_calls[0].function.name == "bash"
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"command": "ls -la"}
+    assert r.usage.completion_tokens == len(s.proxy.recorder.rows[0].token_ids) - r.usage.prompt_tokens
+    assert engine.requests[0].temperature == limits().temperature  # the job's, not the harness's 0.0
+
+    echo = msg.model_dump(exclude_none=True)
+    messages += [echo, {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "a.txt"}]
+    r2 = client.chat.completions.create(model="anything", messages=messages, tools=TOOLS)
+    assert r2.choices[0].message.content == "done"
+    rows = s.proxy.recorder.rows
+    assert len(rows) == 1  # the echo kept its reasoning: one row
+    assert engine.requests[1].prompt_ids[: len(engine.requests[0].prompt_ids)] == engine.requests[0].prompt_ids
+    assert sum(rows[0].loss_mask) == r.usage.completion_tokens + r2.usage.completion_tokens
+    assert engine.requests[1].session_id == "s/1" and engine.requests[0].seed != engine.requests[1].seed
+
+
+def test_another_token_or_none_is_refused(served):
+    s = served(ScriptedEngine([]))
+    for token in ("not-it", TOKEN + "x", TOKEN[:-1]):
+        with pytest.raises(openai.AuthenticationError):
+            s.client(token).chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=s.socket))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert http.post("http://proxy/v1/chat/completions", json=body).status_code == 401
+    assert http.get("http://proxy/v1/models").status_code == 401
+    assert not s.proxy.recorder.turns
+
+
+@pytest.mark.parametrize("extra, says", [({"stream": True}, "stream"), ({"n": 2}, "n=2"),
+                                         ({"stop": ["\n"]}, "stop"),
+                                         ({"messages": [{"role": "assistant", "content": "prefill"}]}, "prefilled"),
+                                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                                          "text content")])
+def test_what_is_not_served_gets_a_400_that_says_so_and_the_episode_goes_on(served, extra, says):
+    s = served(ScriptedEngine([]))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=s.socket))
+    r = http.post("http://proxy/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"]
+    bad = http.post("http://proxy/v1/chat/completions", content=b"{not json",
+                    headers={"Authorization": f"Bearer {TOKEN}"})
+    assert bad.status_code == 400
+    ok = s.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert ok.choices[0].message.content == "done" and s.proxy.ended is None
+
+
+def test_budgets_end_the_episode_cleanly(served):
+    s = served(ScriptedEngine([]), max_requests=2)
+    client = s.client()
+    for _ in range(2):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="2 requests are spent"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert s.proxy.ended == "max_turns" and s.proxy.over.is_set()
+
+    long = served(ScriptedEngine([]), ctx=64)
+    with pytest.raises(openai.BadRequestError, match="max_context"):
+        long.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 500}])
+    assert long.proxy.ended == "context"
+
+
+def test_a_failing_engine_fails_the_episode_not_the_proxy(served):
+    s = served(ScriptedEngine([], fail=True))
+    with pytest.raises(openai.InternalServerError):
+        s.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert s.proxy.failure == "engine: gone" and s.proxy.ended == "engine"

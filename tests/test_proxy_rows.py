@@ -1,0 +1,187 @@
+"""Trajectory assembly behind the recording proxy (rollout/rows.py), as property tests: random harness conversations
+that append, drop reasoning, edit an earlier message or summarise, against the built-in chat format (byte and BPE
+tokenizers) and SmolLM2's real template, whose tools sandforge declares.
+
+Whatever the harness does, the rows' policy tokens (loss mask 1) are exactly the generated tokens, in order, none
+twice; a request that extends the row is its recorded tokens plus the new messages, never a re-tokenized history; a
+rewrite starts a new row from the conversation as sent."""
+
+from __future__ import annotations
+
+import functools
+import json
+import string
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from sandforge.models.bpe import load_tokenizer
+from sandforge.models.chat import ChatFormat
+from sandforge.models.tokenizer import ByteTokenizer
+from sandforge.rollout.chat_api import ChatRequest, message_json, read_message
+from sandforge.rollout.proxy import reply_message
+from sandforge.rollout.rows import RowRecorder, render_conversation
+from sandforge.types import Message, Sample, ToolCall
+
+TOOLS = [{"name": "bash", "description": "run a command",
+          "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}]
+# templates trim the text they render: keep it trimmed, so the samples made with render_assistant are what it renders
+TEXT = st.text(alphabet=string.ascii_letters + string.digits + " .,:;-_/\n", min_size=1, max_size=30).map(
+    lambda t: t.strip() or "ok")
+
+
+@functools.cache
+def chat_format(name: str):
+    if name == "bytes":
+        return ChatFormat(ByteTokenizer())
+    if name == "bpe":
+        return ChatFormat(load_tokenizer("bpe"))
+    pytest.importorskip("transformers")
+    from pulled_models import smollm2_tokenizer
+
+    from sandforge.models.hf_chat import HFChatFormat
+
+    return HFChatFormat(smollm2_tokenizer())
+
+
+def echoed(reply: Message, names: dict) -> Message:
+    """The reply as an OpenAI client sends it back: through its JSON and read again."""
+    return read_message(json.loads(json.dumps(message_json(reply))), 0, names)
+
+
+def sample_for(chat, msg: Message) -> Sample:
+    ids = chat.render_assistant(msg)
+    return Sample(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", version=3)
+
+
+@st.composite
+def episodes(draw):
+    """Per request: what the harness does to its history first, and the reply the engine gives."""
+    steps = []
+    for i in range(draw(st.integers(1, 6))):
+        action = "first" if i == 0 else draw(st.sampled_from(["tool", "tool", "user", "drop_reasoning", "edit",
+                                                               "summarise"]))
+        reply = Message(role="assistant", content=draw(TEXT), reasoning=draw(st.sampled_from(["", "think first"])),
+                        tool_calls=[ToolCall("bash", {"command": draw(TEXT)})] if draw(st.booleans()) else [])
+        steps.append((action, draw(TEXT), reply))
+    return steps
+
+
+@pytest.mark.parametrize("fmt", ["bytes", "bpe", "smollm2"])
+@settings(max_examples=60, deadline=None)
+@given(steps=episodes())
+def test_rows_hold_every_generated_token_once(fmt, steps):
+    chat = chat_format(fmt)
+    recorder = RowRecorder(chat)
+    messages = [Message(role="system", content="You are an agent."), Message(role="user", content="Do the task.")]
+    names: dict[str, str] = {}
+    generated: list[list[int]] = []
+    rows_before = 0
+    for i, (action, text, reply) in enumerate(steps):
+        if action == "tool":
+            last = messages[-1]
+            call = last.tool_calls[0].id if last.role == "assistant" and last.tool_calls else ""
+            messages.append(Message(role="tool", content=text, name="bash", tool_call_id=call))
+        elif action == "user":
+            messages.append(Message(role="user", content=text))
+        elif action == "drop_reasoning":
+            last = messages[-1]
+            messages[-1] = Message(role="assistant", content=last.content or "ok", tool_calls=last.tool_calls)
+            messages.append(Message(role="user", content=text))
+        elif action == "edit":
+            messages[1] = Message(role="user", content=messages[1].content + " " + text)
+            messages.append(Message(role="user", content=text))
+        elif action == "summarise":
+            messages = [messages[0], Message(role="user", content="Summary so far: " + text)]
+        pending = recorder.prompt(ChatRequest(list(messages), TOOLS, None, {}))
+        rewrote = action in ("edit", "summarise") or (action == "drop_reasoning" and steps[i - 1][2].reasoning)
+        if i and not rewrote:
+            assert pending.extends, action
+            row = recorder.rows[-1]
+            assert pending.prompt_ids[: len(row.token_ids)] == row.token_ids  # recorded ids, never re-tokenized
+        if rewrote:
+            assert not pending.extends
+            assert pending.prompt_ids == render_conversation(chat, TOOLS, messages)
+        sample = sample_for(chat, reply)
+        given_reply, _ = reply_message(chat, sample.token_ids, True, i, cut=False)
+        recorder.record(pending, sample, given_reply)
+        generated.append(sample.token_ids)
+        messages.append(echoed(given_reply, names))
+        event(f"rows {len(recorder.rows)}")
+        assert len(recorder.rows) == rows_before + (0 if pending.extends else 1)
+        rows_before = len(recorder.rows)
+
+    policy = [t for row in recorder.rows for t, m in zip(row.token_ids, row.loss_mask) if m]
+    assert policy == [t for ids in generated for t in ids]
+    for row in recorder.rows:
+        assert len(row.token_ids) == len(row.loss_mask) == len(row.logprobs) == len(row.token_versions)
+        assert all((lp == -0.5) == bool(m) for lp, m in zip(row.logprobs, row.loss_mask))
+        assert all((v == 3) == bool(m) for v, m in zip(row.token_versions, row.loss_mask))
+        assert row.loss_mask[0] == 0  # every row starts with a prompt the policy did not write
+
+
+def test_recorded_ids_are_kept_where_text_would_tokenize_otherwise():
+    """The engine may emit a non-canonical tokenization (here one token per character where BPE merges); the row
+    keeps those ids, and the next request's prompt starts with them, not with the text re-encoded."""
+    chat = chat_format("bpe")
+    tok = chat.tokenizer
+    text = "the answer is there"
+    odd = [i for ch in text for i in tok.encode(ch)] + [chat.end]
+    assert odd[:-1] != tok.encode(text)  # the test means something only if BPE would merge
+    recorder = RowRecorder(chat)
+    messages = [Message(role="user", content="Say it.")]
+    first = recorder.prompt(ChatRequest(list(messages), [], None, {}))
+    sample = Sample(token_ids=odd, logprobs=[-1.0] * len(odd), finish_reason="stop")
+    reply, finish = reply_message(chat, odd, False, 0, cut=False)
+    assert reply.content == text and finish == "stop"
+    recorder.record(first, sample, reply)
+    messages += [echoed(reply, {}), Message(role="user", content="Again.")]
+    second = recorder.prompt(ChatRequest(list(messages), [], None, {}))
+    assert second.extends
+    assert second.prompt_ids[len(first.prompt_ids) : len(first.prompt_ids) + len(odd)] == odd
+
+
+def test_other_tools_or_a_changed_reply_start_a_new_row():
+    chat = chat_format("bytes")
+    recorder = RowRecorder(chat)
+    messages = [Message(role="user", content="Go.")]
+    p = recorder.prompt(ChatRequest(list(messages), TOOLS, None, {}))
+    reply = Message(role="assistant", content="ok", tool_calls=[ToolCall("bash", {"command": "ls"}, "call_0_0")])
+    recorder.record(p, sample_for(chat, reply), reply)
+    answer = Message(role="tool", content="a.txt", name="bash", tool_call_id="call_0_0")
+    assert recorder.prompt(ChatRequest([*messages, reply, answer], TOOLS, None, {})).extends
+    assert not recorder.prompt(ChatRequest([*messages, reply, answer], [], None, {})).extends  # tools changed
+    edited = Message(role="assistant", content="ok", tool_calls=[ToolCall("bash", {"command": "ls -a"}, "call_0_0")])
+    assert not recorder.prompt(ChatRequest([*messages, edited, answer], TOOLS, None, {})).extends
+
+
+def test_an_episode_of_several_rows_trains_each_with_the_episodes_one_advantage():
+    """An RL step's rows from a harness episode recorded in two rows (job/rl_job.py training_rows, per_episode,
+    per_row): every row trains, and each of its policy tokens gets the advantage the group gave the episode."""
+    from sandforge.job.rl_job import per_episode, per_row, training_rows
+    from sandforge.trainer.algorithms import resolve, token_advantages
+    from sandforge.config import TrainerConfig
+    from sandforge.types import Reward, Task, TokenRow, Trajectory
+
+    task = Task(id="t", env="repo", family="f", seed=0, instruction="")
+
+    def episode(value: float, split: bool) -> Trajectory:
+        t = Trajectory(task=task, group="g", token_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 0], logprobs=[0.0] * 4,
+                       token_versions=[-1] * 4, reward=Reward(value, value > 0))
+        if split:
+            t.earlier_rows = [TokenRow([5, 6, 7], [0, 0, 1], [0.0, 0.0, -1.0], [-1, -1, 1])]
+        return t
+
+    trajs = [episode(1.0, True), episode(0.0, False)]
+    rows = training_rows(trajs)
+    assert [r.token_ids for r in rows] == [[5, 6, 7], [1, 2, 3, 4], [1, 2, 3, 4]]
+    assert trajs[0].response_tokens == 3
+    s = resolve(TrainerConfig(algorithm="grpo"), 64)
+    adv, _ = token_advantages(s.algorithm.advantages, [1.0, 0.0], ["g", "g"],
+                              per_episode([r.loss_mask for r in rows], trajs))
+    split = per_row(adv, trajs)
+    assert [len(a) for a in split] == [3, 4, 4]
+    win, lose = split[0][2], split[2][1]
+    assert win > 0 > lose
+    assert split[0][:2] == [0.0, 0.0] and split[1] == [0.0, win, win, 0.0]  # both of its rows, the same advantage
