@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from sandforge.environments.sandbox.spec import PROXY_MOUNT  # noqa: F401 - in the sandbox: the proxy socket's folder
@@ -30,12 +31,21 @@ PROXY_PORT = 8391  # the forwarder's port on the sandbox's own loopback
 @dataclass(frozen=True)
 class Harness:
     """``files``: path under HARNESS_DIR -> content. ``command``: bash, run as described in the module docstring.
-    ``needs``: what the sandbox's image must have (``python3`` for the forwarder), checked before the episode."""
+    ``needs``: what the sandbox's image must have (``python3`` for the forwarder), checked before the episode.
+    ``image``: what the harness installs, as a Dockerfile built FROM each image the job's tasks run in (build arg
+    BASE), its pip requirements downloaded on the host into a wheelhouse first (the build reaches no index)."""
 
     name: str
     command: str
     files: dict[str, bytes] = field(default_factory=dict)
     needs: tuple[str, ...] = ("python3",)
+    image: str | None = None  # a folder under rollout/harness_images: a layer built on every image the job uses
+
+    def image_folder(self) -> Path | None:
+        """The build context of the harness's image layer (Dockerfile, requirements.txt), or None."""
+        if self.image is None:
+            return None
+        return Path(str(resources.files("sandforge.rollout").joinpath("harness_images", self.image)))
 
 
 def _file(name: str) -> bytes:
@@ -50,6 +60,30 @@ def bash_loop(options: dict[str, Any]) -> Harness:
     steps = int(options.get("max_steps", 30))
     return Harness(name="bash-loop", files={"bash_loop.py": _file("bash_loop.py")},
                    command=f'python3 "$SANDFORGE_HARNESS_DIR/bash_loop.py" "$SANDFORGE_INSTRUCTION" --max-steps {steps}')
+
+
+MINI_SWE_AGENT = "/opt/sandforge-harness/mini-swe-agent"  # its venv in the image (harness_images/mini-swe-agent)
+MINI_ENV = {  # offline and unattended: no set-up prompt, no cost-map download, no cost lookup of an unknown model
+    "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1", "MSWEA_COST_TRACKING": "ignore_errors",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_OFFLINE_MODE": "true", "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
+}
+
+
+def mini_swe_agent(options: dict[str, Any]) -> Harness:
+    """mini-swe-agent 2.4.6 (PyPI), unmodified: its default agent (no confirmation prompts) with its own mini.yaml
+    config, tool calling, and litellm pointed at the proxy. It finishes by running
+    ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; its trajectory file is left in the harness folder."""
+    unknown = sorted(set(options) - {"step_limit", "command_timeout"})
+    if unknown:
+        raise ValueError(f"agent.options: mini-swe-agent takes step_limit and command_timeout, got {unknown}")
+    env = " ".join(f"{k}={v}" for k, v in MINI_ENV.items())
+    command = (f'{env} MSWEA_GLOBAL_CONFIG_DIR="$SANDFORGE_HARNESS_DIR/mswea" OPENAI_API_BASE="$OPENAI_BASE_URL" '
+               f'{MINI_SWE_AGENT}/bin/mini --agent-class default -m openai/sandforge-policy '
+               f'-t "$(cat "$SANDFORGE_INSTRUCTION")" -c mini.yaml '
+               f'-c agent.step_limit={int(options.get("step_limit", 30))} '
+               f'-c environment.timeout={int(options.get("command_timeout", 60))} -l 0 '
+               f'-o "$SANDFORGE_HARNESS_DIR/trajectory.json" </dev/null')
+    return Harness(name="mini-swe-agent", command=command, image="mini-swe-agent")
 
 
 def runtime_files() -> dict[str, bytes]:

@@ -12,7 +12,8 @@ import pytest
 from seeded import repo_task
 
 from sandforge.config import JobConfig
-from sandforge.environments.sandbox.images import build_images
+from sandforge.environments.sandbox.images import build_images, layered_images
+from sandforge.rollout.harnesses import find_harness
 from sandforge.environments.sandbox.spec import PROXY_ROOT
 from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 from sandforge.types import GenerateRequest, Message, Sample, ToolCall, Trajectory
@@ -42,12 +43,15 @@ class ReplayBackend:
         pass
 
 
-def run(backend: ReplayBackend, tasks, run_id, docker_client, **agent) -> list[Trajectory]:
-    image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
+def run(backend: ReplayBackend, tasks, run_id, docker_client, harness: str = "bash-loop", **agent) -> list[Trajectory]:
+    images = build_images(["repo"], client=docker_client, show_progress=False)
     job = JobConfig.model_validate({"environments": [{"name": "repo"}], "sandbox": {"warm_pool": 0},
-                                    "rollout": {"episode_timeout": 120},
-                                    "agent": {"harness": "bash-loop", **agent}})
-    setup = WorkerSetup(run_id=run_id, engine="unused", images={"repo": image}, labels={},
+                                    "rollout": {"episode_timeout": 180, "max_context": 8192},
+                                    "agent": {"harness": harness, **agent}})
+    folder = find_harness(harness, job.agent.options).image_folder()
+    if folder is not None:  # as the driver does: the harness installed on top of the env's image
+        images = layered_images(docker_client, images, folder, harness)
+    setup = WorkerSetup(run_id=run_id, engine="unused", images={"repo": images["repo"]}, labels={},
                         environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox,
                         model=job.model, agent=job.agent)
     worker = RolloutWorker(0, setup, engine=backend)
@@ -83,6 +87,26 @@ def test_bash_loop_solves_a_repo_task_through_the_proxy_and_a_no_op_scores_0(run
     assert not idle.failed, idle.failure
     assert (idle.reward.value, idle.reward.success) == (0.0, False)
     assert not os.listdir(PROXY_ROOT) if os.path.isdir(PROXY_ROOT) else True  # every folder went with its sandbox
+
+
+def test_mini_swe_agent_unmodified_solves_a_repo_task_through_the_proxy_and_a_no_op_scores_0(run_id, docker_client):
+    """mini-swe-agent 2.4.6 from PyPI, as published, in the repo image: its litellm client talks to the proxy through
+    the loopback forwarder, its bash tool runs the replayed fix, and it submits the way it does."""
+    task = repo_task("wrong_operator", 3)
+    backend = ReplayBackend([*fix_commands(task)[:2], "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"])
+    solved, = run(backend, [task], run_id, docker_client, harness="mini-swe-agent")
+    assert not solved.failed, solved.failure
+    assert (solved.reward.value, solved.reward.success) == (1.0, True), (solved.reward.reason,
+                                                                          solved.metadata.get("harness_output"))
+    assert solved.metadata["harness"] == "mini-swe-agent"
+    assert solved.metadata["harness_exit_code"] == 0, (solved.finish_reason, solved.metadata["harness_output"])
+    assert len(solved.turns) == 3 and not solved.earlier_rows  # mini-swe-agent resends its history unchanged
+    assert "def nine" in backend.prompts[1]  # its tool result, as mini-swe-agent words it, reached the policy
+    assert solved.response_tokens == sum(t.generated_tokens for t in solved.turns)
+
+    idle, = run(ReplayBackend([]), [task], run_id, docker_client, harness="mini-swe-agent", max_requests=3)
+    assert not idle.failed, idle.failure
+    assert (idle.reward.value, idle.reward.success) == (0.0, False)
 
 
 PROBE = r"""ls -A /run/sandforge-proxy; touch /run/sandforge-proxy/x; rm -f /run/sandforge-proxy/proxy.sock

@@ -317,6 +317,15 @@ def build_context_image(
     return tag
 
 
+def layered_images(client: docker.DockerClient, images: dict[str, str], folder: Path, layer: str,
+                   skip: tuple[str, ...] = ("base",), progress: Progress | None = None) -> dict[str, str]:
+    """``images`` (name -> tag) with ``folder``'s Dockerfile built on each (build arg BASE: the image's tag), as
+    ``sandforge/<name>-<layer>``: an agent harness installed in every image a job's tasks run in. ``skip``: names kept
+    as they are."""
+    return {name: tag if name in skip else build_context_image(client, folder, f"{name}-{layer}", tag, progress)
+            for name, tag in images.items()}
+
+
 def require_sandbox_user(client: docker.DockerClient, tag: str, dockerfile: Path, user: str = "sandbox") -> None:
     """Fail the build, not every episode, when an image lacks the non-root user the policy runs as."""
     from sandforge.environments.sandbox.spec import _ids_of

@@ -103,8 +103,16 @@ def build_job_images(cfg: JobConfig) -> dict[str, str]:
     # containers of drivers that died on this host (crash, SIGKILL); each run named on a line of its own, unwrapped
     for run, n in sorted(reap_dead_runs(client).items()):
         console.print(f"reaped {n} container(s) of dead run {run}", soft_wrap=True, markup=False, highlight=False)
-    return build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
-                        contexts=job_images(cfg))
+    images = build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
+                          contexts=job_images(cfg))
+    if cfg.agent.harness is not None:  # the harness installed on top of every image its episodes run in
+        from sandforge.environments.sandbox.images import layered_images
+        from sandforge.rollout.harnesses import find_harness
+
+        harness = find_harness(cfg.agent.harness, cfg.agent.options)
+        if harness.image_folder() is not None:
+            images = layered_images(client, images, harness.image_folder(), harness.name)
+    return images
 
 
 def start_ray(cfg: JobConfig, runtime_env: dict | None = None) -> None:
