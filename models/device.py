@@ -34,8 +34,9 @@ def where(kind: str) -> str:
 def fast_bf16(kind: str) -> bool:
     """Whether bf16 pays on a part placed on ``kind``: always on a GPU; on a CPU only with AMX (``amx_bf16``), where
     the quickstart measured 1.4x the engine's and 2x the trainer's tokens/s of fp32. A CPU without it (no
-    ``avx512_bf16`` either) emulates bf16 matmuls: a 2048-square bf16 matmul took over 20 s where fp32 took 0.2 s on
-    a 2-core AMD EPYC (docs/benchmarks.md), so ``auto`` is fp32 there."""
+    ``avx512_bf16`` either) emulates bf16 matmuls: on a 2-core AMD EPYC without AVX-512, five 2048-square bf16
+    matmuls had not finished after 100 s where fp32 ran at 75 GFLOP/s (2026-12-04; ``bench/trainer.py precision``
+    compares the two in a run), so ``auto`` is fp32 there."""
     if kind == "cuda":
         return True
     return "amx_bf16" in cpu_flags()
