@@ -109,6 +109,37 @@ def test_mini_swe_agent_unmodified_solves_a_repo_task_through_the_proxy_and_a_no
     assert (idle.reward.value, idle.reward.success) == (0.0, False)
 
 
+def test_mini_swe_agent_solves_a_harbor_task_folder_through_the_proxy(run_id, docker_client):
+    """A Harbor task folder (tests/data/harbor/hello-file, an image without Python), its image layered with
+    mini-swe-agent by the driver's own image build, graded by its test.sh: the replayed solve.sh scores 1."""
+    from sandforge.job.fleet.lifecycle import build_job_images
+    from sandforge.job.tasks import TaskSampler
+
+    folder = os.path.join(os.path.dirname(__file__), "data", "harbor", "hello-file")
+    job = JobConfig.model_validate({"environments": [{"name": "harbor", "tasks": folder, "harbor_mode": "hardened"}],
+                                    "sandbox": {"warm_pool": 0},
+                                    "rollout": {"episode_timeout": 180, "max_context": 8192},
+                                    "agent": {"harness": "mini-swe-agent"}})
+    images = build_job_images(job)
+    task, = TaskSampler(job.environments, 0).sources[0].tasks
+    solve = open(os.path.join(folder, "solution", "solve.sh")).read()
+    backend = ReplayBackend([solve, "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"])
+    setup = WorkerSetup(run_id=run_id, engine="unused", images=images, labels={},
+                        environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox,
+                        model=job.model, agent=job.agent)
+    worker = RolloutWorker(0, setup, engine=backend)
+    backend.chat = worker.chat
+    try:
+        out = asyncio.run(worker.run_episodes([asdict(task)], ["g"], 1))
+    finally:
+        worker.close()
+    traj = Trajectory.from_dict(out[0])
+    assert not traj.failed, traj.failure
+    assert (traj.reward.value, traj.reward.success) == (1.0, True), (traj.reward.reason,
+                                                                      traj.metadata.get("harness_output"))
+    assert traj.metadata["harness_exit_code"] == 0 and len(traj.turns) == 2
+
+
 PROBE = r"""ls -A /run/sandforge-proxy; touch /run/sandforge-proxy/x; rm -f /run/sandforge-proxy/proxy.sock
 python3 - <<'EOF'
 import socket
