@@ -122,9 +122,9 @@ async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: Episode
     over = asyncio.ensure_future(proxy.over.wait())
     done, _ = await asyncio.wait({run, over}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     over.cancel()
-    if run in done:
+    if run in done:  # the harness ended: on its own, or on the 400 of a budget the proxy had just spent
         result = run.result()
-        reason = "submit"
+        reason = proxy.ended or "submit"
     else:
         reason = proxy.ended or "timeout"
         await asyncio.to_thread(sandbox.stop_policy)  # the harness and everything it started
