@@ -100,7 +100,7 @@ def test_mini_swe_agent_unmodified_solves_a_repo_task_through_the_proxy_and_a_no
                                                                           solved.metadata.get("harness_output"))
     assert solved.metadata["harness"] == "mini-swe-agent"
     assert solved.metadata["harness_exit_code"] == 0, (solved.finish_reason, solved.metadata["harness_output"])
-    assert len(solved.turns) == 3 and not solved.earlier_rows  # mini-swe-agent resends its history unchanged
+    assert len(solved.turns) == 3 and not solved.earlier_rows  # every reply called a tool: its history grew as sent
     assert "def nine" in backend.prompts[1]  # its tool result, as mini-swe-agent words it, reached the policy
     assert solved.response_tokens == sum(t.generated_tokens for t in solved.turns)
 
