@@ -12,6 +12,7 @@ or verifier fails this episode only.
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import secrets
 import shlex
@@ -28,6 +29,7 @@ from sandforge.rollout.tool_calls import ToolHang
 from sandforge.types import Reward, SandboxError, Task, Trajectory
 from sandforge.verifiers.checks import VerifierError, score_task
 
+FORWARDER_DOWN = 97  # start.sh's exit status when the loopback forwarder never listened
 STOP_GRACE = 30.0  # seconds the harness's exec may take to return once its processes are stopped
 
 
@@ -80,8 +82,14 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
         await asyncio.to_thread(_install, sandbox, harness, observation)
         traj.metadata["seconds_reset"] = time.monotonic() - start
         traj.finish_reason = await _drive(sandbox, harness, proxy, limits, traj)
+        proxy.end()  # before grading: nothing the policy left running is answered, nothing more is recorded
+        await proxy.close()
         if proxy.failure:
             raise PolicyError(proxy.failure)
+        if not proxy.recorder.turns:  # nothing to train on, and nothing the policy chose: the harness's fault
+            exit_code = traj.metadata.get("harness_exit_code")
+            raise SandboxError(f"the harness {harness.name} made no request to the policy (exit code {exit_code}): "
+                               f"{traj.metadata.get('harness_output', '')[-300:]}")
         _fill(traj, proxy)
         traj.reward = await asyncio.to_thread(score, sandbox, task)
     except SandboxError as e:
@@ -97,9 +105,8 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
         traj.metadata["traceback"] = traceback.format_exc()
     finally:
         if proxy is not None:
+            proxy.end()
             await proxy.close()
-            if not traj.token_ids and not traj.earlier_rows:
-                _fill(traj, proxy)
         try:
             await policy.close_session(session)
         except Exception:  # noqa: BLE001 - the engine evicts the session by itself eventually
@@ -133,6 +140,9 @@ async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: Episode
         except asyncio.TimeoutError as e:
             raise ToolHang(f"the harness's exec did not return {STOP_GRACE:.0f} s after its processes were stopped") \
                 from e
+    if result.exit_code == FORWARDER_DOWN:
+        raise SandboxError("the proxy's loopback forwarder did not start in the sandbox: "
+                           f"{result.output[-300:]}")
     traj.metadata["harness_exit_code"] = result.exit_code
     traj.metadata["harness_output"] = result.output[-2000:]
     if proxy.refused:
@@ -142,11 +152,10 @@ async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: Episode
 
 def _fill(traj: Trajectory, proxy: EpisodeProxy) -> None:
     """The proxy's rows into the trajectory: the last as its own tokens, the ones before as ``earlier_rows``."""
-    rows = proxy.recorder.rows
-    if rows:
-        last = rows[-1]
-        traj.token_ids, traj.loss_mask, traj.logprobs = last.token_ids, last.loss_mask, last.logprobs
-        traj.token_versions, traj.routed_experts = last.token_versions, last.routed_experts
-        traj.earlier_rows = rows[:-1]
-    traj.turns = proxy.recorder.turns
+    rows = copy.deepcopy(proxy.recorder.rows)  # the episode's, as they stand now
+    last = rows[-1]
+    traj.token_ids, traj.loss_mask, traj.logprobs = last.token_ids, last.loss_mask, last.logprobs
+    traj.token_versions, traj.routed_experts = last.token_versions, last.routed_experts
+    traj.earlier_rows = rows[:-1]
+    traj.turns = copy.deepcopy(proxy.recorder.turns)
     traj.messages = list(proxy.recorder.history)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from sandforge.models.hf_chat import TemplateDeltaError
 from sandforge.rollout.agent import EpisodeLimits, turn_seed
 from sandforge.rollout.chat_api import BadRequest, ChatRequest, completion_json, read_request
 from sandforge.rollout.policy_client import Policy, PolicyError, check_sample
@@ -69,7 +70,7 @@ class EpisodeProxy:
         await self._runner.setup()
         if os.path.lexists(self.socket_path):
             os.unlink(self.socket_path)
-        await web.UnixSite(self._runner, self.socket_path).start()
+        await web.UnixSite(self._runner, self.socket_path, shutdown_timeout=1.0).start()
         os.chmod(self.socket_path, 0o666)  # the sandbox's user connects; only this sandbox has the folder mounted
 
     async def close(self) -> None:
@@ -80,6 +81,10 @@ class EpisodeProxy:
             os.unlink(self.socket_path)
         except OSError:
             pass
+
+    def end(self, reason: str = "done") -> None:
+        """No more completions: the episode is over (a generation still running is not recorded)."""
+        self._end(reason)
 
     def _end(self, reason: str) -> None:
         if self.ended is None:
@@ -131,8 +136,12 @@ class EpisodeProxy:
             pending = self.recorder.prompt(asked)
         except BadRequest as e:
             return self._refuse(str(e))
-        except Exception as e:  # noqa: BLE001 - a template that cannot render what the harness sent (TemplateDeltaError)
+        except (TemplateDeltaError, ValueError) as e:  # a template that cannot render what the harness sent
             return self._refuse(f"the conversation could not be rendered with the policy's chat template: {e}")
+        except Exception as e:  # noqa: BLE001 - sandforge's own bug: this episode fails, visibly, not the run
+            self.failure = f"error: rendering the harness's request: {type(e).__name__}: {e}"
+            self._end("engine")
+            return self._error(500, "the proxy failed; the episode is over", "server_error")
         room = limits.max_context - len(pending.prompt_ids)
         if room <= 0:
             self._end("context")
@@ -152,6 +161,8 @@ class EpisodeProxy:
             self.failure = str(e)
             self._end("engine")
             return self._error(503, "the policy's engine failed; the episode is over", "server_error")
+        if self.ended is not None:  # the episode ended while this was generating: the harness never gets it
+            return self._error(400, f"the episode is over ({self.ended})")
         reply, finish = reply_message(self.chat, sample.token_ids, bool(asked.tools), index,
                                       cut=sample.finish_reason == "length")
         self.recorder.record(pending, sample, reply, time.monotonic() - t0)

@@ -149,3 +149,34 @@ def test_a_failing_engine_fails_the_episode_not_the_proxy(served):
     with pytest.raises(openai.InternalServerError):
         s.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert s.proxy.failure == "engine: gone" and s.proxy.ended == "engine"
+
+
+def test_a_reply_still_generating_when_the_episode_ends_is_neither_given_nor_recorded(served):
+    class SlowEngine(ScriptedEngine):
+        def __init__(self):
+            super().__init__([])
+            self.started, self.release = threading.Event(), threading.Event()
+
+        async def generate(self, request):
+            self.started.set()
+            await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 10)
+            return await super().generate(request)
+
+    engine = SlowEngine()
+    s = served(engine)
+    out = {}
+    call = threading.Thread(target=lambda: out.update(r=_post(s, {"model": "m", "messages": [
+        {"role": "user", "content": "hi"}]})))
+    call.start()
+    assert engine.started.wait(10)
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), s.loop).result(5)
+    s.loop.call_soon_threadsafe(s.proxy.end)
+    engine.release.set()
+    call.join(10)
+    assert out["r"].status_code == 400 and "over" in out["r"].json()["error"]["message"]
+    assert not s.proxy.recorder.turns and not s.proxy.recorder.rows
+
+
+def _post(s: Served, body: dict) -> httpx.Response:
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=s.socket), timeout=30)
+    return http.post("http://proxy/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"})

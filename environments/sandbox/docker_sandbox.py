@@ -93,7 +93,11 @@ class DockerSandbox:
         name = f"sandforge-{re.sub(r'[^a-zA-Z0-9_.-]', '-', run_id)[:40]}-{episode[:12]}"
         ours = {LABEL_RUN: run_id, LABEL_EPISODE: episode, LABEL_CREATED: str(int(time.time()))}
         all_labels = {**(labels or {}), **ours}
-        proxy_dir = _proxy_folder(episode) if spec.proxy else None
+        try:
+            proxy_dir = _proxy_folder(episode) if spec.proxy else None
+        except OSError as e:
+            raise SandboxError(f"could not make the sandbox's proxy folder under {PROXY_ROOT} (the rollout worker "
+                               f"needs root there, on the Docker host): {e}") from e
         try:
             options = container_options(client, spec, ours, proxy_dir)
             # create + start, not run: run would try to pull a missing image from a registry

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # In the sandbox, as the policy's user: start the loopback forwarder to the episode's proxy socket, wait until it
 # listens, then run the harness's command ($SANDFORGE_HARNESS_COMMAND) in the task's working directory. The harness's
-# own exit status is this script's.
+# own exit status is this script's; 97 says the forwarder never started.
 set -u
 python3 "$SANDFORGE_HARNESS_DIR/forward.py" "$SANDFORGE_PROXY_SOCKET" "$SANDFORGE_PROXY_PORT" \
   > "$SANDFORGE_HARNESS_DIR/forward.log" 2>&1 &
-for _ in $(seq 100); do
+for _ in $(seq 600); do  # up to 30 s on a loaded host
   grep -q forwarding "$SANDFORGE_HARNESS_DIR/forward.log" 2>/dev/null && break
   sleep 0.05
 done
+if ! grep -q forwarding "$SANDFORGE_HARNESS_DIR/forward.log" 2>/dev/null; then
+  cat "$SANDFORGE_HARNESS_DIR/forward.log" 2>/dev/null
+  exit 97  # the forwarder never listened: the episode fails (infrastructure), it is not the policy's 0
+fi
 cd "$SANDFORGE_WORKDIR" && eval "$SANDFORGE_HARNESS_COMMAND"
