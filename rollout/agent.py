@@ -78,17 +78,8 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
         deadline = None if limits.episode_timeout is None else time.monotonic() + limits.episode_timeout
         traj.finish_reason = await _turns(traj, env, policy, chat, limits, session, deadline, seed)
         traj.reward = await asyncio.to_thread(score, env.sandbox, task)
-    except SandboxError as e:
-        traj.failed, traj.failure = True, f"sandbox: {e}"
-    except VerifierError as e:
-        traj.failed, traj.failure = True, f"verifier: {e}"
-    except PolicyError as e:
-        traj.failed, traj.failure = True, str(e)  # "engine: ..."
-    except ToolHang as e:
-        traj.failed, traj.failure = True, f"tool: {e}"
-    except Exception as e:  # anything else is a bug, but still one episode, not the run
-        traj.failed, traj.failure = True, f"error: {type(e).__name__}: {e}"
-        traj.metadata["traceback"] = traceback.format_exc()
+    except Exception as e:  # one episode fails, never the run (a bug's traceback is kept)
+        fail(traj, e)
     finally:
         try:
             await policy.close_session(session)
@@ -96,6 +87,28 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
             pass
         await _keep_screenshots(traj, env)
         await env.aclose()
+    return ended(traj, start)
+
+
+def fail(traj: Trajectory, e: Exception) -> None:
+    """Mark ``traj`` failed by ``e``, its ``failure`` naming what broke: the sandbox, a verifier, the engine, a tool
+    call that hung, or (anything else, a bug) the exception, whose traceback goes in the metadata."""
+    traj.failed = True
+    if isinstance(e, SandboxError):
+        traj.failure = f"sandbox: {e}"
+    elif isinstance(e, VerifierError):
+        traj.failure = f"verifier: {e}"
+    elif isinstance(e, PolicyError):
+        traj.failure = str(e)  # "engine: ..."
+    elif isinstance(e, ToolHang):
+        traj.failure = f"tool: {e}"
+    else:
+        traj.failure = f"error: {type(e).__name__}: {e}"
+        traj.metadata["traceback"] = traceback.format_exc()
+
+
+def ended(traj: Trajectory, start: float) -> Trajectory:
+    """The episode's last word: a failed one ends in "error" and scores 0; both say how long they took."""
     if traj.failed:
         traj.finish_reason = "error"
         if traj.reward is None:

@@ -17,17 +17,16 @@ import os
 import secrets
 import shlex
 import time
-import traceback
 import uuid
 from typing import Any, Callable
 
-from sandforge.rollout.agent import EpisodeLimits
+from sandforge.rollout.agent import EpisodeLimits, ended, fail
 from sandforge.rollout.harnesses import HARNESS_DIR, PROXY_MOUNT, PROXY_PORT, SOCKET_NAME, Harness, runtime_files
 from sandforge.rollout.policy_client import Policy, PolicyError
 from sandforge.rollout.proxy import EpisodeProxy, ProxyBudget
 from sandforge.rollout.tool_calls import ToolHang
 from sandforge.types import Reward, SandboxError, Task, Trajectory
-from sandforge.verifiers.checks import VerifierError, score_task
+from sandforge.verifiers.checks import score_task
 
 FORWARDER_DOWN = 97  # start.sh's exit status when the loopback forwarder never listened
 STOP_GRACE = 30.0  # seconds the harness's exec may take to return once its processes are stopped
@@ -92,17 +91,8 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
                                f"{traj.metadata.get('harness_output', '')[-300:]}")
         _fill(traj, proxy)
         traj.reward = await asyncio.to_thread(score, sandbox, task)
-    except SandboxError as e:
-        traj.failed, traj.failure = True, f"sandbox: {e}"
-    except VerifierError as e:
-        traj.failed, traj.failure = True, f"verifier: {e}"
-    except PolicyError as e:
-        traj.failed, traj.failure = True, str(e)
-    except ToolHang as e:
-        traj.failed, traj.failure = True, f"tool: {e}"
-    except Exception as e:  # anything else is a bug, but still one episode, not the run
-        traj.failed, traj.failure = True, f"error: {type(e).__name__}: {e}"
-        traj.metadata["traceback"] = traceback.format_exc()
+    except Exception as e:  # one episode fails, never the run (a bug's traceback is kept)
+        fail(traj, e)
     finally:
         if proxy is not None:
             proxy.end()
@@ -112,12 +102,7 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
         except Exception:  # noqa: BLE001 - the engine evicts the session by itself eventually
             pass
         await env.aclose()
-    if traj.failed:
-        traj.finish_reason = "error"
-        if traj.reward is None:
-            traj.reward = Reward(value=0.0, success=False, reason=traj.failure)
-    traj.metadata["seconds"] = time.monotonic() - start
-    return traj
+    return ended(traj, start)
 
 
 async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: EpisodeLimits, traj: Trajectory) -> str:

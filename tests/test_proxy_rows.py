@@ -8,17 +8,14 @@ rewrite starts a new row from the conversation as sent."""
 
 from __future__ import annotations
 
-import functools
 import json
 import string
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
+from test_agent_properties import chat_format
 
-from sandforge.models.bpe import load_tokenizer
-from sandforge.models.chat import ChatFormat
-from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.chat_api import ChatRequest, message_json, read_message
 from sandforge.rollout.proxy import reply_message
 from sandforge.rollout.rows import RowRecorder, render_conversation
@@ -29,20 +26,6 @@ TOOLS = [{"name": "bash", "description": "run a command",
 # templates trim the text they render: keep it trimmed, so the samples made with render_assistant are what it renders
 TEXT = st.text(alphabet=string.ascii_letters + string.digits + " .,:;-_/\n", min_size=1, max_size=30).map(
     lambda t: t.strip() or "ok")
-
-
-@functools.cache
-def chat_format(name: str):
-    if name == "bytes":
-        return ChatFormat(ByteTokenizer())
-    if name == "bpe":
-        return ChatFormat(load_tokenizer("bpe"))
-    pytest.importorskip("transformers")
-    from pulled_models import smollm2_tokenizer
-
-    from sandforge.models.hf_chat import HFChatFormat
-
-    return HFChatFormat(smollm2_tokenizer())
 
 
 def echoed(reply: Message, names: dict) -> Message:
