@@ -8,6 +8,7 @@ generator, which never runs out). ``images`` names the extra images its tasks ne
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,12 @@ class FiniteSource:
 
     def splits(self) -> list[str]:
         return [s for s in SPLITS if self.count(s)]
+
+
+def heldout_by_hash(name: str, fraction: float) -> bool:
+    """A stable choice of the held-out ``fraction`` of tasks, by their names (the same on every machine)."""
+    digest = hashlib.sha256(name.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def task_from_dict(d: Any, where: str) -> Task:

@@ -2,9 +2,12 @@
 the JSON an OpenAI client reads back.
 
 What is supported, and what is refused with a 400 that says so (never silently ignored): text content (a string, or a
-list of ``{"type": "text"}`` parts), ``tools`` of type function, assistant ``tool_calls`` and ``tool`` results, one
-choice (``n`` 1) and no streaming. Sampling settings the harness sends (temperature, top_p) are recorded but not
-used: an RL episode samples at the job's temperature, which is what the trainer's ratio assumes.
+list of ``{"type": "text"}`` parts), ``tools`` of type function, assistant ``tool_calls`` and ``tool`` results and one
+choice (``n`` 1). A ``stream: true`` request is answered as server-sent events once the whole reply is generated
+(``completion_events``: one chunk with the message, one with the finish reason, the usage if asked, ``[DONE]``), since
+clients such as verifiers' chat program only speak streaming; tokens are not sent as they come. Sampling settings
+the harness sends (temperature, top_p) are recorded but not used: an RL episode samples at the job's temperature,
+which is what the trainer's ratio assumes.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ class ChatRequest:
     tools: list[dict]  # function schemas as environments list them: name, description, parameters
     max_tokens: int | None
     asked: dict[str, Any]  # the sampling settings the harness sent, for the record
+    stream: bool = False  # answer as server-sent events (completion_events)
+    stream_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 REFUSED = {  # keys whose non-default value would change the completion; value: what "off" looks like
-    "stream": (None, False), "n": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+    "n": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "response_format": (None, {"type": "text"}), "stop": (None, [], ""),
     "echo": (None, False), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]),
@@ -115,7 +120,7 @@ def read_request(body: Any) -> ChatRequest:
     for key, off in REFUSED.items():
         if key in body and body[key] not in off:
             raise BadRequest(f"{key}={json.dumps(body[key])[:40]} is not supported by the recording proxy "
-                             "(no streaming, one choice, no stop strings or penalties)")
+                             "(one choice, no stop strings or penalties)")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages must be a non-empty list")
@@ -129,8 +134,15 @@ def read_request(body: Any) -> ChatRequest:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if body.get("stream") not in (None, False, True):
+        raise BadRequest(f"stream must be true or false, got {json.dumps(body['stream'])[:40]}")
+    stream = body.get("stream") is True
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object")
     asked = {k: body[k] for k in ("model", "temperature", "top_p", "seed") if k in body}
-    return ChatRequest(messages, [_tool_schema(t, i) for i, t in enumerate(tools)], max_tokens, asked)
+    return ChatRequest(messages, [_tool_schema(t, i) for i, t in enumerate(tools)], max_tokens, asked, stream,
+                       stream and bool(options.get("include_usage")))
 
 
 def message_json(msg: Message) -> dict:
@@ -153,3 +165,20 @@ def completion_json(msg: Message, finish_reason: str, prompt_tokens: int, comple
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
+
+
+def completion_events(completion: dict, usage: bool) -> bytes:
+    """``completion`` (``completion_json``'s) as the server-sent events of a streamed reply: the whole message in the
+    first chunk's delta, the finish reason in the second, then the usage when ``usage`` (``include_usage``), then
+    ``[DONE]``."""
+    head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    choice = completion["choices"][0]
+    message = dict(choice["message"])
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+    chunks = [head | {"choices": [{"index": 0, "delta": message, "finish_reason": None, "logprobs": None}]},
+              head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"],
+                                   "logprobs": None}]}]
+    if usage:
+        chunks.append(head | {"choices": [], "usage": completion["usage"]})
+    return b"".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"

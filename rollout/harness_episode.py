@@ -89,7 +89,7 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
             exit_code = traj.metadata.get("harness_exit_code")
             raise SandboxError(f"the harness {harness.name} made no request to the policy (exit code {exit_code}): "
                                f"{traj.metadata.get('harness_output', '')[-300:]}")
-        _fill(traj, proxy)
+        fill_rows(traj, proxy)
         traj.reward = await asyncio.to_thread(score, sandbox, task)
     except Exception as e:  # one episode fails, never the run (a bug's traceback is kept)
         fail(traj, e)
@@ -135,7 +135,7 @@ async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: Episode
     return "error" if reason == "engine" else reason
 
 
-def _fill(traj: Trajectory, proxy: EpisodeProxy) -> None:
+def fill_rows(traj: Trajectory, proxy: EpisodeProxy) -> None:
     """The proxy's rows into the trajectory: the last as its own tokens, the ones before as ``earlier_rows``."""
     rows = copy.deepcopy(proxy.recorder.rows)  # the episode's, as they stand now
     last = rows[-1]

@@ -15,7 +15,8 @@ import pytest
 
 from sandforge.environments.harbor.dockerfile import BaseImageError, rewrite, short_name
 from sandforge.environments.harbor.settings import read_settings
-from sandforge.environments.harbor.tasks import compact_checks, heldout_by_hash, load_task, load_tasks
+from sandforge.environments.harbor.tasks import compact_checks, load_task, load_tasks
+from sandforge.environments.task_sources import heldout_by_hash
 from sandforge.types import ToolCall
 
 ROOT = Path(__file__).resolve().parents[1]

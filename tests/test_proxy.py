@@ -111,7 +111,7 @@ def test_another_token_or_none_is_refused(served):
     assert not s.proxy.recorder.turns
 
 
-@pytest.mark.parametrize("extra, says", [({"stream": True}, "stream"), ({"n": 2}, "n=2"),
+@pytest.mark.parametrize("extra, says", [({"stream": "yes"}, "stream"), ({"n": 2}, "n=2"),
                                          ({"stop": ["\n"]}, "stop"),
                                          ({"messages": [{"role": "assistant", "content": "prefill"}]}, "prefilled"),
                                          ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -127,6 +127,52 @@ def test_what_is_not_served_gets_a_400_that_says_so_and_the_episode_goes_on(serv
     assert bad.status_code == 400
     ok = s.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
     assert ok.choices[0].message.content == "done" and s.proxy.ended is None
+
+
+def test_a_streamed_request_gets_the_whole_reply_as_events_and_is_recorded_like_any(served):
+    engine = ScriptedEngine([Message(role="assistant", reasoning="look first",
+                                     tool_calls=[ToolCall("bash", {"command": "ls"})]),
+                             Message(role="assistant", content="all done")])
+    s = served(engine)
+    client = s.client()
+    messages = [{"role": "user", "content": "list the files"}]
+    stream = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    calls = [c for ch in chunks for choice in ch.choices for c in (choice.delta.tool_calls or [])]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("bash", {"command": "ls"})]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == sum(s.proxy.recorder.rows[0].loss_mask)
+
+    echo = {"role": "assistant", "content": None, "reasoning_content": "look first",
+            "tool_calls": [{"id": calls[0].id, "type": "function",
+                            "function": {"name": "bash", "arguments": calls[0].function.arguments}}]}
+    messages += [echo, {"role": "tool", "tool_call_id": calls[0].id, "content": "a.txt"}]
+    # the stream the SDK assembles, as verifiers' chat program reads it
+    with client.chat.completions.stream(model="m", messages=messages, tools=TOOLS) as events:
+        final = events.get_final_completion()
+    assert final.choices[0].message.content == "all done" and final.choices[0].finish_reason == "stop"
+    assert len(s.proxy.recorder.rows) == 1  # the streamed reply echoed back extends the row, as a plain one does
+
+
+def test_a_loopback_proxy_takes_the_token_from_its_own_header(tmp_path):
+    """A verifiers environment's relay sends a bearer of its own; the episode's token rides in X-Sandforge-Episode."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    proxy = EpisodeProxy(None, TOKEN, ScriptedEngine([]), CHAT, limits(), ProxyBudget(10, 10_000), "s/2")
+    asyncio.run_coroutine_threadsafe(proxy.start(), loop).result(10)
+    try:
+        assert proxy.url.startswith("http://127.0.0.1:") and proxy.url.endswith("/v1")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        for headers, status in [({"Authorization": "Bearer EMPTY", "X-Sandforge-Episode": TOKEN}, 200),
+                                ({"Authorization": f"Bearer {TOKEN}"}, 200),
+                                ({"Authorization": f"Bearer {TOKEN}", "X-Sandforge-Episode": "other"}, 401),
+                                ({"Authorization": "Bearer EMPTY"}, 401)]:
+            r = httpx.post(f"{proxy.url}/chat/completions", json=body, headers=headers)
+            assert r.status_code == status, (headers, r.text)
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def test_budgets_end_the_episode_cleanly(served):

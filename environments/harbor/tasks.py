@@ -29,7 +29,7 @@ from pathlib import Path
 from sandforge.environments.harbor.dockerfile import AGENT_USER, MODES, HarborBuild
 from sandforge.environments.sandbox.images import BuildContext
 from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings
-from sandforge.environments.task_sources import TaskSourceError
+from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
 from sandforge import shadows
 from sandforge.types import Task, ToolCall
 
@@ -83,12 +83,6 @@ def replay_command(text: str) -> str:
     if not interpreter or program in SHELLS or HEREDOC_END in text:
         return text
     return f"{interpreter} <<'{HEREDOC_END}'\n{text.rstrip(chr(10))}\n{HEREDOC_END}"
-
-
-def heldout_by_hash(name: str, fraction: float) -> bool:
-    """A stable choice of the held-out ``fraction`` of tasks, by their folder names (the same on every machine)."""
-    digest = hashlib.sha256(name.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:

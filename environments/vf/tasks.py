@@ -1,0 +1,87 @@
+"""A ``verifiers`` environment's tasks as sandforge tasks.
+
+``environments: [{name: verifiers, id: MODULE, args: {...}}]`` names an installed verifiers v1 taskset package
+(``MODULE`` exports a ``Taskset`` subclass, and maybe an ``Env``); ``args`` are its taskset config's fields. Each of
+its tasks becomes a sandforge ``Task`` that points back at it by position (``setup["verifiers"]``): the rollout worker
+loads the same environment and runs that task (rollout/vf_episode.py), so the verifiers task itself never crosses a
+process boundary. Family: the module; held-out split: the job's ``heldout`` fraction, by a stable hash of the task's
+key. An endless taskset is read up to ``MAX_TASKS``.
+
+The episode is verifiers' own: its ``null`` harness (a chat loop that runs no code) in its ``subprocess`` runtime, so
+nothing the policy writes executes on the host. A taskset whose tasks need a container, or that is written for
+another harness, is refused here with the reason (verifiers' container runtimes would start containers outside
+sandforge's sandboxes).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
+from sandforge.environments.vf.library import vf
+from sandforge.types import Task
+
+MAX_TASKS = 10_000
+HARNESS = "null"  # verifiers' tool-less chat loop: the model's replies go nowhere but the conversation
+RUNTIME = "subprocess"  # the chat loop runs as a local process of the rollout worker
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """What verifiers itself stops the agent at, so that it scores the episode (the proxy's budgets, which refuse a
+    request, stay behind them): ``agent.max_requests``, ``agent.max_tokens``, ``rollout.episode_timeout``."""
+
+    max_turns: int | None = None
+    max_output_tokens: int | None = None
+    timeout: float | None = None
+
+
+def env_config(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimits()) -> Any:
+    """The verifiers ``EnvConfig`` sandforge runs ``module`` with: its taskset with ``args``, the null harness in
+    the subprocess runtime, stopped (then scored as it stands) at ``limits``."""
+    api = vf()
+    agent: dict[str, Any] = {"harness": {"id": HARNESS}, "runtime": {"type": RUNTIME},
+                             "max_turns": limits.max_turns, "max_output_tokens": limits.max_output_tokens}
+    if limits.timeout is not None:
+        agent["timeout"] = {"rollout": limits.timeout}
+    return api.resolve_env_config({"taskset": {**args, "id": module}, "agent": agent})
+
+
+def load_env(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimits()) -> Any:
+    """The verifiers ``Env`` for ``module`` and ``args``; TaskSourceError saying what is wrong otherwise."""
+    try:
+        env = vf().load_environment(env_config(module, args, limits))
+    except TaskSourceError:
+        raise
+    except Exception as e:  # the library's own errors name the field or module; keep them whole
+        raise TaskSourceError(f"verifiers environment {module!r}: {type(e).__name__}: {e}") from e
+    needs = getattr(env._task_cls, "NEEDS_CONTAINER", False)  # noqa: SLF001 - the library exposes it nowhere else
+    if needs:
+        raise TaskSourceError(f"verifiers environment {module!r}: its tasks need a container runtime, which sandforge "
+                              "does not run for verifiers environments yet (only tasks that need no container)")
+    return env
+
+
+def task_list(env: Any) -> list[Any]:
+    """The environment's tasks in ``load()`` order (an endless taskset's first ``MAX_TASKS``)."""
+    taskset = env.taskset
+    return list(itertools.islice(iter(taskset), MAX_TASKS))
+
+
+def load_tasks(module: str, args: dict[str, Any], heldout: float = 0.0) -> list[Task]:
+    """Every task of verifiers environment ``module`` (with ``args``), as sandforge tasks."""
+    tasks = task_list(load_env(module, args))
+    if not tasks:
+        raise TaskSourceError(f"verifiers environment {module!r} has no tasks (args: {args})")
+    out = []
+    for position, t in enumerate(tasks):
+        d = t.data
+        name = d.name or d.id or str(position)
+        key = t.key
+        out.append(Task(id=f"{module}/{position}-{name}", env="verifiers", family=module, seed=position,
+                        instruction=d.prompt_text or "(the environment's user opens the conversation)",
+                        setup={"verifiers": {"id": module, "args": dict(args), "position": position, "key": key}},
+                        split="heldout" if heldout_by_hash(key, heldout) else "train"))
+    return out

@@ -1,0 +1,3 @@
+from reverse_words.taskset import ReverseWordsTaskset
+
+__all__ = ["ReverseWordsTaskset"]

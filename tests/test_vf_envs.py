@@ -1,0 +1,198 @@
+"""verifiers environments (PyPI ``verifiers`` 0.4, verifiers.v1) run by sandforge: the real library runs each episode
+(its chat program, its interception server, the environment's own user and rubric) and its model calls reach a
+scripted engine through sandforge's recording proxy. The environments are examples/verifiers_envs/, written against
+the library as its own examples are; scripts/test.sh installs them."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import threading
+from difflib import SequenceMatcher
+from pathlib import Path
+
+import pytest
+from agent_fakes import CHAT, limits
+
+from sandforge.environments.task_sources import TaskSourceError
+from sandforge.environments.vf.library import vf
+from sandforge.environments.vf.tasks import load_env, load_tasks, task_list
+from sandforge.rollout.policy_client import PolicyError
+from sandforge.rollout.proxy import ProxyBudget
+from sandforge.rollout.vf_episode import VerifiersEnvs, agent_limits, run_vf_episode
+from sandforge.types import GenerateRequest, Message, Sample
+
+for _name in ("reverse_words", "guess_number"):
+    if importlib.util.find_spec(_name) is None:
+        pytest.skip(f"pip install ./examples/verifiers_envs/{_name} (scripts/test.sh does)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+USER = re.compile(r"<\|user\|>(.*?)<\|end\|>", re.DOTALL)
+
+
+def reply_to(conversation: list[str]) -> str:
+    """The scripted policy, a function of the user messages so far (the same for sandforge and for vf-eval):
+    reverses a word with one letter wrong when it starts with 'k' (a near miss), and searches for a number by halves."""
+    last = conversation[-1]
+    if "thinking of a number" in conversation[0]:
+        low, high = 1, int(re.search(r"from 1 to (\d+)", conversation[0]).group(1))
+        guess = (low + high) // 2
+        for said in conversation[1:]:
+            if said.startswith("Higher"):
+                low = guess + 1
+            elif said.startswith("Lower"):
+                high = guess - 1
+            guess = (low + high) // 2
+        return f"I guess <guess>{guess}</guess>"
+    word = last.strip()[::-1]
+    if last.startswith("k"):
+        word = word[:-1] + "x"
+    return f"<reversed_text>{word}</reversed_text>"
+
+
+class ScriptedEngine:
+    """The engine behind the proxy: reads the rendered prompt's user messages and replies by ``reply_to``."""
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.requests: list[GenerateRequest] = []
+        self.replies: list[list[int]] = []
+
+    async def generate(self, request: GenerateRequest) -> Sample:
+        self.requests.append(request)
+        if self.fail:
+            raise PolicyError("engine: gone")
+        said = USER.findall(CHAT.tokenizer.decode(request.prompt_ids))
+        ids = CHAT.render_assistant(Message(role="assistant", content=reply_to(said)))
+        self.replies.append(ids)
+        return Sample(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", version=3)
+
+    async def close_session(self, session_id: str) -> None:
+        pass
+
+
+def run(tasks, engine, budget=ProxyBudget(10, 10_000), **limit):
+    async def main():
+        envs = VerifiersEnvs(agent_limits(limits(**limit), budget))
+        try:
+            return [await run_vf_episode(t, envs, engine, CHAT, limits(**limit), budget, f"g{i}", version=3)
+                    for i, t in enumerate(tasks)]
+        finally:
+            await envs.close()
+    return asyncio.run(main())
+
+
+def test_a_single_turn_environment_scores_by_its_own_rubric_on_exactly_the_engines_tokens():
+    tasks = load_tasks("reverse_words", {"num_tasks": 40, "seed": 3})
+    near = next(t for t in tasks if t.instruction.startswith("k"))
+    exact = next(t for t in tasks if not t.instruction.startswith("k"))
+    engine = ScriptedEngine()
+    right, close = run([exact, near], engine)
+    assert not right.failed and right.reward.success and right.reward.value == 1.0
+    assert not close.failed and not close.reward.success
+    word = near.instruction[::-1]
+    assert close.reward.value == pytest.approx(SequenceMatcher(None, word[:-1] + "x", word).ratio())
+    for traj, generated in zip([right, close], engine.replies):
+        assert not traj.earlier_rows and len(traj.turns) == 1
+        assert [t for t, m in zip(traj.token_ids, traj.loss_mask) if m] == generated  # the engine's ids, no others
+        assert traj.logprobs[-1] == -0.5 and traj.token_versions[-1] == 3
+    prompt = CHAT.tokenizer.decode(engine.requests[0].prompt_ids)
+    assert "Reverse the text character by character" in prompt and f"<|user|>{exact.instruction}<|end|>" in prompt
+
+
+def test_a_multi_turn_environment_keeps_one_row_over_its_users_turns():
+    tasks = load_tasks("guess_number", {"num_tasks": 12, "seed": 1, "high": 8, "turns": 4})
+    far = next(t for t in tasks if _secret(t) in (1, 8))  # binary search needs 3 or 4 guesses for these
+    engine = ScriptedEngine()
+    (traj,) = run([far], engine)
+    assert not traj.failed and traj.reward.success and traj.reward.value == 1.0
+    assert len(traj.turns) >= 3 and not traj.earlier_rows  # each request extended the recorded row
+    assert sum(traj.loss_mask) == sum(len(r) for r in engine.replies)
+    for before, after in zip(engine.requests, engine.requests[1:]):  # append-only: no token re-rendered
+        assert after.prompt_ids[: len(before.prompt_ids)] == before.prompt_ids
+    assert "Higher" in CHAT.tokenizer.decode(traj.token_ids) or "Lower" in CHAT.tokenizer.decode(traj.token_ids)
+
+
+def test_a_budget_that_runs_out_is_scored_and_a_dead_engine_fails_only_its_episode():
+    tasks = load_tasks("guess_number", {"num_tasks": 12, "seed": 1, "high": 8, "turns": 4})
+    far = next(t for t in tasks if _secret(t) in (1, 8))
+    (short,) = run([far], ScriptedEngine(), budget=ProxyBudget(1, 10_000))  # verifiers stops at 1 turn, and scores
+    assert not short.failed and short.reward.value == 0.0 and len(short.turns) == 1, short.failure
+    (dead,) = run([far], ScriptedEngine(fail=True))
+    assert dead.failed and "engine" in dead.failure and dead.reward.value == 0.0
+
+
+def test_an_unknown_module_or_argument_is_a_clear_error():
+    with pytest.raises(TaskSourceError, match="no_such_env"):
+        load_tasks("no_such_env", {})
+    with pytest.raises(TaskSourceError, match="num_taskz"):
+        load_tasks("reverse_words", {"num_taskz": 3})
+
+
+def _secret(task) -> int:
+    spec = task.setup["verifiers"]
+    return task_list(load_env(spec["id"], spec["args"]))[spec["position"]].data.secret
+
+
+class OpenAIServer:
+    """A plain chat-completions server that answers by ``reply_to``, streamed as verifiers' chat program asks: what
+    verifiers' own vf-eval is pointed at."""
+
+    def __init__(self):
+        from aiohttp import web
+
+        from sandforge.rollout.chat_api import completion_events, completion_json
+
+        async def completions(request):
+            body = await request.json()
+            said = [m["content"] for m in body["messages"] if m["role"] == "user"]
+            done = completion_json(Message(role="assistant", content=reply_to(said)), "stop", 1, 1, "m", "id", 0)
+            if body.get("stream"):
+                return web.Response(body=completion_events(done, True), content_type="text/event-stream")
+            return web.json_response(done)
+
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", completions)
+        self.runner = web.AppRunner(app)
+
+        async def start():
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            return site._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)}/v1"
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.mark.parametrize("module, args", [("reverse_words", {"num_tasks": 6, "seed": 2}),
+                                          ("guess_number", {"num_tasks": 4, "seed": 2, "turns": 2})])
+def test_sandforge_records_the_reward_verifiers_own_eval_computes_for_the_same_completions(tmp_path, module, args):
+    server = OpenAIServer()
+    try:
+        flags = [f"--env.taskset.{k.replace('_', '-')}={v}" for k, v in args.items()]
+        subprocess.run([str(Path(sys.executable).parent / "vf-eval"), module, *flags, "-m", "scripted",
+                        "--client.base-url", server.url, "--client.api-key-var", "SANDFORGE_NONE",
+                        "--env.agent.harness.id", "null", "--env.agent.runtime.type", "subprocess",
+                        "--no-push", "-o", str(tmp_path), "-c", "2"],
+                       cwd=tmp_path, check=True, capture_output=True, timeout=600)
+    finally:
+        server.close()
+    (traces,) = list(tmp_path.rglob("traces.jsonl"))
+    theirs = {}
+    for line in traces.read_text().splitlines():
+        record = json.loads(line)
+        (trace,) = record["traces"]
+        theirs[record["task"]["data"]["idx"]] = sum(r["score"] * r["weight"] for r in trace["rewards"].values())
+    tasks = load_tasks(module, args)
+    ours = {t.setup["verifiers"]["position"]: traj.reward.value for t, traj in zip(tasks, run(tasks, ScriptedEngine()))}
+    assert len(theirs) == len(tasks) and ours == pytest.approx(theirs)
+    assert len(set(ours.values())) > 1  # near misses and exact answers (found and not found) both seen
