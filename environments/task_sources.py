@@ -143,11 +143,19 @@ def dump_jsonl(tasks: list[Task], path: Path) -> None:
     Path(path).write_text("".join(json.dumps(asdict(t)) + "\n" for t in tasks))
 
 
-def open_source(entry: Any, tasks: Path | None = None, harbor_mode: str = "root",
-                heldout: float = 0.0) -> ProceduralSource | FiniteSource:
+def open_source(entry: Any, tasks: Path | None = None, harbor_mode: str = "root", heldout: float = 0.0,
+                ident: str | None = None, args: dict | None = None) -> ProceduralSource | FiniteSource:
     """The task source of a registry entry: its seeded families, or the path ``tasks``, read by the entry's folder
     loader when it has one (Harbor's, with ``harbor_mode`` and the ``heldout`` fraction: environments/harbor/tasks.py),
-    else as a JSONL file."""
+    else as a JSONL file; for a library environment (verifiers), the tasks of its ``ident`` made with ``args``."""
+    if entry.library_loader is not None:
+        if not ident:
+            raise TaskSourceError(f"the {entry.name!r} environment needs `id`: the installed environment module to "
+                                  "run (e.g. id: reverse_words)")
+        return FiniteSource(entry.load_library(ident, args or {}, heldout), f"{entry.name} environment {ident!r}")
+    if ident or args:
+        raise TaskSourceError(f"the {entry.name!r} environment takes no `id` or `args` (they name a verifiers "
+                              "environment: name: verifiers)")
     if tasks is None:
         if not entry.families():
             raise TaskSourceError(f"the {entry.name!r} environment has no seeded tasks: give it `tasks:` (a JSONL "

@@ -204,15 +204,22 @@ def envs_list(
 ) -> None:
     """Print every environment: where it comes from, its task families, how many tasks per split, its image."""
     from sandforge.environments.task_sources import open_source
+    from sandforge.job.tasks import env_source
     from sandforge.registry import PluginError, environment, environments
 
-    def row(entry, name: str, source: str, tasks: Path | None = None) -> list[str]:
-        src = open_source(entry, tasks) if tasks is not None or entry.families() else None
-        counts = "from `tasks:` in a job (envs list JOB.yaml)" if src is None else ", ".join(
+    def row(entry, name: str, source: str, tasks: Path | None = None, env=None) -> list[str]:
+        if env is not None and env.id:
+            src = env_source(env)
+        else:
+            src = open_source(entry, tasks) if tasks is not None or entry.families() else None
+        given = "`id:`" if entry.library_loader is not None else "`tasks:`"
+        counts = f"from {given} in a job (envs list JOB.yaml)" if src is None else ", ".join(
             f"{split} {'seeded' if src.count(split) is None else src.count(split)}"
             for split in getattr(entry.tasks(), "SPLITS", ("train", "heldout")))
         if entry.image_name is not None:
             image = f"sandforge/{entry.image_name}"
+        elif entry.library_loader is not None:
+            image = "none (run by its library)"
         else:
             image = f"per task: {len(src.images)} images" if src is not None and src.images else "per task"
         return [name, source, ", ".join(src.families()) if src else "-", counts, image]
@@ -223,6 +230,8 @@ def envs_list(
             cfg = load_config(config)
             rows += [row(environment(e.name), e.name, f"{config}: environments[{i}].tasks = {e.tasks}", e.tasks)
                      for i, e in enumerate(cfg.environments) if e.tasks is not None]
+            rows += [row(environment(e.name), e.name, f"{config}: environments[{i}].id = {e.id}", env=e)
+                     for i, e in enumerate(cfg.environments) if e.id is not None]
     except (ConfigError, PluginError, KeyError, ValueError) as e:
         fail(str(e).strip("'\""), 1)
     header = ["name", "source", "families", "tasks", "image"]

@@ -66,7 +66,11 @@ def env_tools(env_names: list[str]) -> dict[str, list[dict]]:
 
     out = {}
     for name in env_names:
-        cls = environment(name).env_class()
+        entry = environment(name)
+        if entry.library_loader is not None:  # a verifiers environment: its requests carry their own tools
+            out[name] = []
+            continue
+        cls = entry.env_class()
         out[name] = tool_schemas(cls.__new__(cls))  # schemas come from the class's @tool methods
     return out
 

@@ -46,13 +46,13 @@ class RunPlan:
 
 def eval_episodes(cfg: JobConfig) -> int:
     """Episodes of one held-out evaluation (generated families; a task file's count is known only once read)."""
-    from sandforge.environments.task_sources import FiniteSource, open_source
-    from sandforge.registry import environment
+    from sandforge.environments.task_sources import FiniteSource
+    from sandforge.job.tasks import env_source
 
     n = 0
     for env in cfg.environments:
         try:
-            source = open_source(environment(env.name), env.tasks, env.harbor_mode, env.heldout)
+            source = env_source(env)
             families = env.families or source.families()
             if isinstance(source, FiniteSource):
                 n += sum(min(cfg.eval.tasks_per_family, sum(t.family == f and t.split == "heldout"

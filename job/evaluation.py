@@ -21,9 +21,8 @@ from typing import Callable
 from rich.table import Table
 
 from sandforge.config import EnvironmentConfig, JobConfig
-from sandforge.environments.task_sources import FiniteSource, open_source
-from sandforge.job.tasks import with_reward_rule
-from sandforge.registry import environment
+from sandforge.environments.task_sources import FiniteSource
+from sandforge.job.tasks import env_source, with_reward_rule
 from sandforge.types import Task, Trajectory
 
 
@@ -33,7 +32,7 @@ def heldout_tasks(envs: list[EnvironmentConfig], per_family: int) -> list[Task]:
     without held-out tasks there is left out)."""
     tasks: list[Task] = []
     for env in envs:
-        source = open_source(environment(env.name), env.tasks, env.harbor_mode, env.heldout)
+        source = env_source(env)
         for family in env.families or source.families():
             if isinstance(source, FiniteSource):
                 found = [t for t in source.tasks if t.family == family and t.split == "heldout"][:per_family]

@@ -25,9 +25,8 @@ class TaskSampler:
         self.families: list[list[str]] = []  # per configured environment (one env name may appear twice)
         self.sources = []
         for i, env in enumerate(envs):
-            entry = environment(env.name)  # KeyError names the known environments
             try:
-                source = open_source(entry, env.tasks, env.harbor_mode, env.heldout)
+                source = env_source(env)
             except TaskSourceError as e:
                 raise ValueError(f"environments[{i}].tasks: {e}") from None
             known = source.families()
@@ -55,6 +54,12 @@ class TaskSampler:
             drawn = {t.setup.get("image") for t in getattr(source, "tasks", []) if t.family in families}
             found |= {name: ctx for name, ctx in source.images.items() if name in drawn}
         return found
+
+
+def env_source(env: EnvironmentConfig):
+    """The task source of one ``environments`` entry (``open_source`` with its keys); KeyError for an unknown name."""
+    entry = environment(env.name)  # KeyError names the known environments
+    return open_source(entry, env.tasks, env.harbor_mode, env.heldout, env.id, env.args)
 
 
 def with_reward_rule(task: Task, rule: str) -> Task:

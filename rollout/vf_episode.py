@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from sandforge.environments.vf.library import vf
+from sandforge.environments.vf.library import uv_on_path, vf
 from sandforge.environments.vf.tasks import AgentLimits, load_env, task_list
 from sandforge.rollout.agent import EpisodeLimits, ended, fail
 from sandforge.rollout.harness_episode import fill_rows
@@ -53,6 +53,7 @@ class VerifiersEnvs:
         key = json.dumps([module, args], sort_keys=True)
         async with self._lock:
             if key not in self._envs:
+                uv_on_path()
                 env = await asyncio.to_thread(load_env, module, args, self.limits)
                 tasks = await asyncio.to_thread(task_list, env)
                 await self._stack.enter_async_context(env.serving())
@@ -117,6 +118,7 @@ async def run_vf_episode(task: Task, envs: VerifiersEnvs, policy: Policy, chat, 
         ctx = api.ModelContext(model=MODEL_NAME, client=client, sampling=api.Sampling())
         timeout = None if limits.episode_timeout is None else limits.episode_timeout + GRACE
         episode = await asyncio.wait_for(env.run_episode(tasks[position], ctx), timeout)
+        budget_spent = proxy.ended  # a budget of the proxy's ended it (before end() marks it done)
         proxy.end()
         await proxy.close()
         if proxy.failure:
@@ -128,13 +130,13 @@ async def run_vf_episode(task: Task, envs: VerifiersEnvs, policy: Policy, chat, 
         try:
             traj.reward = reward_of(episode)
         except EnvironmentFault as e:
-            if proxy.ended is None:  # the environment's own fault
+            if budget_spent is None:  # the environment's own fault
                 raise VerifierError(str(e)) from e
             # a budget of the proxy's refused a request before verifiers' own limit stopped the agent: the policy
             # spent it, so the episode scores 0 rather than failing
             traj.reward = Reward(0.0, False, reason=f"the episode's budget ran out ({proxy.ended}) before verifiers "
                                                     f"scored it: {e}"[:2000])
-        traj.finish_reason = proxy.ended or ("timeout" if episode.is_timeout else "submit")
+        traj.finish_reason = budget_spent or ("timeout" if episode.is_timeout else "submit")
         if proxy.refused:
             traj.metadata["proxy_refused"] = proxy.refused[-10:]
     except asyncio.TimeoutError:

@@ -31,6 +31,7 @@ from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.harness_episode import run_harness_episode
 from sandforge.rollout.harnesses import find_harness
 from sandforge.rollout.proxy import ProxyBudget
+from sandforge.rollout.vf_episode import VerifiersEnvs, agent_limits, run_vf_episode
 from sandforge.rollout.policy_client import EnginePolicy, scripted_policy
 from sandforge.types import Reward, Task, Trajectory
 
@@ -78,11 +79,14 @@ class RolloutWorker:
         r, s = setup.rollout, setup.sandbox
         self.limits = EpisodeLimits.from_config(r, self.chat.stop_ids, tool_grace=s.exec_timeout + TOOL_GRACE_S)
         entries = {e.name: environment(e.name) for e in setup.environments}
-        self.env_classes = {name: entry.env_class() for name, entry in entries.items()}
-        self.env_images = {name: entry.image_name for name, entry in entries.items()}
+        sandboxed = {name: entry for name, entry in entries.items() if entry.library_loader is None}
+        self.env_classes = {name: entry.env_class() for name, entry in sandboxed.items()}
+        self.env_images = {name: entry.image_name for name, entry in sandboxed.items()}
         a = setup.agent
         self.harness = find_harness(a.harness, a.options) if a.harness else None
         self.budget = ProxyBudget(max_requests=a.max_requests, max_tokens=a.max_tokens)
+        # verifiers environments: loaded on first use; their episodes need no sandbox
+        self.vf_envs = VerifiersEnvs(agent_limits(self.limits, self.budget))
         self.gate = asyncio.Semaphore(r.concurrency)  # episodes at once
         self.slots: dict[str, asyncio.Semaphore] = {}  # sandboxes at once, per pool
         self.episodes = 0  # numbers the engine sessions of this worker
@@ -141,6 +145,12 @@ class RolloutWorker:
         self.episodes += 1
         session = f"{self.run_id}/{self.worker_id}/{group}/{self.episodes}"
         policy = scripted_policy(task, self.chat, version) if scripted else self.policy
+        if task.env not in self.env_classes:  # a library's environment (verifiers): no sandbox to wait for
+            async with self.gate:
+                traj = await run_vf_episode(task, self.vf_envs, policy, self.chat, limits or self.limits,
+                                            self.budget, group, version, session, seed=seed)
+            traj.metadata["worker"] = self.worker_id
+            return traj.to_dict()
         async with self.gate:
             waited = time.monotonic()
             try:

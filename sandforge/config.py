@@ -90,7 +90,28 @@ class EnvironmentConfig(Section):
     # "reward", else the only one, else the mean), mean, min, or a reward's name; a check's own "reward" wins
     reward_rule: str = Field("auto", min_length=1)
     # task files and folders: the fraction of tasks without a split of their own held out, by a stable hash of the name
+    # (for a verifiers environment, of each task's key)
     heldout: float = Field(0.0, ge=0, le=1)
+    # name: verifiers only (docs/verifiers-envs.md): the installed verifiers environment module to run, and its
+    # taskset's arguments
+    id: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _id_for_library_envs(self) -> EnvironmentConfig:
+        from sandforge.registry import LIBRARY_ENVIRONMENTS  # noqa: PLC0415 - core, but imported where it is used
+
+        if self.name in LIBRARY_ENVIRONMENTS:
+            if not self.id:
+                raise ValueError(f"the {self.name} environment needs `id`: the installed environment module to run "
+                                 "(e.g. id: reverse_words)")
+            if self.tasks is not None or self.families:
+                raise ValueError(f"the {self.name} environment takes its tasks from `id` and `args`, not `tasks` or "
+                                 "`families`")
+        elif self.id is not None or self.args:
+            raise ValueError(f"`id` and `args` name a verifiers environment (name: verifiers); the {self.name!r} "
+                             "environment takes neither")
+        return self
 
     @field_validator("tasks")
     @classmethod

@@ -35,6 +35,9 @@ BUILTIN_ENVIRONMENTS = {
     "notion": ("sandforge.environments.notion.env:NotionEnv", "sandforge.environments.notion.tasks"),
     "browser": ("sandforge.environments.browser.env:BrowserEnv", "sandforge.environments.browser.tasks"),
 }
+# Built-in envs whose episodes another library runs (its own tasks, its own program and scoring), sandforge serving
+# their model calls through the recording proxy: name -> the ``LibraryLoader`` of their tasks. No sandbox, no image.
+LIBRARY_ENVIRONMENTS = {"verifiers": "sandforge.environments.vf.tasks:load_tasks"}
 # Built-in envs whose sandboxes run the image of another package under sandforge.environments (default: their own).
 SHARED_IMAGES = {"slack": "apps", "notion": "apps"}  # the mock apps: one image, the app's code goes in at reset
 # Built-in envs whose `tasks:` paths are folders of their own format, read by this ``FolderLoader``.
@@ -114,18 +117,34 @@ class PluginError(RuntimeError):
 FolderLoader = Callable[[Path, str, float], tuple[list[Any], dict[str, Any]]]
 
 
+# ``(id, args, heldout) -> tasks``: the tasks of a library environment's ``id`` (the job's ``environments[i].id``,
+# e.g. a verifiers taskset module) made with ``args``; ``heldout``: the fraction held out. Raises
+# environments.task_sources.TaskSourceError saying what is wrong.
+LibraryLoader = Callable[[str, dict, float], list[Any]]
+
+
 @dataclass(frozen=True)
 class EnvironmentEntry:
     name: str
-    env_path: str  # "module:Class"
+    env_path: str | None  # "module:Class"; None for a library environment (no sandbox: ``library_loader``)
     tasks_module: str  # module with FAMILIES: family -> (seed, split) -> Task
     source: str = "built-in"  # or "plugin <distribution> <version>"
     image_name: str | None = None  # the image its sandboxes use; None: each task brings its own (Harbor)
     image_package: str | None = None  # the package whose folder holds that image's Dockerfile
     folder_loader: str | None = None  # "module:function", a FolderLoader; None: `tasks:` is a JSONL file
+    library_loader: str | None = None  # "module:function", a LibraryLoader: another library runs its episodes
 
     def env_class(self) -> type:
+        if self.env_path is None:
+            raise ValueError(f"the {self.name!r} environment has no sandbox environment class: its episodes are run "
+                             "by its library")
         return resolve(self.env_path)
+
+    def load_library(self, ident: str, args: dict, heldout: float = 0.0) -> list[Any]:
+        """The tasks of a library environment's ``ident`` made with ``args`` (its ``LibraryLoader``)."""
+        if self.library_loader is None:
+            raise ValueError(f"the {self.name!r} environment takes no `id`: it is not run by another library")
+        return resolve(self.library_loader)(ident, dict(args), heldout)
 
     def families(self) -> list[str]:
         return list(importlib.import_module(self.tasks_module).FAMILIES)
@@ -213,8 +232,10 @@ def _plugin(ep: EntryPoint) -> EnvironmentEntry:
 def environments() -> dict[str, EnvironmentEntry]:
     """Every environment: the built-ins, then installed plugins (a plugin may not reuse a built-in's name)."""
     found = {name: _builtin(name, *paths) for name, paths in BUILTIN_ENVIRONMENTS.items()}
+    found |= {name: EnvironmentEntry(name, None, loader.partition(":")[0], library_loader=loader)
+              for name, loader in LIBRARY_ENVIRONMENTS.items()}
     for ep in entry_points(group=ENVIRONMENT_GROUP):
-        if ep.name in BUILTIN_ENVIRONMENTS:
+        if ep.name in found:
             raise PluginError(f"{_distribution(ep)} registers environment {ep.name!r}, which is a built-in name: "
                               "rename its entry point")
         found[ep.name] = _plugin(ep)

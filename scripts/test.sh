@@ -6,6 +6,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The example plugin, installed from its own folder as users install one: `sandforge envs list` then shows `notes`.
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation ./examples/plugin_env
+# The verifiers library at its pinned version, and the two verifiers environments written against it (tests/test_vf_envs.py)
+.venv/bin/python -m pip install -q -e ".[test,verifiers]" >> .venv/setup.log 2>&1 \
+  || { echo "[sandforge] pip install .[verifiers] failed: the end of .venv/setup.log:" >&2; tail -25 .venv/setup.log >&2; exit 1; }
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation ./examples/verifiers_envs/reverse_words \
+  ./examples/verifiers_envs/guess_number
 .venv/bin/sandforge images build
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export SANDFORGE_REQUIRE_DOCKER=1  # setup.sh started the daemon: container tests must run, not skip

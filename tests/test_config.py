@@ -36,6 +36,9 @@ def test_quickstart_loads_with_dotted_overrides():
         ("model:\n  arch: moe\n", "invalid value for 'model.arch'"),
         ("model:\n  init_from: /does/not/exist\n", "'model.init_from'"),
         ("trainer: [1, 2\n", "is not valid YAML"),
+        ("environments:\n  - name: verifiers\n", "the verifiers environment needs `id`"),
+        ("environments:\n  - name: terminal\n    id: reverse_words\n", "the 'terminal' environment takes neither"),
+        ("environments:\n  - name: verifiers\n    id: x\n    families: [a]\n", "not `tasks` or `families`"),
     ],
 )
 def test_bad_configs_name_the_key_and_file(tmp_path, text, needle):

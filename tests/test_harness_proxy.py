@@ -173,9 +173,11 @@ def test_the_sandbox_reaches_nothing_but_its_own_proxy(run_id, docker_client):
 
 
 @pytest.mark.slow
-def test_bash_loop_trains_smollm2_for_a_step_on_its_recorded_rows(tmp_path):
-    """configs/bash-loop.yaml, shortened: the harness in real repo sandboxes, the real engine with SmolLM2 behind
-    the proxy, and one RL step on the rows it recorded."""
+@pytest.mark.parametrize("config, context", [("bash-loop", 4096), ("mini-swe-agent", 8192)])
+def test_a_harness_trains_smollm2_for_a_step_on_its_recorded_rows(tmp_path, config, context):
+    """configs/bash-loop.yaml and configs/mini-swe-agent.yaml, shortened: the harness in real repo sandboxes (mini-swe-
+    agent unmodified, from its wheelhouse layer), the real engine with SmolLM2 behind the proxy, and one RL step on
+    the rows it recorded."""
     import json
     import subprocess
     import sys
@@ -187,14 +189,15 @@ def test_bash_loop_trains_smollm2_for_a_step_on_its_recorded_rows(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "run"
     overrides = ["trainer.steps=1", "rollout.tasks_per_step=1", "rollout.group_size=2", "agent.max_requests=2",
-                 "rollout.max_new_tokens=48", "logging.wandb.mode=disabled", f"run.output_dir={out}"]
-    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/bash-loop.yaml", *overrides],
+                 "rollout.max_new_tokens=48", f"rollout.max_context={context}", "logging.wandb.mode=disabled",
+                 f"run.output_dir={out}"]
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", f"configs/{config}.yaml", *overrides],
                           cwd=root, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and not any(r["failed"] for r in rows), [r["failure"] for r in rows]
     for r in rows:
-        assert r["metadata"]["harness"] == "bash-loop" and r["turns"]
+        assert r["metadata"]["harness"] == config and r["turns"]
         generated = sum(t["generated_tokens"] for t in r["turns"])
         masked = sum(r["loss_mask"]) + sum(sum(x["loss_mask"]) for x in r["earlier_rows"])
         assert generated == masked > 0  # every token the engine produced, in the rows, once

@@ -196,3 +196,65 @@ def test_sandforge_records_the_reward_verifiers_own_eval_computes_for_the_same_c
     ours = {t.setup["verifiers"]["position"]: traj.reward.value for t, traj in zip(tasks, run(tasks, ScriptedEngine()))}
     assert len(theirs) == len(tasks) and ours == pytest.approx(theirs)
     assert len(set(ours.values())) > 1  # near misses and exact answers (found and not found) both seen
+
+
+@pytest.mark.slow
+def test_configs_verifiers_trains_smollm2_for_a_step_on_the_environments_episodes(tmp_path):
+    """configs/verifiers.yaml, shortened: `sandforge train` on reverse_words, SmolLM2 in the real engine behind the
+    proxy, verifiers' own rubric as the reward, and one RL step on the recorded rows."""
+    from pulled_models import pulled
+
+    pulled("smollm2-135m")
+    out = tmp_path / "run"
+    overrides = ["trainer.steps=1", "rollout.tasks_per_step=2", "rollout.group_size=4", "eval.tasks_per_family=2",
+                 "logging.wandb.mode=disabled", f"run.output_dir={out}"]
+    proc = subprocess.run([sys.executable, "-m", "sandforge.job.cli", "train", "configs/verifiers.yaml", *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    episodes = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    rows = [r for r in episodes if r["phase"] == "rl"]
+    assert len(rows) == 8 and len(episodes) == 8 + 2 * 2 * 4  # and the held-out tasks, 4 times, before and after
+    assert not any(r["failed"] for r in episodes), [r["failure"] for r in episodes]
+    for r in episodes:
+        assert r["task"]["env"] == "verifiers" and list(r["reward"]["breakdown"]) == ["lcs"]
+        assert sum(t["generated_tokens"] for t in r["turns"]) == sum(r["loss_mask"]) > 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rl = [m for m in metrics if m["phase"] == "rl"]
+    assert [m["step"] for m in rl] == [0] and rl[0]["policy/version"] == 1
+
+
+TOOLED = '''
+import verifiers.v1 as vf
+
+
+class Shell(vf.Toolset):
+    @vf.tool
+    async def run(self, command: str) -> str:
+        """Run a command."""
+        return command
+
+
+class ShellTask(vf.Task[vf.TaskData]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Shell(vf.ToolsetConfig())]
+
+    @vf.reward
+    async def done(self, trace: vf.Trace) -> float:
+        return 1.0
+
+
+class ShellTaskset(vf.Taskset[ShellTask, vf.TasksetConfig]):
+    def load(self):
+        return [ShellTask(vf.TaskData(prompt="list the files"), self.config.task)]
+
+
+__all__ = ["ShellTaskset"]
+'''
+
+
+def test_a_taskset_with_tool_servers_is_refused_since_they_would_run_on_the_host(tmp_path, monkeypatch):
+    (tmp_path / "sf_tooled_env.py").write_text(TOOLED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskSourceError, match="tool servers .*Shell.*on the host"):
+        load_tasks("sf_tooled_env", {})

@@ -45,6 +45,17 @@ def vf() -> ModuleType:
     return importlib.import_module("verifiers.v1")
 
 
+def uv_on_path() -> None:
+    """Put the ``uv`` installed beside this Python (sandforge's verifiers extra pins it) first on ``PATH``: verifiers'
+    runtimes prepare their chat program with whatever ``uv`` they find, and install one with ``pip --user`` when
+    they find none."""
+    folder = os.path.dirname(sys.executable)
+    if os.path.isfile(os.path.join(folder, "uv")):
+        path = os.environ.get("PATH", "")
+        if path.split(os.pathsep)[:1] != [folder]:
+            os.environ["PATH"] = os.pathsep.join([folder, path]) if path else folder
+
+
 def _is_library(module: ModuleType) -> bool:
     """Whether ``module`` (loaded as ``verifiers``) is the library, not sandforge's graders folder."""
     ours = importlib.util.find_spec("sandforge.verifiers")

@@ -8,9 +8,8 @@ process boundary. Family: the module; held-out split: the job's ``heldout`` frac
 key. An endless taskset is read up to ``MAX_TASKS``.
 
 The episode is verifiers' own: its ``null`` harness (a chat loop that runs no code) in its ``subprocess`` runtime, so
-nothing the policy writes executes on the host. A taskset whose tasks need a container, or that is written for
-another harness, is refused here with the reason (verifiers' container runtimes would start containers outside
-sandforge's sandboxes).
+nothing the policy writes executes on the host. A taskset whose tasks need a container, or that declares tool servers
+(they would run the policy's calls on the host), is refused here with the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
 from sandforge.environments.vf.library import vf
 from sandforge.types import Task
 
+FAMILIES: dict = {}  # no seeded tasks: each job's `id` names the environment (one family per module)
 MAX_TASKS = 10_000
 HARNESS = "null"  # verifiers' tool-less chat loop: the model's replies go nowhere but the conversation
 RUNTIME = "subprocess"  # the chat loop runs as a local process of the rollout worker
@@ -57,10 +57,15 @@ def load_env(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimit
         raise
     except Exception as e:  # the library's own errors name the field or module; keep them whole
         raise TaskSourceError(f"verifiers environment {module!r}: {type(e).__name__}: {e}") from e
-    needs = getattr(env._task_cls, "NEEDS_CONTAINER", False)  # noqa: SLF001 - the library exposes it nowhere else
-    if needs:
+    task_cls = type(env.taskset).task_type()
+    if getattr(task_cls, "NEEDS_CONTAINER", False):
         raise TaskSourceError(f"verifiers environment {module!r}: its tasks need a container runtime, which sandforge "
                               "does not run for verifiers environments yet (only tasks that need no container)")
+    tools = [*env.taskset.toolsets(env.taskset.config), *task_cls.toolsets(env.taskset.config.task)]
+    if tools:
+        raise TaskSourceError(f"verifiers environment {module!r} declares tool servers "
+                              f"({', '.join(type(t).__name__ for t in tools)}): with no sandbox they would run the "
+                              "policy's calls on the host, so sandforge does not run them yet")
     return env
 
 

@@ -11,7 +11,8 @@ from difflib import SequenceMatcher
 
 import verifiers.v1 as vf
 
-SYSTEM = "Reverse the text character by character. Put your answer in <reversed_text> tags."
+SYSTEM = ("Reverse the text character by character. Put your answer in <reversed_text> tags, "
+          "for example: abcd -> <reversed_text>dcba</reversed_text>")
 _TAG = re.compile(r"<reversed_text>(.*?)</reversed_text>", re.DOTALL)
 SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "do", "fi", "gu", "he", "ja"]
 
