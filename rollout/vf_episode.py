@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Any
 
+from sandforge.environments.task_sources import TaskSourceError
 from sandforge.environments.vf.library import uv_on_path, vf
 from sandforge.environments.vf.tasks import AgentLimits, load_env, task_list
 from sandforge.rollout.agent import EpisodeLimits, ended, fail
@@ -140,7 +141,10 @@ async def run_vf_episode(task: Task, envs: VerifiersEnvs, policy: Policy, chat, 
         if proxy.refused:
             traj.metadata["proxy_refused"] = proxy.refused[-10:]
     except asyncio.TimeoutError:
-        fail(traj, EnvironmentFault(f"verifiers did not end the episode {GRACE:.0f} s after rollout.episode_timeout"))
+        traj.failed, traj.failure = True, f"env: verifiers did not end the episode {GRACE:.0f} s after " \
+                                          "rollout.episode_timeout"
+    except (EnvironmentFault, TaskSourceError) as e:  # the environment's own fault: episodes/failed_env
+        traj.failed, traj.failure = True, f"env: {e}"
     except Exception as e:  # one episode fails, never the run (a bug's traceback is kept)
         fail(traj, e)
     finally:
