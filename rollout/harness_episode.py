@@ -12,6 +12,7 @@ or verifier fails this episode only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import os
 import secrets
@@ -94,15 +95,18 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
     except Exception as e:  # one episode fails, never the run (a bug's traceback is kept)
         fail(traj, e)
     finally:
-        if proxy is not None:
-            proxy.end()
-            await proxy.close()
-        try:
-            await policy.close_session(session)
-        except Exception:  # noqa: BLE001 - the engine evicts the session by itself eventually
-            pass
+        await release(proxy, policy, session)
         await env.aclose()
     return ended(traj, start)
+
+
+async def release(proxy: EpisodeProxy | None, policy: Policy, session: str) -> None:
+    """The episode's proxy closed (nothing more is answered or recorded) and its engine session given back."""
+    if proxy is not None:
+        proxy.end()
+        await proxy.close()
+    with contextlib.suppress(Exception):  # the engine evicts the session by itself eventually
+        await policy.close_session(session)
 
 
 async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: EpisodeLimits, traj: Trajectory) -> str:

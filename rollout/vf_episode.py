@@ -26,7 +26,7 @@ from sandforge.environments.task_sources import TaskSourceError
 from sandforge.environments.vf.library import uv_on_path, vf
 from sandforge.environments.vf.tasks import AgentLimits, load_env, task_list
 from sandforge.rollout.agent import EpisodeLimits, ended, fail
-from sandforge.rollout.harness_episode import fill_rows
+from sandforge.rollout.harness_episode import fill_rows, release
 from sandforge.rollout.policy_client import Policy, PolicyError
 from sandforge.rollout.proxy import EPISODE_HEADER, MODEL_NAME, EpisodeProxy, ProxyBudget
 from sandforge.types import Reward, Task, Trajectory
@@ -148,9 +148,5 @@ async def run_vf_episode(task: Task, envs: VerifiersEnvs, policy: Policy, chat, 
     except Exception as e:  # one episode fails, never the run (a bug's traceback is kept)
         fail(traj, e)
     finally:
-        if proxy is not None:
-            proxy.end()
-            await proxy.close()
-        with contextlib.suppress(Exception):  # the engine evicts the session by itself eventually
-            await policy.close_session(session)
+        await release(proxy, policy, session)
     return ended(traj, start)
