@@ -13,7 +13,7 @@ which is what the trainer's ratio assumes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sandforge.types import Message, ToolCall
@@ -21,6 +21,17 @@ from sandforge.types import Message, ToolCall
 
 class BadRequest(ValueError):
     """The harness sent something the proxy does not serve; the message says what (answered as a 400)."""
+
+
+@dataclass(frozen=True)
+class TokensAsked:
+    """The exact tokens a client asks to be given back: ``logprobs`` (the sampled token's, OpenAI's
+    ``choices[0].logprobs.content``; with vLLM's ``return_tokens_as_token_ids`` each token reads ``token_id:N``), and
+    vLLM's ``return_token_ids`` (``prompt_token_ids`` and ``choices[0].token_ids``): the ids the proxy records."""
+
+    logprobs: bool = False
+    as_ids: bool = False
+    token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,7 @@ class ChatRequest:
     asked: dict[str, Any]  # the sampling settings the harness sent, for the record
     stream: bool = False  # answer as server-sent events (completion_events)
     stream_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    tokens: TokensAsked = field(default_factory=TokensAsked)  # the exact tokens to give back
 
 
 REFUSED = {  # keys whose non-default value would change the completion; value: what "off" looks like
@@ -140,9 +152,17 @@ def read_request(body: Any) -> ChatRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object")
+    if body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("top_logprobs is not served: only the sampled token's log-prob (logprobs: true)")
+    flags = {k: body.get(k) for k in ("logprobs", "return_tokens_as_token_ids", "return_token_ids")}
+    for key, value in flags.items():
+        if value not in (None, False, True):
+            raise BadRequest(f"{key} must be true or false, got {json.dumps(value)[:40]}")
+    tokens = TokensAsked(bool(flags["logprobs"]), bool(flags["return_tokens_as_token_ids"]),
+                         bool(flags["return_token_ids"]))
     asked = {k: body[k] for k in ("model", "temperature", "top_p", "seed") if k in body}
     return ChatRequest(messages, [_tool_schema(t, i) for i, t in enumerate(tools)], max_tokens, asked, stream,
-                       stream and bool(options.get("include_usage")))
+                       stream and bool(options.get("include_usage")), tokens)
 
 
 def message_json(msg: Message) -> dict:
@@ -167,16 +187,37 @@ def completion_json(msg: Message, finish_reason: str, prompt_tokens: int, comple
     }
 
 
+def with_tokens(completion: dict, asked: TokensAsked, prompt_ids: list[int], token_ids: list[int],
+                logprobs: list[float], decode) -> dict:
+    """``completion`` with the exact tokens ``asked`` for: the engine's ``token_ids`` and their ``logprobs`` (each
+    token's text from ``decode([id])``, or ``token_id:N``), and the ``prompt_ids`` they followed."""
+    choice = completion["choices"][0]
+    if asked.logprobs:
+        choice["logprobs"] = {"content": [
+            {"token": f"token_id:{i}" if asked.as_ids else decode([i]), "logprob": float(lp), "bytes": None,
+             "top_logprobs": []} for i, lp in zip(token_ids, logprobs)]}
+    if asked.token_ids:
+        completion["prompt_token_ids"] = list(prompt_ids)
+        choice["token_ids"] = list(token_ids)
+    return completion
+
+
 def completion_events(completion: dict, usage: bool) -> bytes:
-    """``completion`` (``completion_json``'s) as the server-sent events of a streamed reply: the whole message in the
-    first chunk's delta, the finish reason in the second, then the usage when ``usage`` (``include_usage``), then
+    """``completion`` (``completion_json``'s) as the server-sent events of a streamed reply: the whole message (and the
+    tokens asked for) in the first chunk, the finish reason in the second, then the usage when ``usage`` (``include_usage``), then
     ``[DONE]``."""
     head = {k: completion[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     choice = completion["choices"][0]
     message = dict(choice["message"])
     if "tool_calls" in message:
         message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-    chunks = [head | {"choices": [{"index": 0, "delta": message, "finish_reason": None, "logprobs": None}]},
+    first = {"index": 0, "delta": message, "finish_reason": None, "logprobs": choice["logprobs"]}
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+        head_first = head | {"prompt_token_ids": completion["prompt_token_ids"]}
+    else:
+        head_first = head
+    chunks = [head_first | {"choices": [first]},
               head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"],
                                    "logprobs": None}]}]
     if usage:

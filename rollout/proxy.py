@@ -28,7 +28,8 @@ from aiohttp import web
 
 from sandforge.models.hf_chat import TemplateDeltaError
 from sandforge.rollout.agent import EpisodeLimits, turn_seed
-from sandforge.rollout.chat_api import BadRequest, ChatRequest, completion_events, completion_json, read_request
+from sandforge.rollout.chat_api import (BadRequest, ChatRequest, completion_events, completion_json, read_request,
+                                        with_tokens)
 from sandforge.rollout.policy_client import Policy, PolicyError, check_sample
 from sandforge.rollout.rows import RowRecorder
 from sandforge.types import GenerateRequest, Message
@@ -185,6 +186,8 @@ class EpisodeProxy:
         completion = completion_json(reply, finish, len(pending.prompt_ids), len(sample.token_ids),
                                      str(asked.asked.get("model") or MODEL_NAME), f"chatcmpl-{uuid.uuid4().hex[:24]}",
                                      int(time.time()))
+        completion = with_tokens(completion, asked.tokens, pending.prompt_ids, [int(i) for i in sample.token_ids],
+                                 list(sample.logprobs), self.chat.tokenizer.decode)
         if asked.stream:
             return web.Response(body=completion_events(completion, asked.stream_usage),
                                 content_type="text/event-stream", headers={"Cache-Control": "no-cache"})

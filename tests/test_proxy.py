@@ -226,3 +226,33 @@ def test_a_reply_still_generating_when_the_episode_ends_is_neither_given_nor_rec
 def _post(s: Served, body: dict) -> httpx.Response:
     http = httpx.Client(transport=httpx.HTTPTransport(uds=s.socket), timeout=30)
     return http.post("http://proxy/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def test_the_exact_tokens_come_back_when_asked_as_vllm_returns_them(served):
+    """``logprobs`` (the sampled token's), vLLM's ``return_tokens_as_token_ids`` and ``return_token_ids``: what a
+    trainer reading an OpenAI-compatible server's tokens expects, equal to what the proxy records."""
+    engine = ScriptedEngine([Message(role="assistant", content="one"), Message(role="assistant", content="two")])
+    s = served(engine)
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=s.socket))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            "return_tokens_as_token_ids": True, "return_token_ids": True}
+    r = http.post("http://proxy/v1/chat/completions", json=body, headers=auth).json()
+    row = s.proxy.recorder.rows[0]
+    choice = r["choices"][0]
+    assert r["prompt_token_ids"] + choice["token_ids"] == row.token_ids
+    assert [t["token"] for t in choice["logprobs"]["content"]] == [f"token_id:{i}" for i in choice["token_ids"]]
+    assert [t["logprob"] for t in choice["logprobs"]["content"]] == [x for x, m in zip(row.logprobs, row.loss_mask) if m]
+
+    body = {**body, "messages": [{"role": "user", "content": "hi"}], "return_tokens_as_token_ids": False,
+            "return_token_ids": False, "stream": True}
+    events = http.post("http://proxy/v1/chat/completions", json=body, headers=auth).text
+    first = json.loads(events.split("\n\n")[0].removeprefix("data: "))
+    texts = [t["token"] for t in first["choices"][0]["logprobs"]["content"]]
+    assert "".join(texts).startswith("<think></think>two") and "token_ids" not in first["choices"][0]
+    plain = http.post("http://proxy/v1/chat/completions", headers=auth,
+                      json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert plain["choices"][0]["logprobs"] is None and "prompt_token_ids" not in plain
+    refused = http.post("http://proxy/v1/chat/completions", headers=auth,
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5})
+    assert refused.status_code == 400 and "top_logprobs" in refused.json()["error"]["message"]
