@@ -36,10 +36,17 @@ def fast_bf16(kind: str) -> bool:
     the quickstart measured 1.4x the engine's and 2x the trainer's tokens/s of fp32. A CPU without it (no
     ``avx512_bf16`` either) emulates bf16 matmuls: on a 2-core AMD EPYC without AVX-512, five 2048-square bf16
     matmuls had not finished after 100 s where fp32 ran at 75 GFLOP/s (2026-12-04; ``bench/trainer.py precision``
-    compares the two in a run), so ``auto`` is fp32 there."""
+    compares the two in a run), so ``auto`` is fp32 there. ``SANDFORGE_CPU_BF16=0`` (or ``1``) decides for a CPU
+    instead of its flags: the test suite sets 0, so that its figures and tolerances do not depend on the host's AMX."""
     if kind == "cuda":
         return True
+    override = os.environ.get(CPU_BF16_VAR, "")
+    if override in ("0", "1"):
+        return override == "1"
     return "amx_bf16" in cpu_flags()
+
+
+CPU_BF16_VAR = "SANDFORGE_CPU_BF16"
 
 
 def cpu_flags() -> set[str]:

@@ -14,6 +14,12 @@ from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.lifecycle import remove_run_containers
 from sandforge.types import SandboxError
 
+# Auto precision (trainer.bf16 null, engine.dtype auto) is fp32 on every host the suite runs on: bf16 is picked on a CPU
+# with AMX, and the suite's equivalence checks (expert parallelism, packing, LoRA merges) hold fp32 tolerances. It is
+# inherited by every process a test starts (Ray workers, DeepSpeed ranks, `sandforge train`). Tests that check the
+# choice itself fake the CPU's flags and clear it (tests/test_placement.py); tests of bf16 ask for it by name.
+os.environ.setdefault("SANDFORGE_CPU_BF16", "0")
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -27,12 +27,21 @@ def job(world: int = 1, trainer: str = "auto", engine: str = "auto", colocate: b
                                          ({"avx512f", "amx_bf16", "amx_tile"}, True)])
 def test_auto_precision_is_bf16_only_where_the_cpu_has_amx(monkeypatch, flags, bf16):
     """A CPU without native bf16 emulates it (a bf16 matmul many times slower than fp32): auto stays fp32 there."""
+    monkeypatch.delenv(device.CPU_BF16_VAR, raising=False)
     monkeypatch.setattr(device, "cpu_flags", lambda: flags)
     assert resolve_placement(job(), gpus=0).bf16 is bf16
     assert ("bf16" in deepspeed_config(TrainerConfig(), cuda=False)) is bf16
     assert device.engine_dtype("auto", "cpu") == ("bfloat16" if bf16 else "float32")
     assert device.engine_dtype("auto", "cuda") == "bfloat16" and device.engine_dtype("float32", "cuda") == "float32"
     assert resolve_placement(job(bf16=True), gpus=0).bf16 is True  # a setting always wins
+
+
+@pytest.mark.parametrize("value, bf16", [("0", False), ("1", True)])
+def test_sandforge_cpu_bf16_decides_for_a_cpu_whatever_its_flags(monkeypatch, value, bf16):
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx512f", "amx_bf16"} if not bf16 else {"avx2"})
+    monkeypatch.setenv(device.CPU_BF16_VAR, value)
+    assert device.fast_bf16("cpu") is bf16 and device.fast_bf16("cuda") is True
+    assert resolve_placement(job(bf16=not bf16), gpus=0).bf16 is (not bf16)  # a setting still wins
 
 
 
