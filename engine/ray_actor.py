@@ -40,6 +40,8 @@ class EngineActor:
             self.lora = LoraMerger(model, policy_config["lora"])  # keeps the base in fp32: merges lose nothing
         dtype = engine_dtype(engine.dtype, self.device.type)
         model = model.to(getattr(torch, dtype))  # loads cast the trainer's fp32 weights (load_state_dict)
+        if hasattr(model, "fast_cache"):  # a Hugging Face policy (models/hf.py)
+            model.fast_cache = engine.kv_cache == "fast"
         self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed)
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:

@@ -257,7 +257,6 @@ class EngineConfig(Section):
     # the dtype the engine serves in; the trainer keeps fp32 weights and sends them, cast on load (LoRA merges in fp32
     # first). bfloat16: 1.4x the rollout tokens/s of float32 with SmolLM2 on a 2-core CPU with AMX (bench/rollout.py
     # engine_dtype); the trainer recomputes every log-prob it trains on, so the sampler's rounding only moves the
-    # importance ratio it reports (tis/*)
     # importance ratio it reports (tis/*). auto: bfloat16 on a GPU or a CPU with AMX, else float32 (a CPU without
     # native bf16 emulates it, many times slower: models/device.py fast_bf16)
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"
@@ -266,6 +265,10 @@ class EngineConfig(Section):
     # share trainer rank 0's GPU instead of taking one of its own (verl's hybrid engine): the engine frees its episode
     # caches while the trainer steps, and weights reach it by a direct copy from the rank's GPU memory
     colocate: bool = False
+    # a Hugging Face policy's KV cache. fast: each new token written into room kept after the cached ones
+    # (models/kv_room.py), rows compacted by slicing where they end in their tokens; reference: transformers' own
+    # DynamicLayer, which copies the whole cache every token, and compaction by gather (bench/rl_step.py's baseline)
+    kv_cache: Literal["fast", "reference"] = "fast"
 
 
 class PretrainConfig(Section):

@@ -1,0 +1,116 @@
+"""A Hugging Face KV-cache layer that appends in place: decoding without copying the whole cache every token.
+
+transformers' ``DynamicLayer`` (the reference) grows by ``torch.cat([keys, new], dim=-2)``: every decode step copies
+every cached key and value of every layer. For SmolLM2-135M in bf16 decoding 16 episodes of about 1,500 tokens on two
+cores (Intel Xeon with AMX), those ``aten::cat`` calls took 42% of a decode step in the torch profiler, more than all
+the matmuls together (17%). ``RoomLayer`` keeps its keys and values as views into buffers with spare positions after
+them and writes each new token there; only when the room runs out (or the rows change: the engine's ``select`` and
+``cat`` give plain tensors) does it copy, into a buffer with room again, so the copy happens once per ``ROOM`` tokens
+instead of once per token. ``HFPolicy.fast_cache`` (``engine.kv_cache``) turns it on.
+
+Appending in place is safe by construction, not by convention: the buffer records how many positions are in use, and a
+layer appends in place only when its own view ends exactly there. Two caches that share a buffer (a shallow copy) and
+both continue it therefore never write into each other: the first to append takes the room, the second finds the
+buffer's use past its own end and copies into a buffer of its own. Views handed out earlier stay valid: positions
+before a view's end are never written again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ROOM = 64  # spare positions a copy leaves after the cached ones
+
+
+@dataclass
+class Room:
+    """The buffers a layer's views point into, and how many of their positions are written."""
+
+    keys: Tensor  # [B, heads, capacity, head_dim]
+    values: Tensor
+    used: int
+
+
+def room_layer_class() -> type | None:
+    """``RoomLayer`` for the installed transformers (None if its caches have no ``DynamicLayer``)."""
+    global _ROOM_LAYER
+    if _ROOM_LAYER is None:
+        try:
+            from transformers.cache_utils import DynamicLayer
+        except ImportError:  # pragma: no cover - transformers older than 4.54
+            return None
+        _ROOM_LAYER = _make_room_layer(DynamicLayer)
+    return _ROOM_LAYER
+
+
+_ROOM_LAYER: type | None = None
+
+
+def _make_room_layer(dynamic_layer: type) -> type:
+    class RoomLayer(dynamic_layer):
+        """``DynamicLayer`` whose ``update`` writes into spare room instead of concatenating (see the module)."""
+
+        room: Room | None = None
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = self.keys.shape[-2] if self.keys.numel() else 0
+            t = key_states.shape[-2]
+            if not self._owns_end(n, key_states) or self.room.keys.shape[-2] < n + t:
+                self.room = _with_room(self.keys, self.values, n, key_states, value_states, n + t + ROOM)
+            self.room.keys[:, :, n : n + t] = key_states
+            self.room.values[:, :, n : n + t] = value_states
+            self.room.used = n + t
+            self.keys = self.room.keys[:, :, : n + t]
+            self.values = self.room.values[:, :, : n + t]
+            return self.keys, self.values
+
+        def _owns_end(self, n: int, key_states: Tensor) -> bool:
+            """Whether this layer's keys are the first ``n`` positions of its room and nothing was written after them
+            (the layer may have been given plain tensors since, e.g. by ``batch_select_indices``)."""
+            room = self.room
+            if room is None or room.used != n or n == 0:
+                return False
+            k = room.keys
+            return (self.keys.data_ptr() == k.data_ptr() and self.values.data_ptr() == room.values.data_ptr()
+                    and self.keys.shape[:2] == k.shape[:2] == key_states.shape[:2]
+                    and self.keys.stride() == k.stride() and k.dtype == key_states.dtype)
+
+        def reset(self) -> None:
+            self.room = None
+            super().reset()
+
+    RoomLayer.__qualname__ = RoomLayer.__name__ = "RoomLayer"
+    return RoomLayer
+
+
+def _with_room(keys: Tensor, values: Tensor, n: int, new_k: Tensor, new_v: Tensor, capacity: int) -> Room:
+    """Fresh buffers of ``capacity`` positions holding the first ``n`` positions of ``keys`` and ``values``."""
+    b, h, _, d = new_k.shape
+    room = Room(new_k.new_empty(b, h, capacity, d), new_v.new_empty(b, h, capacity, new_v.shape[-1]), n)
+    if n:
+        room.keys[:, :, :n] = keys
+        room.values[:, :, :n] = values
+    return room
+
+
+def with_room_layers(cache: Any) -> Any:
+    """``cache`` (a transformers ``DynamicCache``) with each plain ``DynamicLayer`` replaced by a ``RoomLayer`` holding
+    the same tensors; other layer kinds (sliding windows, linear attention) stay as they are."""
+    room_layer = room_layer_class()
+    layers = getattr(cache, "layers", None)
+    if room_layer is None or layers is None:
+        return cache
+    base = room_layer.__mro__[1]
+    for i, layer in enumerate(layers):
+        if type(layer) is base:
+            swapped = room_layer.__new__(room_layer)
+            swapped.__dict__.update(layer.__dict__)
+            swapped.room = None
+            layers[i] = swapped
+    return cache
