@@ -1,6 +1,6 @@
 """One quickstart-shaped RL step on the real fleet, and where its wall time goes.
 
-    python bench/rl_step.py [--tasks-per-step 6] [--group-size 4] [--max-new-tokens 96] [--model smollm2-135m]
+    python bench/rl_step.py [--tasks-per-step 6] [--group-size 4] [--max-new-tokens 128] [--model smollm2-135m]
                             [--set key=value ...] [--baseline key=value ...] [--warm-start] [--warmup-steps 0]
                             [--gemm-size 3072]
 
@@ -317,7 +317,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks-per-step", type=int, default=6, help="rollout.tasks_per_step (quickstart: 6)")
     ap.add_argument("--group-size", type=int, default=4, help="rollout.group_size (quickstart: 4)")
-    ap.add_argument("--max-new-tokens", type=int, default=96, help="rollout.max_new_tokens (quickstart: 96)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="rollout.max_new_tokens (quickstart: 128)")
     ap.add_argument("--model", default="smollm2-135m", help="model.path: a catalogue name or a local HF directory")
     ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="further config overrides, for both runs")

@@ -2,8 +2,8 @@
 caches of all running sequences merged in one decode batch, and sample each row with its own parameters.
 
 Works for any policy whose ``forward(ids, attention_mask, cache, use_cache)`` returns ``logits``, ``cache`` and
-``router_ids`` and whose cache class has ``cat`` (merge rows, left-padding to the longest), ``select`` and
-``compact``: the K3 model (``K3Cache``) and Hugging Face models (``HFCache``).
+``router_ids`` and whose cache class has ``cat`` (merge rows, left-padding to the longest), ``select``, ``compact``
+and ``keep_rows`` (select then compact): the K3 model (``K3Cache``) and Hugging Face models (``HFCache``).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class DecodeBatch:
         caches = [self.cache.select([i]).compact() for i in indices]
         keep = [i for i in range(len(self.rows)) if i not in gone]
         self.rows = [self.rows[i] for i in keep]
-        self.cache = self.cache.select(keep).compact() if keep else None
+        self.cache = self.cache.keep_rows(keep) if keep else None
         return caches
 
     def clear(self) -> list:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .hf_chat import HFChatFormat
-from .kv_room import with_room_layers
+from .kv_room import cat_into_room, has_room_layers, rows_into_room, with_room_layers
 
 
 # ---------------------------------------------------------------- model
@@ -64,13 +64,16 @@ class HFCache:
             return list(zip(past.key_cache, past.value_cache))
         return [(k, v) for k, v in past]
 
-    def _with_kv(self, kv: list[tuple[Tensor, Tensor]], mask: Tensor) -> HFCache:
-        """A new cache object of the same kind holding ``kv``; this one is left intact."""
+    def _with_kv(self, kv: list[tuple[Tensor, Tensor]], mask: Tensor, rooms: list | None = None) -> HFCache:
+        """A new cache object of the same kind holding ``kv``; this one is left intact. ``rooms``: the buffers ``kv``
+        are views of, one per layer (room layers only)."""
         past = copy.copy(self.past)
         if hasattr(past, "layers"):
             past.layers = [copy.copy(layer) for layer in past.layers]
-            for layer, (k, v) in zip(past.layers, kv):
+            for i, (layer, (k, v)) in enumerate(zip(past.layers, kv)):
                 layer.keys, layer.values = k, v
+                if rooms is not None:
+                    layer.room = rooms[i]
         elif hasattr(past, "key_cache"):
             past.key_cache, past.value_cache = [k for k, _ in kv], [v for _, v in kv]
         else:
@@ -80,16 +83,20 @@ class HFCache:
     @classmethod
     def cat(cls, caches: list[HFCache]) -> HFCache:
         """One batch from the rows of several caches: each left-padded (mask 0) to the longest. Positions come from the
-        mask's cumsum, so padding shifts no row's positions."""
+        mask's cumsum, so padding shifts no row's positions. A fast cache of room layers is written straight into
+        buffers with room after it (models/kv_room.py ``cat_into_room``), so the next token's append copies nothing."""
         width = max(c.seq_len for c in caches)
         pad = [width - c.seq_len for c in caches]
         left_pad = torch.nn.functional.pad
-        layers = zip(*(c._kv() for c in caches))
+        mask = torch.cat([left_pad(c.mask, (p, 0)) for c, p in zip(caches, pad)])
+        layers = list(zip(*(c._kv() for c in caches)))
+        if caches[0].fast and has_room_layers(caches[0].past):
+            rooms = [cat_into_room(keys, values, pad) for keys, values in (zip(*layer) for layer in layers)]
+            return caches[0]._with_kv([(r.keys[:, :, :width], r.values[:, :, :width]) for r in rooms], mask, rooms)
         kv = [
             tuple(torch.cat([left_pad(t, (0, 0, p, 0)) for t, p in zip(ts, pad)]) for ts in zip(*layer))
             for layer in layers
         ]
-        mask = torch.cat([left_pad(c.mask, (p, 0)) for c, p in zip(caches, pad)])
         return caches[0]._with_kv(kv, mask)
 
     def compact(self) -> HFCache:
@@ -99,16 +106,28 @@ class HFCache:
         A cache whose rows already end in their tokens (a decode batch, a fresh left-padded prefill) only drops its
         leading padding columns: a slice, copied when it drops any (a column copy is 7x faster than the gather on a
         CPU, and the copy lets the wider tensors go). Otherwise, and as the reference, ``compact_by_gather``."""
-        real = self.mask != 0
-        counts = real.sum(1)
         width = self.mask.shape[1]
-        keep = int(counts.max()) if self.mask.numel() else 0
-        if not self.fast or not bool((real.flip(1).to(torch.int8).cumprod(1).sum(1) == counts).all()):
+        keep = int((self.mask != 0).sum(1).max()) if self.mask.numel() else 0
+        if not self.fast or not _right_aligned(self.mask):
             return self.compact_by_gather()
         if keep == width:
             return self
         return self._with_kv([(k[:, :, width - keep :].contiguous(), v[:, :, width - keep :].contiguous())
                               for k, v in self._kv()], self.mask[:, width - keep :].contiguous())
+
+    def keep_rows(self, rows: list[int]) -> HFCache:
+        """``select(rows).compact()``: the rows that stay in a decode batch. A fast cache of room layers whose rows end
+        in their tokens (a decode batch's do) copies the kept columns straight into buffers with room after them
+        (models/kv_room.py ``rows_into_room``), so the next token's append copies nothing; otherwise the two steps."""
+        if not (self.fast and rows and has_room_layers(self.past) and _right_aligned(self.mask)):
+            return self.select(torch.tensor(rows)).compact()
+        idx = torch.tensor(rows)
+        mask = self.mask[idx]
+        keep = int((mask != 0).sum(1).max())
+        start = self.seq_len - keep
+        rooms = [rows_into_room(k, v, rows, start) for k, v in self._kv()]
+        return self._with_kv([(r.keys[:, :, :keep], r.values[:, :, :keep]) for r in rooms],
+                             mask[:, start:].contiguous(), rooms)
 
     def compact_by_gather(self) -> HFCache:
         """``compact`` for any layout: every row's tokens gathered to its right end (pads first, order kept)."""
@@ -124,6 +143,12 @@ class HFCache:
     @property
     def nbytes(self) -> int:
         return self.mask.nbytes + sum(k.nbytes + v.nbytes for k, v in self._kv())
+
+
+def _right_aligned(mask: Tensor) -> bool:
+    """Whether every row's cached tokens are its last columns (all its padding before them)."""
+    real = mask != 0
+    return bool((real.flip(1).to(torch.int8).cumprod(1).sum(1) == real.sum(1)).all())
 
 
 @dataclass

@@ -114,3 +114,39 @@ def with_room_layers(cache: Any) -> Any:
             swapped.room = None
             layers[i] = swapped
     return cache
+
+
+def has_room_layers(cache: Any) -> bool:
+    """Whether every layer of ``cache`` is a ``RoomLayer``."""
+    room_layer = room_layer_class()
+    layers = getattr(cache, "layers", None)
+    return room_layer is not None and bool(layers) and all(type(layer) is room_layer for layer in layers)
+
+
+def cat_into_room(keys: list[Tensor], values: list[Tensor], pads: list[int]) -> Room:
+    """The rows of ``keys`` and ``values`` (each [b, heads, s, head_dim]) stacked, each left-padded by its ``pads``
+    with zeros to one width, into buffers with ``ROOM`` positions after that width (the engine's batch joins)."""
+    width = keys[0].shape[-2] + pads[0]
+    rows = sum(k.shape[0] for k in keys)
+    room = Room(keys[0].new_empty(rows, keys[0].shape[1], width + ROOM, keys[0].shape[-1]),
+                values[0].new_empty(rows, values[0].shape[1], width + ROOM, values[0].shape[-1]), width)
+    start = 0
+    for k, v, pad in zip(keys, values, pads):
+        end = start + k.shape[0]
+        for buf, t in ((room.keys, k), (room.values, v)):
+            buf[start:end, :, :pad] = 0  # masked positions, but a value there must not be NaN: 0 x NaN is NaN
+            buf[start:end, :, pad:width] = t
+        start = end
+    return room
+
+
+def rows_into_room(keys: Tensor, values: Tensor, rows: list[int], start: int) -> Room:
+    """Rows ``rows`` of ``keys`` and ``values`` from column ``start`` on, into buffers with ``ROOM`` positions after
+    them (the rows that stay in the engine's batch when others leave): one copy of what is kept."""
+    width = keys.shape[-2] - start
+    room = Room(keys.new_empty(len(rows), keys.shape[1], width + ROOM, keys.shape[-1]),
+                values.new_empty(len(rows), values.shape[1], width + ROOM, values.shape[-1]), width)
+    for j, i in enumerate(rows):
+        room.keys[j, :, :width] = keys[i, :, start:]
+        room.values[j, :, :width] = values[i, :, start:]
+    return room

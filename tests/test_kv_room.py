@@ -124,3 +124,25 @@ def test_compact_of_right_aligned_rows_equals_the_gather(model):
         for (a, b), (x, y) in zip(fast._kv(), ref._kv()):
             assert torch.equal(a, x) and torch.equal(b, y)
     assert padded.select(torch.tensor([0])).compact().seq_len == 6  # the padding columns went
+
+
+def test_keep_rows_equals_select_then_compact(model):
+    """The rows a decode batch keeps, copied straight into room, against select then compact (the reference)."""
+    model.fast_cache = True
+    with torch.no_grad():
+        items = [Prefill(None, list(range(3, 3 + n))) for n in (7, 15, 11, 4)]
+        prefill(model, items, CPU)
+        batch = DecodeBatch()
+        for i, it in enumerate(items):
+            batch.add([i], it.out_cache.select([it.out_row]).compact())
+        batch.step(model, [5, 6, 7, 8], CPU)
+        cache = batch.cache
+        for rows in ([0, 2, 3], [2], [0, 3]):  # without the longest row: its leading columns go
+            fast, ref = cache.keep_rows(rows), cache.select(torch.tensor(rows)).compact()
+            assert torch.equal(fast.mask, ref.mask)
+            assert 1 in rows or fast.seq_len < cache.seq_len
+            for (a, b), (x, y) in zip(fast._kv(), ref._kv()):
+                assert torch.equal(a, x) and torch.equal(b, y)
+            t = torch.tensor([[9]] * len(rows))
+            torch.testing.assert_close(model(t, cache=fast, use_cache=True).logits,
+                                       model(t, cache=ref, use_cache=True).logits, atol=1e-6, rtol=1e-6)

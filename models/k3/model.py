@@ -53,6 +53,10 @@ class K3Cache:
         """Drop the padding that MLA latents carry from batching (KDA states have none)."""
         return K3Cache([c.compact() if isinstance(c, MLACache) else c for c in self.layers])
 
+    def keep_rows(self, rows) -> K3Cache:
+        """``select(rows).compact()``: the rows that stay in a decode batch."""
+        return self.select(rows).compact()
+
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
