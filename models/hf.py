@@ -53,6 +53,9 @@ class HFCache:
         elif isinstance(past, tuple):  # legacy tuple of (k, v) per layer
             return HFCache(tuple(tuple(t[rows] for t in kv) for kv in past), self.mask[rows], self.fast)
         past.batch_select_indices(rows)
+        for layer in getattr(past, "layers", ()):
+            if hasattr(layer, "room"):  # its keys are new tensors now: the original's buffer is not its own
+                layer.room = None
         return HFCache(past, self.mask[rows], self.fast)
 
     def _kv(self) -> list[tuple[Tensor, Tensor]]:
@@ -72,8 +75,8 @@ class HFCache:
             past.layers = [copy.copy(layer) for layer in past.layers]
             for i, (layer, (k, v)) in enumerate(zip(past.layers, kv)):
                 layer.keys, layer.values = k, v
-                if rooms is not None:
-                    layer.room = rooms[i]
+                if hasattr(layer, "room"):  # a copy must not keep the original's buffer alive (or append into it)
+                    layer.room = rooms[i] if rooms is not None else None
         elif hasattr(past, "key_cache"):
             past.key_cache, past.value_cache = [k for k, _ in kv], [v for _, v in kv]
         else:

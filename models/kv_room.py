@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 ROOM = 64  # spare positions a copy leaves after the cached ones

@@ -70,6 +70,22 @@ def test_rollout_engine_sections():
     assert out["prefill_ratio_10_turns"] < out["prefill_ratio_reprefill"]  # sessions prefill less than re-prefilling
 
 
+def test_engine_replay(tmp_path):
+    """The engine replaying synthetic quickstart-shaped episodes with the fast cache and the reference; both runs decode
+    exactly the tokens the episodes ask for."""
+    pytest.importorskip("peft")
+    from test_lora import save_tiny_llama
+
+    llama = save_tiny_llama(tmp_path / "llama")
+    out = last_json(bench("engine_replay.py", "--model", str(llama), "--episodes", "3", "--concurrency", "3",
+                          "--baseline-concurrency", "2", "--prompt-tokens", "40", "--max-generated", "8",
+                          "--tool-s", "0", "--dtype", "float32"),
+                    "fast_vs_reference", "fast", "reference", "cpu")
+    assert out["fast"]["decode_tokens"] == out["reference"]["decode_tokens"] > 0
+    assert out["fast"]["kv_cache"] == "fast" and out["reference"]["kv_cache"] == "reference"
+    assert set(out["fast"]["parts_s"]) == {"decode", "add", "remove", "prefill", "other"}
+
+
 @pytest.mark.docker
 def test_rollout_sandbox_episodes(docker_client):
     out = last_json(bench("rollout.py", "--sections", "sandbox_episodes", "--sandbox-concurrency", "1"),

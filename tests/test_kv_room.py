@@ -4,6 +4,8 @@ buffer write into each other."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -75,8 +77,9 @@ def test_two_caches_sharing_a_buffer_never_write_into_each_other(model):
     with torch.no_grad():
         a = model(prompt, use_cache=True).cache
         a = model(torch.tensor([[7]]), cache=a, use_cache=True).cache  # a's keys are now views into its room
-        b = a._with_kv(a._kv(), a.mask)  # a shallow copy: same layers' room, same views
-        assert b._kv()[0][0].data_ptr() == a._kv()[0][0].data_ptr()
+        b = HFCache(copy.copy(a.past), a.mask)  # a shallow copy: the same room, the same views
+        b.past.layers = [copy.copy(layer) for layer in a.past.layers]
+        assert b._kv()[0][0].data_ptr() == a._kv()[0][0].data_ptr() and b.past.layers[0].room is a.past.layers[0].room
         b1 = model(torch.tensor([[11]]), cache=b, use_cache=True)  # b takes the room first...
         a1 = model(torch.tensor([[13]]), cache=a, use_cache=True)  # ...so a must copy, not overwrite b's token
         b2 = model(torch.tensor([[17]]), cache=b1.cache, use_cache=True).logits[:, -1]
@@ -146,3 +149,15 @@ def test_keep_rows_equals_select_then_compact(model):
             t = torch.tensor([[9]] * len(rows))
             torch.testing.assert_close(model(t, cache=fast, use_cache=True).logits,
                                        model(t, cache=ref, use_cache=True).logits, atol=1e-6, rtol=1e-6)
+
+
+def test_copies_of_a_cache_let_its_buffer_go(model):
+    """A row selected, compacted or merged out of a room-backed cache holds new tensors: it must not keep the
+    original's (batch-wide) buffer alive, which the session store's memory budget would never see."""
+    with torch.no_grad():
+        c = model(torch.tensor([list(range(5, 25)), list(range(30, 50))]), use_cache=True).cache
+        c = model(torch.tensor([[7], [8]]), cache=c, use_cache=True).cache
+        assert all(layer.room is not None for layer in c.past.layers)
+        for copy_ in (c.select(torch.tensor([0])), c.select(torch.tensor([1])).compact(), c.compact_by_gather()):
+            assert all(layer.room is None for layer in copy_.past.layers)
+        assert all(layer.room is not None for layer in c.past.layers)  # the original keeps its own
