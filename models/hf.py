@@ -109,10 +109,10 @@ class HFCache:
         A cache whose rows already end in their tokens (a decode batch, a fresh left-padded prefill) only drops its
         leading padding columns: a slice, copied when it drops any (a column copy is 7x faster than the gather on a
         CPU, and the copy lets the wider tensors go). Otherwise, and as the reference, ``compact_by_gather``."""
-        width = self.mask.shape[1]
-        keep = int((self.mask != 0).sum(1).max()) if self.mask.numel() else 0
         if not self.fast or not _right_aligned(self.mask):
             return self.compact_by_gather()
+        width = self.mask.shape[1]
+        keep = int((self.mask != 0).sum(1).max()) if self.mask.numel() else 0
         if keep == width:
             return self
         return self._with_kv([(k[:, :, width - keep :].contiguous(), v[:, :, width - keep :].contiguous())

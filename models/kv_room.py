@@ -88,10 +88,15 @@ def _make_room_layer(dynamic_layer: type) -> type:
     return RoomLayer
 
 
+def _empty_room(like_k: Tensor, like_v: Tensor, rows: int, capacity: int, used: int) -> Room:
+    """Uninitialised buffers of ``rows`` x ``capacity`` positions, shaped and typed like ``like_k`` and ``like_v``."""
+    return Room(like_k.new_empty(rows, like_k.shape[1], capacity, like_k.shape[-1]),
+                like_v.new_empty(rows, like_v.shape[1], capacity, like_v.shape[-1]), used)
+
+
 def _with_room(keys: Tensor, values: Tensor, n: int, new_k: Tensor, new_v: Tensor, capacity: int) -> Room:
     """Fresh buffers of ``capacity`` positions holding the first ``n`` positions of ``keys`` and ``values``."""
-    b, h, _, d = new_k.shape
-    room = Room(new_k.new_empty(b, h, capacity, d), new_v.new_empty(b, h, capacity, new_v.shape[-1]), n)
+    room = _empty_room(new_k, new_v, new_k.shape[0], capacity, n)
     if n:
         room.keys[:, :, :n] = keys
         room.values[:, :, :n] = values
@@ -126,9 +131,7 @@ def cat_into_room(keys: list[Tensor], values: list[Tensor], pads: list[int]) -> 
     """The rows of ``keys`` and ``values`` (each [b, heads, s, head_dim]) stacked, each left-padded by its ``pads``
     with zeros to one width, into buffers with ``ROOM`` positions after that width (the engine's batch joins)."""
     width = keys[0].shape[-2] + pads[0]
-    rows = sum(k.shape[0] for k in keys)
-    room = Room(keys[0].new_empty(rows, keys[0].shape[1], width + ROOM, keys[0].shape[-1]),
-                values[0].new_empty(rows, values[0].shape[1], width + ROOM, values[0].shape[-1]), width)
+    room = _empty_room(keys[0], values[0], sum(k.shape[0] for k in keys), width + ROOM, width)
     start = 0
     for k, v, pad in zip(keys, values, pads):
         end = start + k.shape[0]
@@ -143,8 +146,7 @@ def rows_into_room(keys: Tensor, values: Tensor, rows: list[int], start: int) ->
     """Rows ``rows`` of ``keys`` and ``values`` from column ``start`` on, into buffers with ``ROOM`` positions after
     them (the rows that stay in the engine's batch when others leave): one copy of what is kept."""
     width = keys.shape[-2] - start
-    room = Room(keys.new_empty(len(rows), keys.shape[1], width + ROOM, keys.shape[-1]),
-                values.new_empty(len(rows), values.shape[1], width + ROOM, values.shape[-1]), width)
+    room = _empty_room(keys, values, len(rows), width + ROOM, width)
     for j, i in enumerate(rows):
         room.keys[j, :, :width] = keys[i, :, start:]
         room.values[j, :, :width] = values[i, :, start:]
