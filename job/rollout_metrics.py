@@ -59,7 +59,8 @@ def rollout_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, floa
         m[f"reward/zero_{cause}"] = zeroed[cause]
     m["success/rate"] = fmean(float(t.reward.success) for t in ok)
     m["response/length_mean"] = fmean(t.response_tokens for t in ok)
-    m["sequence/length_mean"] = fmean(len(t.token_ids) for t in ok)
+    # every training sequence: an episode whose harness rewrote its history trains on its earlier rows too
+    m["sequence/length_mean"] = fmean(len(row.token_ids) for t in ok for row in t.rows())
     m["turns/mean"] = fmean(len(t.turns) for t in ok)
     m["turns/max"] = max(len(t.turns) for t in ok)
     m["tools/calls_per_episode"] = fmean(sum(len(x.tool_calls) for x in t.turns) for t in ok)

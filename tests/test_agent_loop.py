@@ -336,3 +336,19 @@ def test_worker_waits_for_a_sandbox_when_max_live_are_in_use(terminal_image, run
     assert len({t.metadata["session"] for t in trajs}) == 3 and trajs[0].metadata["session"].startswith(run_id)
     assert len(worker.stats.export(reset=False)["acquire"]) == 3
     assert list_run_containers(run_id, docker_client) == []
+
+
+def test_sequence_length_counts_every_training_row_of_an_episode():
+    """An episode whose harness rewrote its history trains on its earlier rows too: ``sequence/length_mean`` is the
+    mean over every training sequence, not over each episode's last row."""
+    from dataclasses import replace
+
+    from sandforge.types import TokenRow
+
+    traj = episode(FakeEnv(), ReplayPolicy([reply(ToolCall("echo", {"text": "hi"})), reply(ToolCall("submit"))]))
+    n = len(traj.token_ids)
+    earlier = TokenRow(token_ids=[1] * 10, loss_mask=[0] * 5 + [1] * 5, logprobs=[0.0] * 10, token_versions=[5] * 10)
+    rewritten = replace(traj, earlier_rows=[earlier])
+    assert rollout_metrics([traj])["sequence/length_mean"] == n
+    assert rollout_metrics([rewritten])["sequence/length_mean"] == (n + 10) / 2
+    assert rollout_metrics([rewritten])["response/length_mean"] == traj.response_tokens + 5
