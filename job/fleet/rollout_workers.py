@@ -100,17 +100,17 @@ def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_se
     import ray
 
     wait_ready(workers)
-    shards = [([], [], []) for _ in workers]
+    # one call per episode, dealt to the workers in turn: each worker's own gate runs rollout.concurrency of them at
+    # once across calls, and the bar moves as each episode ends (one call per worker moved it once per worker)
     seen: dict[str, int] = {}
+    pending = {}
     for i, (task, group) in enumerate(zip(tasks, groups)):
         seen[group] = seen.get(group, -1) + 1  # the episode's index within its group
-        shards[i % len(workers)][0].append(asdict(task))
-        shards[i % len(workers)][1].append(group)
-        shards[i % len(workers)][2].append(episode_seed(run_seed, group, seen[group]))
-    pending = {
-        w.run_episodes.remote(ts, gs, version, scripted, ss, temperature): (i, ts, gs)
-        for i, (w, (ts, gs, ss)) in enumerate(zip(workers, shards)) if ts
-    }
+        index = i % len(workers)
+        seed = episode_seed(run_seed, group, seen[group])
+        shard = [asdict(task)]
+        pending[workers[index].run_episodes.remote(shard, [group], version, scripted, [seed], temperature)] = (
+            index, shard, [group])
     out: list[Trajectory] = []
     job = bar.add_task(label, total=len(tasks))
     while pending:

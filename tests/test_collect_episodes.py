@@ -1,0 +1,80 @@
+"""How the driver spreads a batch of episodes over rollout workers (real Ray actors standing in for RolloutWorker):
+each worker keeps its own concurrency bound across calls, and the bar moves as each episode ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from sandforge.job.fleet.rollout_workers import collect_episodes, episode_seed  # noqa: E402
+from sandforge.types import Task, Trajectory  # noqa: E402
+
+
+@ray.remote
+class SlowWorker:
+    """RolloutWorker's contract: ``ready``, and ``run_episodes`` gated by one semaphore per worker across calls."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.gate: asyncio.Semaphore | None = None
+        self.running = self.most = 0
+        self.seeds: list[int] = []
+
+    def ready(self) -> bool:
+        return True
+
+    async def run_episodes(self, tasks, groups, version, scripted=False, seeds=None, temperature=None):
+        self.gate = self.gate or asyncio.Semaphore(self.concurrency)
+        return await asyncio.gather(*(self._one(t, g, s) for t, g, s in zip(tasks, groups, seeds)))
+
+    async def _one(self, task, group, seed):
+        async with self.gate:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.seeds.append(seed)
+            await asyncio.sleep(0.05 + 0.05 * (seed % 3))
+            self.running -= 1
+        return Trajectory(task=Task.from_dict(task), group=group).to_dict()
+
+    def stats(self) -> tuple[int, list[int]]:
+        return self.most, self.seeds
+
+
+class RecordingBar:
+    def __init__(self) -> None:
+        self.advances: list[int] = []
+
+    def add_task(self, label, total):
+        self.total = total
+        return 0
+
+    def advance(self, task, n):
+        self.advances.append(n)
+
+    def remove_task(self, task):
+        pass
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=128 * 1024**2)
+    yield
+    ray.shutdown()
+
+
+def test_episodes_come_back_one_by_one_within_each_workers_bound(local_ray):
+    workers = [SlowWorker.remote(2), SlowWorker.remote(2)]
+    tasks = [Task(id=f"t{i // 4}", env="terminal", family="f", seed=i, instruction="p") for i in range(12)]
+    groups = [f"g{i // 4}" for i in range(12)]
+    bar = RecordingBar()
+    trajs = collect_episodes(workers, tasks, groups, run_seed=7, version=3, scripted=False, bar=bar, label="x")
+
+    assert bar.advances == [1] * 12 and bar.total == 12  # the bar moves per episode, not per worker
+    assert sorted((t.task.id, t.group) for t in trajs) == sorted((t.id, g) for t, g in zip(tasks, groups))
+    stats = ray.get([w.stats.remote() for w in workers])
+    assert [most for most, _ in stats] == [2, 2]  # 6 calls each, never more than the worker's 2 at once
+    expected = {episode_seed(7, f"g{g}", k) for g in range(3) for k in range(4)}
+    assert {s for _, seeds in stats for s in seeds} == expected and sum(len(s) for _, s in stats) == 12
