@@ -51,7 +51,7 @@ def pretrain(job: RLJob) -> None:
 def verified_demonstrations(job: RLJob) -> tuple[list, int]:
     """``warmup.episodes`` reference-solution episodes, logged: (the ones their verifier accepted, how many were run).
     Families with none are named, with the first reason."""
-    tasks = job.sampler.sample(job.cfg.warmup.episodes)
+    tasks = job.sampler.sample(job.cfg.warmup.episodes, phase="warmup")
     trajs = job.collect(tasks, [t.id for t in tasks], scripted=True, label="warm start: reference episodes")
     job.logger.log_trajectories(0, "warmup", trajs)
     demos = [t for t in trajs if not t.failed and t.reward and t.reward.success]

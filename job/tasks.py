@@ -36,10 +36,13 @@ class TaskSampler:
             self.families.append(env.families or known)
             self.sources.append(source)
 
-    def sample(self, n: int, split: str = "train") -> list[Task]:
+    def sample(self, n: int, split: str = "train", phase: str = "rl") -> list[Task]:
+        """``n`` tasks of ``split``, environments drawn by ``weight`` (``phase`` "warmup") or by ``rl_weight`` where
+        an environment sets it (``phase`` "rl")."""
+        weights = [e.weight if phase == "warmup" or e.rl_weight is None else e.rl_weight for e in self.envs]
         tasks = []
         for _ in range(n):
-            i = self.rng.choices(range(len(self.envs)), weights=[e.weight for e in self.envs])[0]
+            i = self.rng.choices(range(len(self.envs)), weights=weights)[0]
             family = self.rng.choice(self.families[i])
             task = self.sources[i].task(family, self.rng.randrange(2**31), split)
             task = with_reward_rule(task, self.envs[i].reward_rule)

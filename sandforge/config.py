@@ -77,6 +77,10 @@ class EnvironmentConfig(Section):
     name: str = "terminal"
     families: list[str] = Field(default_factory=list)  # empty: every family the environment has
     weight: float = Field(1.0, gt=0)
+    # how often RL draws its tasks, when it differs from the warm start's ``weight``; 0: the environment is
+    # warm-started and evaluated but RL trains on none of its tasks (a family at the floor gives RL groups that all
+    # fail: rollouts that cost a step's time and carry no signal)
+    rl_weight: float | None = Field(None, ge=0)
     # None: the environment's seeded generators. Else a JSONL file (one Task per line) or, for `harbor`, a Harbor task
     # directory or a folder of them. Relative to the working directory, like run.output_dir.
     tasks: Path | None = None

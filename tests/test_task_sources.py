@@ -174,3 +174,24 @@ def test_train_fails_fast_on_a_bad_task_file(tmp_path, jsonl):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: environments[0].tasks: {jsonl} line 7: missing task field(s) env, "
                                    "family, instruction, checks")
+
+
+def test_rl_weight_leaves_an_environment_to_the_warm_start(tmp_path):
+    """``rl_weight: 0``: the warm start draws the environment's tasks by ``weight``, RL draws none of them; an
+    environment without ``rl_weight`` keeps its ``weight`` for both."""
+    cfg = load_config(_config(tmp_path, "environments:\n  - name: terminal\n  - name: slack\n    rl_weight: 0\n"))
+    sampler = TaskSampler(cfg.environments, seed=0)
+    assert {t.env for t in sampler.sample(40, phase="warmup")} == {"terminal", "slack"}
+    assert {t.env for t in sampler.sample(40)} == {"terminal"}
+    assert {t.env for t in sampler.sample(10, "heldout", phase="rl")} == {"terminal"}
+
+    leaning = load_config(_config(tmp_path, "environments:\n  - name: terminal\n  - name: slack\n    rl_weight: 3\n"))
+    drawn = TaskSampler(leaning.environments, seed=0).sample(200)
+    assert 125 < sum(t.env == "slack" for t in drawn) < 175  # 3 against terminal's weight 1: about three quarters
+
+
+def test_a_job_whose_rl_draws_nothing_is_refused(tmp_path):
+    body = "environments:\n  - name: terminal\n    rl_weight: 0\n"
+    with pytest.raises(ConfigError, match=r"every environment has 'rl_weight' 0.*trainer.steps=0"):
+        load_config(_config(tmp_path, body))
+    assert load_config(_config(tmp_path, body + "trainer:\n  steps: 0\n")).trainer.steps == 0
