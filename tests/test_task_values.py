@@ -37,7 +37,7 @@ _PYTHON_NAMES = set(keyword.kwlist) | set(dir(builtins))
 def generated_words(text: str) -> list[str]:
     """The syllable words in ``text`` (lower-cased), Python's own names (``None``) aside."""
     return [w.lower() for w in SYLLABLE_WORD.findall(text) if w not in _PYTHON_NAMES]
-DRAWS = 64  # the quickstart's warm start: warmup.episodes
+DRAWS = 64  # a family's draws in the quickstart's warm start: 256 episodes over 6 families, about 51 at most
 # At most this many of 64 training draws may repeat an earlier draw's value. A value drawn uniformly from N repeats
 # about 64 * 63 / (2 N) times: fresh two- or three-syllable words give well under 1, a booking date (about 1,100
 # train dates) about 2; the pools this replaced (60-400 words, 7 functions, 8 packages, 20 dates) gave 16 to 57.
