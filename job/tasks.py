@@ -39,7 +39,7 @@ class TaskSampler:
     def sample(self, n: int, split: str = "train", phase: str = "rl") -> list[Task]:
         """``n`` tasks of ``split``, environments drawn by ``weight`` (``phase`` "warmup") or by ``rl_weight`` where
         an environment sets it (``phase`` "rl")."""
-        weights = [e.weight if phase == "warmup" or e.rl_weight is None else e.rl_weight for e in self.envs]
+        weights = [e.draw_weight(phase) for e in self.envs]
         tasks = []
         for _ in range(n):
             i = self.rng.choices(range(len(self.envs)), weights=weights)[0]

@@ -101,6 +101,11 @@ class EnvironmentConfig(Section):
     id: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
 
+    def draw_weight(self, phase: str) -> float:
+        """How often this environment's tasks are drawn: ``weight`` for the warm start (``phase`` "warmup"), RL's
+        ``rl_weight`` where set (``phase`` "rl")."""
+        return self.weight if phase == "warmup" or self.rl_weight is None else self.rl_weight
+
     @model_validator(mode="after")
     def _id_for_library_envs(self) -> EnvironmentConfig:
         from sandforge.registry import LIBRARY_ENVIRONMENTS  # noqa: PLC0415 - core, but imported where it is used

@@ -10,7 +10,7 @@ from typing import Iterator
 
 def combination_problems(cfg, source: str) -> Iterator[str]:
     """Keys of different sections that cannot go together."""
-    if cfg.trainer.steps > 0 and not any(e.weight if e.rl_weight is None else e.rl_weight for e in cfg.environments):
+    if cfg.trainer.steps > 0 and not any(e.draw_weight("rl") for e in cfg.environments):
         yield (f"{source}: every environment has 'rl_weight' 0, so RL has no tasks to draw for its "
                f"{cfg.trainer.steps} 'trainer.steps': give one environment an rl_weight above 0, or trainer.steps=0")
     if cfg.model.lora is not None and cfg.trainer.zero_stage == 3:
