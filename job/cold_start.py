@@ -99,6 +99,27 @@ def replay_hint(failed: list, rollout) -> str:
     return ""
 
 
+def epoch_batches(n: int, batch_size: int, steps: int, rng: random.Random) -> list[list[int]]:
+    """``steps`` batches of ``batch_size`` indices into ``n`` items, passing over them in epochs: each epoch a fresh
+    shuffle cut into consecutive batches, so every item is seen once before any is seen again. A batch that straddles
+    two epochs takes the first one's last items and the next one's first others (never one item twice). Independent
+    draws per step would leave about a third of a one-pass budget's items unseen and show others twice."""
+    size = min(batch_size, n)
+    order: list[int] = []
+    batches = []
+    for _ in range(steps if n else 0):
+        if len(order) < size:
+            epoch = list(range(n))
+            rng.shuffle(epoch)
+            left = set(order)
+            fill = [i for i in epoch if i not in left][: size - len(order)]
+            taken = set(fill)
+            order += fill + [i for i in epoch if i not in taken]
+        batches.append(order[:size])
+        order = order[size:]
+    return batches
+
+
 def warmup(job: RLJob) -> None:
     """SFT on verified reference episodes (``warmup.copy_rows`` generated exchanges mixed into each step), then the
     policy becomes the KL reference and a new version on the engine."""
@@ -110,8 +131,8 @@ def warmup(job: RLJob) -> None:
     bar = job.bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
     losses = []
     copies = copy_source(job, "warmup") if w.copy_rows else None
-    for step in range(w.steps):
-        batch = job.rng.sample(demos, min(w.batch_size, len(demos)))
+    for step, picks in enumerate(epoch_batches(len(demos), w.batch_size, w.steps, job.rng)):
+        batch = [demos[i] for i in picks]
         t0 = time.monotonic()
         m = trainer_ranks.train(job.ranks, training_rows(batch) + (copies(w.copy_rows) if copies else []), mode="sft")
         job.tick("sft", 1, time.monotonic() - t0)

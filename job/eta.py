@@ -54,11 +54,12 @@ def eval_episodes(cfg: JobConfig) -> int:
         try:
             source = env_source(env)
             families = env.families or source.families()
+            per_family = env.eval_tasks(cfg.eval.tasks_per_family)
             if isinstance(source, FiniteSource):
-                n += sum(min(cfg.eval.tasks_per_family, sum(t.family == f and t.split == "heldout"
+                n += sum(min(per_family, sum(t.family == f and t.split == "heldout"
                                                                 for t in source.tasks)) for f in families)
             else:
-                n += len(families) * cfg.eval.tasks_per_family
+                n += len(families) * per_family
         except Exception:  # noqa: BLE001 - an estimate: an env that cannot be opened here counts as nothing
             continue
     return n * (cfg.eval.samples + cfg.eval.greedy)  # greedy: one more episode per task

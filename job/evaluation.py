@@ -27,17 +27,18 @@ from sandforge.types import Task, Trajectory
 
 
 def heldout_tasks(envs: list[EnvironmentConfig], per_family: int) -> list[Task]:
-    """``per_family`` held-out tasks of every family of every configured environment, in a fixed order: seeds
-    0..per_family-1 of a generator, or the first ``per_family`` held-out tasks of a task file or folder (a family
-    without held-out tasks there is left out)."""
+    """``per_family`` held-out tasks (an environment's ``eval_tasks_per_family`` where set) of every family of every
+    configured environment, in a fixed order: seeds 0..n-1 of a generator, or the first n held-out tasks of a task
+    file or folder (a family without held-out tasks there is left out)."""
     tasks: list[Task] = []
     for env in envs:
+        n = env.eval_tasks(per_family)
         source = env_source(env)
         for family in env.families or source.families():
             if isinstance(source, FiniteSource):
-                found = [t for t in source.tasks if t.family == family and t.split == "heldout"][:per_family]
+                found = [t for t in source.tasks if t.family == family and t.split == "heldout"][:n]
             else:
-                found = [source.task(family, seed, "heldout") for seed in range(per_family)]
+                found = [source.task(family, seed, "heldout") for seed in range(n)]
             tasks += [with_reward_rule(t, env.reward_rule) for t in found]  # success is the same reward as training's
     return tasks
 
@@ -216,6 +217,12 @@ def eval_summary(result: dict) -> str:
         paired_greedy = f"; RL's share {share(pair['greedy']['success'])}" if "greedy" in pair else ""
         lines.append(f"  greedy: {pct(b['greedy'])} -> {pct(a['greedy'])} "
                      f"({result['delta_points']['greedy']:+.1f} points over RL){paired_greedy}")
+    if head := result.get("rl_trained"):
+        greedy = head.get("greedy")
+        lines.append(f"  the environments RL trained on ({', '.join(head['environments'])}): {head['before']:.1f}% -> "
+                     f"{head['after']:.1f}%, RL's share {share(head['paired'])}"
+                     + (f"; greedy {greedy['before']:.1f}% -> {greedy['after']:.1f}%, RL's share "
+                        f"{share(greedy['paired'])}" if greedy else ""))
     for env, delta in result["delta_points"]["per_env"].items():
         start = f"{pct(base, env)} -> " if base else ""
         paired_env = f"; RL's share {share(pair['per_env'][env])}" if env in pair.get("per_env", {}) else ""
@@ -255,10 +262,39 @@ def paired_difference(after: dict[str, float], before: dict[str, float]) -> dict
             "tasks": len(both), "left_out": len(after.keys() ^ before.keys())}
 
 
-def task_rates(summary: dict, env: str | None = None) -> dict[str, float]:
-    """Task id -> success rate in one evaluation (its episodes' wins / episodes), of ``env``'s tasks alone if given."""
+def task_rates(summary: dict, env: str | None = None, envs: frozenset[str] | None = None) -> dict[str, float]:
+    """Task id -> success rate in one evaluation (its episodes' wins / episodes), of ``env``'s tasks alone if given,
+    or of the environments in ``envs``."""
     return {task: s["wins"] / s["episodes"] for task, s in summary["per_task"].items()
-            if s["episodes"] and env in (None, s["env"])}
+            if s["episodes"] and env in (None, s["env"]) and (envs is None or s["env"] in envs)}
+
+
+def success_over(summary: dict, envs: frozenset[str]) -> float:
+    """Success over the episodes of the environments in ``envs`` (an evaluation's summary)."""
+    blocks = [s for env, s in summary["per_env"].items() if env in envs]
+    episodes = sum(s["episodes"] for s in blocks)
+    return sum(s["success"] * s["episodes"] for s in blocks) / episodes if episodes else 0.0
+
+
+def rl_trained(after: dict, before: dict, envs: list[str]) -> dict | None:
+    """eval.json's ``rl_trained``: the environments RL drew tasks from (``envs``), before and after, and RL's share
+    over their tasks alone, paired (sampled, and greedy where both have it). The headline when the warm start covers
+    environments RL leaves out (at their floor, say): their tasks cannot move, and would only dilute the comparison.
+    None when RL trained on every evaluated environment or a summary has no ``per_task``."""
+    chosen = frozenset(envs)
+    evaluated = {env for s in (after, before) for env in s["per_env"]}
+    if not chosen or evaluated <= chosen or "per_task" not in after or "per_task" not in before:
+        return None
+    out = {"environments": sorted(chosen), "before": round(100 * success_over(before, chosen), 2),
+           "after": round(100 * success_over(after, chosen), 2),
+           "paired": paired_difference(task_rates(after, envs=chosen), task_rates(before, envs=chosen))}
+    if "greedy" in after and "greedy" in before and "per_task" in after["greedy"] and "per_task" in before["greedy"]:
+        g_after, g_before = after["greedy"], before["greedy"]
+        out["greedy"] = {"before": round(100 * success_over(g_before, chosen), 2),
+                         "after": round(100 * success_over(g_after, chosen), 2),
+                         "paired": paired_difference(task_rates(g_after, envs=chosen),
+                                                     task_rates(g_before, envs=chosen))}
+    return out
 
 
 def paired(after: dict, before: dict) -> dict | None:
@@ -281,9 +317,10 @@ class EvalRecord:
     starts from) and "after" (the last), and the change in percentage points per environment. Rewritten after each
     evaluation, so a killed run keeps what it measured; ``resume_from(step)`` drops evaluations a resumed run redoes."""
 
-    def __init__(self, path, k: int, per_family: int):
+    def __init__(self, path, k: int, per_family: int, trained: list[str] | None = None):
         self.path = Path(path)
         self.k, self.per_family = k, per_family
+        self.trained = trained or []  # the environments RL draws from: ``rl_trained``
         saved = json.loads(self.path.read_text()) if self.path.is_file() else {}
         self.history: list[dict] = saved.get("history", [])
         self.base: dict | None = saved.get("base")  # the pretrained policy before any training (``eval.base``)
@@ -307,7 +344,8 @@ class EvalRecord:
     def as_dict(self) -> dict:
         """eval.json: ``history``; ``before`` (RL's start: after the warm start) and ``after`` (the last); ``base``
         (the pretrained policy, with ``eval.base``); ``delta_points``: after - before, in points (RL's own share), and
-        ``over_base``: after - base (all training); ``paired``: after vs before task by task (``paired``)."""
+        ``over_base``: after - base (all training); ``paired``: after vs before task by task (``paired``);
+        ``rl_trained``: the same over the environments RL trained on, where it left some out (``rl_trained``)."""
         out: dict = {"k": self.k, "tasks_per_family": self.per_family, "history": self.history}
         if self.base is not None:
             out["base"] = self.base
@@ -317,6 +355,8 @@ class EvalRecord:
             out["delta_points"] = points(after, before)
             if (pair := paired(after, before)) is not None:
                 out["paired"] = pair
+            if (head := rl_trained(after, before, self.trained)) is not None:
+                out["rl_trained"] = head
             if self.base is not None:
                 out["over_base"] = points(after, self.base)
         return out
@@ -334,6 +374,7 @@ def run_record(cfg: JobConfig, out: Path, resume: bool, start: int) -> EvalRecor
     path = out / "eval.json"
     if not resume:
         path.unlink(missing_ok=True)
-    record = EvalRecord(path, cfg.eval.samples, cfg.eval.tasks_per_family)
+    record = EvalRecord(path, cfg.eval.samples, cfg.eval.tasks_per_family,
+                        [env.name for env in cfg.environments if env.draw_weight("rl") > 0])
     record.resume_from(start)
     return record

@@ -81,6 +81,9 @@ class EnvironmentConfig(Section):
     # warm-started and evaluated but RL trains on none of its tasks (a family at the floor gives RL groups that all
     # fail: rollouts that cost a step's time and carry no signal)
     rl_weight: float | None = Field(None, ge=0)
+    # held-out tasks per family of this environment in each evaluation, when it differs from eval.tasks_per_family
+    # (more where RL trains, so the paired comparison can see its gain; fewer for a family at its floor or ceiling)
+    eval_tasks_per_family: int | None = Field(None, ge=0)
     # None: the environment's seeded generators. Else a JSONL file (one Task per line) or, for `harbor`, a Harbor task
     # directory or a folder of them. Relative to the working directory, like run.output_dir.
     tasks: Path | None = None
@@ -105,6 +108,10 @@ class EnvironmentConfig(Section):
         """How often this environment's tasks are drawn: ``weight`` for the warm start (``phase`` "warmup"), RL's
         ``rl_weight`` where set (``phase`` "rl")."""
         return self.weight if phase == "warmup" or self.rl_weight is None else self.rl_weight
+
+    def eval_tasks(self, default: int) -> int:
+        """Held-out tasks per family in an evaluation: ``eval_tasks_per_family``, else ``default`` (the eval's)."""
+        return default if self.eval_tasks_per_family is None else self.eval_tasks_per_family
 
     @model_validator(mode="after")
     def _id_for_library_envs(self) -> EnvironmentConfig:

@@ -192,6 +192,46 @@ def test_eval_json_pairs_before_and_after_task_by_task(tmp_path):
     assert "repo: 100.0% -> 50.0% (-50.0; RL's share -50.0 points (paired over 1 task" in text
 
 
+def test_eval_json_headlines_the_environments_rl_trained_on(tmp_path):
+    """Repo left to the warm start (rl_weight 0) is evaluated and reported, but RL's headline share is over the
+    environments RL drew from."""
+    before = {"step": 0, **_evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
+                                       "s/0": ("slack", [False, True]), "r/0": ("repo", [False, False]),
+                                       "r/1": ("repo", [False, False])})}
+    after = {"step": 12, **_evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
+                                       "s/0": ("slack", [True, True]), "r/0": ("repo", [False, False]),
+                                       "r/1": ("repo", [False, False])})}
+    before["greedy"] = _evaluated({"t/0": ("terminal", [False]), "s/0": ("slack", [True]), "r/0": ("repo", [False])})
+    after["greedy"] = _evaluated({"t/0": ("terminal", [True]), "s/0": ("slack", [True]), "r/0": ("repo", [False])})
+    record = EvalRecord(tmp_path / "eval.json", k=2, per_family=2, trained=["terminal", "slack"])
+    record.add(before)
+    record.add(after)
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    head = saved["rl_trained"]
+    assert head["environments"] == ["slack", "terminal"]
+    assert head["before"] == pytest.approx(100 * 2 / 6, abs=0.01) and head["after"] == pytest.approx(100 * 5 / 6,
+                                                                                                   abs=0.01)
+    # per task, in points: t/0 +100, t/1 0, s/0 +50; the repo tasks (0 both times) are left out of it
+    assert head["paired"]["mean_points"] == 50.0 and head["paired"]["tasks"] == 3
+    assert saved["paired"]["success"]["tasks"] == 5 and saved["paired"]["success"]["mean_points"] == 30.0
+    assert head["greedy"]["before"] == 50.0 and head["greedy"]["after"] == 100.0
+    assert head["greedy"]["paired"] == {"mean_points": 50.0, "stderr_points": 50.0, "tasks": 2, "left_out": 0}
+    assert "the environments RL trained on (slack, terminal): 33.3% -> 83.3%, RL's share +50.0" in eval_summary(saved)
+    # RL on every evaluated environment: the overall numbers are the headline, no second block
+    everything = EvalRecord(tmp_path / "all.json", k=2, per_family=2, trained=["terminal", "slack", "repo"])
+    everything.add(before)
+    everything.add(after)
+    assert "rl_trained" not in json.loads((tmp_path / "all.json").read_text())
+
+
+def test_an_environment_can_evaluate_more_or_fewer_tasks_than_the_eval():
+    envs = [EnvironmentConfig(name="terminal"), EnvironmentConfig(name="slack", families=["post_message"], eval_tasks_per_family=5),
+            EnvironmentConfig(name="notion", eval_tasks_per_family=0)]
+    tasks = heldout_tasks(envs, 2)
+    assert sum(t.env == "terminal" for t in tasks) == 2 * 2  # two families at the eval's 2
+    assert sum(t.env == "slack" for t in tasks) == 5 and not any(t.env == "notion" for t in tasks)
+
+
 def test_an_eval_json_without_per_task_results_has_no_paired_block(tmp_path):
     old = {"step": 0, "success": 0.5, "pass@k": 0.5, "k": 2, "per_env": {"terminal": {"success": 0.5}}}
     assert paired(old, old) is None
