@@ -443,6 +443,36 @@ def precision_section(args, table: Table) -> dict:
             "precision_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
 
 
+def fused_lora_section(args, table: Table) -> dict:
+    """Train tokens/s of the quickstart's RL step (SmolLM2-135M, LoRA on the top ``--lora-top-layers`` layers, bf16,
+    no KL reference, micro-batches of 2 episodes) with the adapted layers fused (``model.lora.fused``,
+    models/lora_fused.py) over peft's own forward (the reference), on quickstart-shaped episodes (``_agentic_rows``).
+    Two TrainerRanks in this process, their steps alternated so machine noise hits both alike."""
+    import os
+
+    from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
+    from sandforge.job.fleet.lifecycle import free_port
+    from sandforge.models.sources import local_model_dir
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    shape = RolloutShape(1.0, args.lora_len)
+    ranks = {}
+    for name, fused in (("peft", False), ("fused", True)):
+        model = ModelConfig(path=str(local_model_dir(args.smollm2)),
+                            lora=LoraConfig(top_layers=args.lora_top_layers, fused=fused))
+        ranks[name] = TrainerRank(0, 1, "127.0.0.1", free_port(), model,
+                                  TrainerConfig(grad_accum_steps=max(1, args.lora_rows // 2), kl_coef=0.0,
+                                                log_kl=False, bf16=True), shape, seed=0, num_threads=args.lora_threads)
+    rows = _agentic_rows(len(ranks["peft"].tokenizer), args.lora_rows, args.lora_len, args.policy_share)
+    tps = _rl_tokens_per_s(ranks, rows, args.train_steps)
+    for name in ranks:
+        table.add_row(f"RL step, SmolLM2 LoRA top {args.lora_top_layers}, bf16, {name}", f"{tps[name]:.0f} tok/s",
+                      f"{tps[name] / tps['peft']:.2f}x peft's forward")
+    return {"fused_vs_peft": round(tps["fused"] / tps["peft"], 3),
+            "fused_lora_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
+
+
 def _agentic_rows(vocab: int, n: int, length: int, policy_share: float) -> list[TrainingRow]:
     """Episodes shaped as the quickstart's: a system prompt with the tool declarations, then policy turns between tool
     outputs, ``policy_share`` of the tokens the policy's own (the loss mask)."""
@@ -517,7 +547,7 @@ def loss_mask_scoring_section(args, table: Table) -> dict:
 
 # Sections run in order; each adds rows to the table and returns its JSON keys.
 SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section,
-            lora_vs_full_section, precision_section, loss_mask_scoring_section]
+            lora_vs_full_section, precision_section, loss_mask_scoring_section, fused_lora_section]
 
 
 def main() -> None:

@@ -95,17 +95,22 @@ def prefill(model: nn.Module, items: list[Prefill], device: torch.device) -> int
 
 
 def sample_rows(
-    logits: Tensor, params: list[tuple[float, float, int]], generator: torch.Generator
+    logits: Tensor, params: list[tuple[float, float, int]], generator: torch.Generator,
+    generators: list[torch.Generator | None] | None = None, sampler: str = "cdf",
 ) -> tuple[list[int], list[float]]:
-    """logits [N, V]; params[i] = (temperature, top_p, top_k) of row i. Rows with equal parameters are sampled
-    together by ``sample_next``, so each row follows exactly the definition of ``generate``."""
+    """logits [N, V]; params[i] = (temperature, top_p, top_k) of row i; generators[i]: row i's own generator (None:
+    the shared ``generator``). Rows with equal parameters are sampled together by ``sample_next``, so each row follows
+    exactly the definition of ``generate``, and a row with a generator of its own draws the same token whatever else
+    is batched with it. ``sampler``: how tokens are drawn (models/sampling.py ``DRAWS``)."""
     tokens, logprobs = [0] * len(params), [0.0] * len(params)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault(p, []).append(i)
     for (temperature, top_p, top_k), rows in groups.items():
         idx = torch.tensor(rows, device=logits.device)
-        t, lp = sample_next(logits[idx], SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), generator)
+        own = None if generators is None else [generators[r] for r in rows]
+        t, lp = sample_next(logits[idx], SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), generator,
+                            own, sampler)
         for r, ti, li in zip(rows, t.tolist(), lp.tolist()):
             tokens[r], logprobs[r] = ti, li
     return tokens, logprobs

@@ -58,6 +58,7 @@ class EngineCore:
         seed: int = 0,
         max_prefill_tokens: int = 4096,
         max_snapshots: int = 16,
+        sampler: str = "cdf",
     ):
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -66,6 +67,7 @@ class EngineCore:
         self.max_seq_len = getattr(model.config, "max_seq_len", None)
         self.vocab_size = model.config.vocab_size
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampler = sampler  # engine.sampler: how tokens are drawn (models/sampling.py DRAWS)
         self.store = SessionStore(int(session_memory_mb * 2**20), max_snapshots)
         self.batch = DecodeBatch()
         self.version = -1  # no trainer weights yet
@@ -386,15 +388,9 @@ class EngineCore:
     def _sample(self, logits: Tensor, indices: list[int]) -> None:
         """Sample the next token of batch rows ``indices`` from ``logits`` (one row each); retire finished rows."""
         rows = [self.batch.rows[i] for i in indices]
-        shared = [j for j, r in enumerate(rows) if r.generator is None]
-        tokens, logprobs = [0] * len(rows), [0.0] * len(rows)
-        if shared:
-            got = sample_rows(logits[shared], [rows[j].request.params for j in shared], self.generator)
-            for j, t, lp in zip(shared, *got):
-                tokens[j], logprobs[j] = t, lp
-        for j, r in enumerate(rows):
-            if r.generator is not None:  # a seeded row draws alone from its own generator
-                [tokens[j]], [logprobs[j]] = sample_rows(logits[j : j + 1], [r.request.params], r.generator)
+        # a seeded row draws from its own generator, the others from the engine's, all in one pass
+        tokens, logprobs = sample_rows(logits, [r.request.params for r in rows], self.generator,
+                                       [r.generator for r in rows], self.sampler)
         done = []
         for i, row, token, logprob in zip(indices, rows, tokens, logprobs):
             row.token_ids.append(token)

@@ -53,6 +53,10 @@ def add_lora(policy: nn.Module, lora: LoraConfig) -> nn.Module:
     for name, p in policy.named_parameters():
         p.requires_grad_(".lora_" in name)
     policy.lora_spec = {"r": lora.r, "alpha": lora.alpha, "targets": sorted(layers)}
+    if lora.fused:
+        from .lora_fused import fuse_lora
+
+        fuse_lora(policy)
     return policy
 
 

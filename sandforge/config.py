@@ -157,6 +157,9 @@ class LoraConfig(Section):
     # adapters in the model's last N layers only (null: all): the backward pass then stops below them, which on a CPU is
     # most of a step's cost
     top_layers: int | None = Field(None, ge=1)
+    # the adapted layers merge W + s B A once per call and compute with one matmul (models/lora_fused.py; forward and
+    # backward 2x peft's on a CPU in bf16); false: peft's forward, the reference
+    fused: bool = True
 
 
 class ModelConfig(Section):
@@ -285,6 +288,14 @@ class EngineConfig(Section):
     # (models/kv_room.py), rows compacted by slicing where they end in their tokens; reference: transformers' own
     # DynamicLayer, which copies the whole cache every token, and compaction by gather (bench/rl_step.py's baseline)
     kv_cache: Literal["fast", "reference"] = "fast"
+    # how a sampled token is drawn from its probabilities. cdf: one uniform per row against the cumulative sum
+    # (models/sampling.py draw); multinomial: torch.multinomial, one exponential per vocabulary entry (the reference,
+    # 100x the time for a 49k vocabulary on a CPU). The same distribution; seeded draws differ between the two
+    sampler: Literal["cdf", "multinomial"] = "cdf"
+    # CPU threads of the engine's torch ops; 0: one per core. On a CPU shared with sandboxes, rollout workers and the
+    # trainer, fewer threads than cores can be faster: an op's threads wait for its slowest, one descheduled thread
+    # stalls them all
+    threads: int = Field(0, ge=0)
 
 
 class PretrainConfig(Section):

@@ -257,3 +257,46 @@ def test_a_bfloat16_engine_merges_in_fp32_and_serves_the_merged_weights_cast(tra
     assert sync(trained, engine, "object_store", 2) == 2
     assert all(torch.equal(engine.core.model.state_dict()[k], v) for k, v in served.items())
     torch.testing.assert_close(logits(engine.core.model, IDS), logits(trained.engine.module, IDS), atol=0.15, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_lora_layers_compute_what_peft_computes(base_dir, dtype):
+    """models/lora_fused.py's merged forward and its backward against peft's own forward (``lora.fused: false``):
+    the same log-probs and the same adapter gradients, in fp32 and in bf16 (to bf16's rounding); adapters disabled,
+    the layers run peft's path."""
+    from sandforge.models.build import load_policy
+    from sandforge.models.lora import add_lora, adapter_weights
+    from sandforge.models.lora_fused import FusedLoraLinear
+    from sandforge.models.sampling import token_logprobs
+
+    policies = []
+    for fused in (False, True):
+        policy = add_lora(load_policy(base_dir), LoraConfig(r=4, alpha=8.0, fused=fused)).to(dtype)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for v in adapter_weights(policy).values():
+                v.normal_(0, 0.1)
+        policies.append(policy)
+    reference, fused = policies
+    assert not any(isinstance(m, FusedLoraLinear) for m in reference.modules())
+    assert sum(isinstance(m, FusedLoraLinear) for m in fused.modules()) == len(fused.lora_spec["targets"])
+    mask = torch.ones_like(IDS)
+    mask[0, :3] = 0  # left padding in one row
+    tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 5e-2}
+    outs = []
+    for policy in policies:
+        lp, _ = token_logprobs(policy, IDS, mask)
+        lp.float().sum().backward()
+        outs.append((lp.detach().float(), {k: v.grad.float() for k, v in adapter_weights(policy).items()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], **tol)
+    for k, g in outs[0][1].items():
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(outs[1][1][k], g, **tol)
+    with torch.no_grad():  # the scoring forward, no graph
+        torch.testing.assert_close(token_logprobs(fused, IDS, mask)[0].float(), outs[0][0], **tol)
+    for policy in policies:
+        for m in policy.modules():
+            if hasattr(m, "disable_adapters") and hasattr(m, "_disable_adapters"):
+                m._disable_adapters = True
+    with torch.no_grad():  # adapters off: both are the base model
+        torch.testing.assert_close(token_logprobs(fused, IDS, mask)[0], token_logprobs(reference, IDS, mask)[0])

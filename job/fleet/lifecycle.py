@@ -159,7 +159,7 @@ def start_engine(cfg: JobConfig, run_id: str, policy_config: dict, placement: Pl
 
     options = placement.engine_options(bundles) | {"name": engine_name(run_id)}
     return ray.remote(EngineActor).options(**options).remote(
-        policy_config, cfg.engine, cfg.run.seed, os.cpu_count() or 1, placement.engine)
+        policy_config, cfg.engine, cfg.run.seed, cfg.engine.threads or os.cpu_count() or 1, placement.engine)
 
 
 def state_placement(fleet: Fleet) -> str:
