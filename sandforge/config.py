@@ -385,6 +385,10 @@ class TrainerConfig(Section):
     # bf16 weights and activations, fp32 master weights; null: on with CUDA or a CPU with AMX (models/device.py)
     bf16: bool | None = None
     grad_accum_steps: int = Field(2, ge=1)
+    # which tokens a forward computes logits at. policy_tokens: only where a loss-mask token is predicted (the lm_head
+    # and the fp32 log-softmax over the vocabulary shrink to the policy's own tokens); all_tokens: every token, the
+    # reference (the same log-probs and gradients: tests/test_token_scores.py)
+    scoring: Literal["policy_tokens", "all_tokens"] = "policy_tokens"
     # K3 policies: a micro-batch's sequences share forward rows instead of padding to the longest (models/packing.py);
     # Hugging Face policies always pad
     pack_sequences: bool = True

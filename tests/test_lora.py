@@ -300,3 +300,15 @@ def test_fused_lora_layers_compute_what_peft_computes(base_dir, dtype):
                 m._disable_adapters = True
     with torch.no_grad():  # adapters off: both are the base model
         torch.testing.assert_close(token_logprobs(fused, IDS, mask)[0], token_logprobs(reference, IDS, mask)[0])
+
+
+def test_scoring_every_token_takes_the_same_step(base_dir):
+    """``trainer.scoring: all_tokens`` (the reference, bench/rl_step.py's baseline) against the default's logits at
+    policy tokens only: the same loss, gradient norm and adapters after a step."""
+    ranks = [new_rank(base_dir, TRAINER.model_copy(update={"scoring": scoring})) for scoring in ("policy_tokens", "all_tokens")]
+    rows = make_rows(ranks[0], [1.0, -1.0, 0.5])
+    got = [step(rank, rows) for rank in ranks]
+    for key in ("loss", "grad_norm", "kl"):
+        assert got[0][key] == pytest.approx(got[1][key], rel=1e-4, abs=1e-6)
+    for k, v in ranks[0].get_weights().items():
+        torch.testing.assert_close(v, ranks[1].get_weights()[k], atol=1e-6, rtol=1e-4)
