@@ -465,20 +465,43 @@ class JobConfig(Section):
 
 
 def apply_override(raw: dict, assignment: str) -> None:
-    """Set ``a.b.c=value`` in the raw config; the value is parsed as YAML (``2``, ``true``, ``[a, b]``, ``null``)."""
+    """Set ``a.b.c=value`` in the raw config; the value is parsed as YAML (``2``, ``true``, ``[a, b]``, ``null``). In a
+    list (``environments``) a part picks an item by its position (``environments.0.weight=2``) or by its ``name``
+    (``environments.browser.eval_tasks_per_family=1``)."""
     key, sep, value = assignment.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {assignment!r}: expected KEY=VALUE with a dotted key, e.g. trainer.steps=2")
     node = raw
     parts = key.strip().split(".")
     for i, part in enumerate(parts[:-1]):
-        child = node.get(part) if isinstance(node, dict) else None
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
+        if isinstance(node, list):
+            child = _list_item(node, part, key, ".".join(parts[:i]))
+        else:
+            child = node.get(part) if isinstance(node, dict) else None
+            if child is None:
+                child = node[part] = {}
+        if not isinstance(child, (dict, list)):
             raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
+    if isinstance(node, list):
+        raise ConfigError(f"override {key}: {'.'.join(parts[:-1])} is a list; name an item of it, by position or "
+                          f"name, e.g. {'.'.join(parts[:-1])}.0.{parts[-1]}")
     node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+
+
+def _list_item(items: list, part: str, key: str, where: str) -> Any:
+    """The item of a config list an override's ``part`` names: a position, or the one item whose ``name`` it is."""
+    if part.isdigit():
+        if int(part) < len(items):
+            return items[int(part)]
+        raise ConfigError(f"override {key}: {where} has {len(items)} item(s); there is no item {part}")
+    named = [item for item in items if isinstance(item, dict) and item.get("name") == part]
+    if len(named) == 1:
+        return named[0]
+    names = [str(item.get("name")) for item in items if isinstance(item, dict)]
+    why = "several items are" if named else "no item is"
+    raise ConfigError(f"override {key}: {why} named {part!r} in {where} (its items: {', '.join(names) or 'none'}); "
+                      "name one, or give its position")
 
 
 def _dotted(loc: tuple) -> str:

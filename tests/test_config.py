@@ -66,6 +66,18 @@ def test_override_parses_yaml_values():
     assert raw == {"a": {"b": 2, "c": ["x", "y"]}, "d": None}
 
 
+def test_override_reaches_a_list_item_by_position_or_name():
+    cfg = load_config(QUICKSTART, ["environments.browser.eval_tasks_per_family=1", "environments.0.weight=3"])
+    by_name = {env.name: env for env in cfg.environments}
+    assert by_name["browser"].eval_tasks_per_family == 1 and cfg.environments[0].weight == 3
+    assert by_name["repo"].eval_tasks_per_family == 2  # the others as the file has them
+    for override, needle in [("environments.nowhere.weight=2", "no item is named 'nowhere'.*terminal, repo"),
+                             ("environments.9.weight=2", "has 5 item"),
+                             ("environments.weight=2", "is a list; name an item of it")]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(QUICKSTART, [override])
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

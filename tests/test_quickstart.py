@@ -19,7 +19,8 @@ ENVS = {"terminal", "repo", "slack", "notion", "browser"}
 
 SHORT = ["warmup.steps=2", "warmup.episodes=5", "warmup.batch_size=4", "trainer.steps=2", "eval.every=1",
          "eval.tasks_per_family=1", "eval.samples=2", "rollout.tasks_per_step=2", "rollout.group_size=2",
-         "rollout.max_new_tokens=48", "rollout.max_turns=3"]
+         "rollout.max_new_tokens=48", "rollout.max_turns=3", "environments.repo.eval_tasks_per_family=1",
+         "environments.browser.eval_tasks_per_family=1"]
 
 
 @pytest.fixture(scope="module")
