@@ -92,9 +92,12 @@ def evaluate(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="A policy directory, e.g. "
                                     "runs/x/checkpoints/step_20/policy"),
     out: Optional[Path] = typer.Option(None, "--out", help="JSON file (default: <checkpoint>/eval.json)"),
+    against: Optional[Path] = typer.Option(None, "--against", help="An earlier `sandforge eval` JSON of another "
+                                           "checkpoint with the same config: compared task by task"),
 ) -> None:
     """Held-out success of a checkpoint per environment, and pass@k (k = eval.samples), as a table and a JSON file.
-    eval.tasks_per_family held-out tasks of every family (8 when the config's is 0)."""
+    eval.tasks_per_family held-out tasks of every family (8 when the config's is 0). With --against, the paired
+    difference from an earlier evaluation of another checkpoint (e.g. RL's share over its warm start)."""
     try:
         cfg = load_config(config, list(overrides or []))
         if not cfg.eval.tasks_per_family:
@@ -109,7 +112,8 @@ def evaluate(
         fail(str(e))
     from sandforge.job.evaluation import evaluate_checkpoint
 
-    _drive(evaluate_checkpoint, cfg, checkpoint.resolve(), (out or checkpoint / "eval.json").resolve())
+    _drive(evaluate_checkpoint, cfg, checkpoint.resolve(), (out or checkpoint / "eval.json").resolve(),
+           against.resolve() if against else None)
 
 
 def _run(cfg: JobConfig, **kwargs) -> None:

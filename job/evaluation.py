@@ -21,6 +21,7 @@ from typing import Callable
 from rich.table import Table
 
 from sandforge.config import EnvironmentConfig, JobConfig
+from sandforge.job.console import JobError
 from sandforge.environments.task_sources import FiniteSource
 from sandforge.job.tasks import env_source, with_reward_rule
 from sandforge.types import Task, Trajectory
@@ -141,10 +142,37 @@ def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
     return trajs, summary
 
 
-def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dict:
+def compared(summary: dict, earlier: dict, source: str) -> dict:
+    """``sandforge eval --against``: this evaluation against an earlier one of another checkpoint on the same held-out
+    tasks, task by task (``paired``: this minus the earlier, in points) and overall (``delta_points``)."""
+    if "per_task" not in earlier:
+        raise JobError(f"--against {source}: it holds no per-task results (not a `sandforge eval` summary, or one "
+                       "written before summaries kept them)")
+    return {"file": source, "delta_points": points(summary, earlier), "paired": paired(summary, earlier)}
+
+
+def against_lines(cmp: dict) -> list[str]:
+    """The comparison in words, for the end of ``sandforge eval --against``."""
+    pair = cmp["paired"]
+    lines = [f"against {cmp['file']}: {share(pair['success'])}"]
+    if "greedy" in pair:
+        lines.append(f"  greedy: {share(pair['greedy']['success'])}")
+    lines += [f"  {env}: {share(p)}" for env, p in pair["per_env"].items()]
+    return lines
+
+
+def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path, against: Path | None = None) -> dict:
     """``sandforge eval``: ``cfg.eval.samples`` episodes of each held-out task with the policy in ``checkpoint``, on the
     same fleet a run starts (without trainer ranks); writes the summary (success and pass@k, overall and per
-    environment) to ``out_file`` and returns it."""
+    environment) to ``out_file`` and returns it. ``against``: an earlier ``sandforge eval`` summary (another
+    checkpoint, the same config), compared task by task (``compared``, under ``against`` in the summary)."""
+    earlier = None
+    if against is not None:
+        try:
+            earlier = json.loads(against.read_text())
+        except (OSError, ValueError) as e:
+            raise JobError(f"--against {against}: cannot read it as JSON ({e})") from None
+        compared(earlier, earlier, str(against))  # refused before the fleet starts, not after the episodes
     from sandforge.job.console import console, make_run_id, progress
     from sandforge.job.fleet.lifecycle import checkpoint_policy, open_fleet
     from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed
@@ -160,9 +188,13 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path) -> dic
 
         _, summary = evaluation(cfg, collect, "eval")
     summary = {"checkpoint": str(checkpoint), **summary}
+    if earlier is not None:
+        summary["against"] = compared(summary, earlier, str(against))
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(summary, indent=1) + "\n")
     console.print(summary_table(summary))
+    if earlier is not None:
+        console.print("\n".join(against_lines(summary["against"])), soft_wrap=True, markup=False)
     console.print(f"[green]done[/]: {out_file}")
     return summary
 

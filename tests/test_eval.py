@@ -224,6 +224,25 @@ def test_eval_json_headlines_the_environments_rl_trained_on(tmp_path):
     assert "rl_trained" not in json.loads((tmp_path / "all.json").read_text())
 
 
+def test_eval_against_an_earlier_evaluation_pairs_task_by_task():
+    """``sandforge eval --against``: a checkpoint's summary compared with an earlier one's, task by task."""
+    from sandforge.job.console import JobError
+    from sandforge.job.evaluation import against_lines, compared
+
+    earlier = _evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
+                          "s/0": ("slack", [False, True])})
+    now = _evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
+                      "s/0": ("slack", [True, True])})
+    cmp = compared(now, earlier, "warm.json")
+    assert cmp["paired"]["success"]["mean_points"] == 50.0 and cmp["paired"]["success"]["tasks"] == 3
+    assert cmp["delta_points"]["success"] == pytest.approx(100 * (5 / 6 - 2 / 6), abs=0.01)
+    lines = against_lines(cmp)
+    assert lines[0].startswith("against warm.json: +50.0 ± 28.9 points (paired over 3 tasks)")
+    assert any(line.startswith("  terminal: +50.0") for line in lines)
+    with pytest.raises(JobError, match="--against old.json: it holds no per-task results"):
+        compared(now, {"success": 0.5, "per_env": {}}, "old.json")
+
+
 def test_an_environment_can_evaluate_more_or_fewer_tasks_than_the_eval():
     envs = [EnvironmentConfig(name="terminal"), EnvironmentConfig(name="slack", families=["post_message"], eval_tasks_per_family=5),
             EnvironmentConfig(name="notion", eval_tasks_per_family=0)]
