@@ -39,13 +39,15 @@ class RunPlan:
         if e.tasks_per_family:
             evals = 1 + (len([s for s in range(start + 1, t.steps) if e.every and s % e.every == 0]))
             evals += 1 if t.steps > start else 0
-            evals += 1 if warm and e.base else 0
             units["episode"] += evals * eval_episodes(cfg)
+            if warm and e.base:
+                units["episode"] += eval_episodes(cfg, e.base_tasks_per_family)
         return cls(units)
 
 
-def eval_episodes(cfg: JobConfig) -> int:
-    """Episodes of one held-out evaluation (generated families; a task file's count is known only once read)."""
+def eval_episodes(cfg: JobConfig, per_family: int | None = None) -> int:
+    """Episodes of one held-out evaluation (generated families; a task file's count is known only once read);
+    ``per_family``: that many tasks of every family (the base evaluation's)."""
     from sandforge.environments.task_sources import FiniteSource
     from sandforge.job.tasks import env_source
 
@@ -54,12 +56,12 @@ def eval_episodes(cfg: JobConfig) -> int:
         try:
             source = env_source(env)
             families = env.families or source.families()
-            per_family = env.eval_tasks(cfg.eval.tasks_per_family)
+            tasks = per_family if per_family is not None else env.eval_tasks(cfg.eval.tasks_per_family)
             if isinstance(source, FiniteSource):
-                n += sum(min(per_family, sum(t.family == f and t.split == "heldout"
+                n += sum(min(tasks, sum(t.family == f and t.split == "heldout"
                                                                 for t in source.tasks)) for f in families)
             else:
-                n += len(families) * per_family
+                n += len(families) * tasks
         except Exception:  # noqa: BLE001 - an estimate: an env that cannot be opened here counts as nothing
             continue
     return n * (cfg.eval.samples + cfg.eval.greedy)  # greedy: one more episode per task

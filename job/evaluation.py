@@ -114,13 +114,17 @@ def eval_temperature(cfg: JobConfig) -> float:
 
 
 def heldout_episodes(cfg: JobConfig, collect: Callable[..., list[Trajectory]], tag: str,
-                     greedy: bool = False) -> tuple[list[Trajectory], dict]:
+                     greedy: bool = False, per_family: int | None = None) -> tuple[list[Trajectory], dict]:
     """Run ``eval.samples`` episodes of each held-out task at ``eval_temperature`` through ``collect(tasks, groups,
     scripted, label, temperature)`` (groups named ``<tag>/<task id>``, which seeds their sampling); (the episodes,
     their summary, which records the temperature). ``greedy``: one episode per task at temperature 0 (more would
-    repeat it)."""
+    repeat it). ``per_family``: that many tasks of every family of every environment instead of the configured
+    numbers."""
     e = cfg.eval
-    tasks = heldout_tasks(cfg.environments, e.tasks_per_family)
+    envs = cfg.environments
+    if per_family is not None:
+        envs = [env.model_copy(update={"eval_tasks_per_family": per_family}) for env in envs]
+    tasks = heldout_tasks(envs, e.tasks_per_family)
     samples = 1 if greedy else e.samples
     temperature = 0.0 if greedy else eval_temperature(cfg)
     episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(samples)]
@@ -132,12 +136,13 @@ def heldout_episodes(cfg: JobConfig, collect: Callable[..., list[Trajectory]], t
 
 
 def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
-               tag: str) -> tuple[list[Trajectory], dict]:
+               tag: str, per_family: int | None = None) -> tuple[list[Trajectory], dict]:
     """One held-out evaluation as configured: at ``eval.temperature`` (the rollout temperature unless set), plus
-    greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended)."""
-    trajs, summary = heldout_episodes(cfg, collect, tag)
+    greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended). ``per_family``: that many
+    tasks per family everywhere (the base evaluation's ``eval.base_tasks_per_family``)."""
+    trajs, summary = heldout_episodes(cfg, collect, tag, per_family=per_family)
     if cfg.eval.greedy:
-        more, summary["greedy"] = heldout_episodes(cfg, collect, f"{tag}g", greedy=True)
+        more, summary["greedy"] = heldout_episodes(cfg, collect, f"{tag}g", greedy=True, per_family=per_family)
         trajs += more
     return trajs, summary
 

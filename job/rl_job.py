@@ -124,7 +124,8 @@ class RLJob:
         """Held-out success of the current policy after ``step`` RL steps (job/evaluation.py): logged as an ``eval``
         row and its episodes; returns the summary. ``base``: the pretrained policy before any training, logged as an
         ``eval_base`` row (its own phase: it is no point of the RL curve)."""
-        trajs, summary = evaluation(self.cfg, self.collect, "base" if base else f"eval{step}")
+        trajs, summary = evaluation(self.cfg, self.collect, "base" if base else f"eval{step}",
+                                    self.cfg.eval.base_tasks_per_family if base else None)
         phase = "eval_base" if base else "eval"
         self.logger.log_trajectories(step, phase, trajs)
         summary = {"step": step, "policy_version": self.version, **({"base": True} if base else {}), **summary}

@@ -334,6 +334,9 @@ class EvalConfig(Section):
     temperature: float | None = Field(None, ge=0)
     greedy: bool = False  # each evaluation also decodes greedily (one episode per task): what the policy's mode solves
     base: bool = False  # also evaluate the policy as loaded, before pretraining or the warm start ("base" in eval.json)
+    # held-out tasks per family of every environment for that base evaluation; null: as the others. A pretrained model
+    # that cannot call the tools yet scores 0 on any number of tasks, and its episodes run to their limits
+    base_tasks_per_family: int | None = Field(None, ge=1)
 
 
 class TrainerConfig(Section):

@@ -26,6 +26,9 @@ def test_the_plan_counts_every_kind_of_work():
     assert resumed.units == {"pretrain": 0, "scripted": 0, "sft": 0, "episode": 2 * 12 + 2 * 12, "update": 2}
     more = RunPlan.of(job(eval={"tasks_per_family": 2, "samples": 3, "every": 5, "greedy": True, "base": True}))
     assert more.units["episode"] == 12 * 12 + 5 * 2 * 2 * 4  # the base evaluation too; each one greedy as well
+    smaller_base = RunPlan.of(job(eval={"tasks_per_family": 2, "samples": 3, "every": 5, "greedy": True, "base": True,
+                                        "base_tasks_per_family": 1}))
+    assert smaller_base.units["episode"] == 12 * 12 + 4 * 2 * 2 * 4 + 2 * 1 * 4  # its one task per family
     no_eval = RunPlan.of(job(eval={"tasks_per_family": 0}), warm=False)
     assert no_eval.units["episode"] == 12 * 12
 

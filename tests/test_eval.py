@@ -118,6 +118,19 @@ def test_eval_temperature_reaches_the_episodes_and_is_recorded():
         _eval_job(temperature=-0.1)
 
 
+def test_the_base_evaluation_can_take_fewer_tasks_everywhere():
+    cfg = JobConfig.model_validate({"environments": [{"name": "terminal"}, {"name": "slack", "families": ["post_message"],
+                                                                             "eval_tasks_per_family": 5}],
+                                    "eval": {"tasks_per_family": 2, "samples": 3, "greedy": True, "base": True,
+                                             "base_tasks_per_family": 1}})
+    calls: list = []
+    evaluation(cfg, _fake_collect(calls), "base", per_family=cfg.eval.base_tasks_per_family)
+    assert [c[1] for c in calls] == [3 * 3, 3]  # one task of each of 3 families (slack's 5 too), x 3 samples; greedy
+    calls.clear()
+    evaluation(cfg, _fake_collect(calls), "eval0")
+    assert [c[1] for c in calls] == [(2 * 2 + 5) * 3, 2 * 2 + 5]  # the others as configured
+
+
 def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeypatch):
     """The last hop: RolloutWorker.run_episodes gives its episodes limits at the requested temperature (no Docker:
     the worker's client is a stand-in and its episodes record their limits instead of running)."""
