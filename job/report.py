@@ -25,6 +25,7 @@ class Series:
     y: list[float]
     env: str = ""  # colours match across panels by environment
     style: str = "line"  # "line" | "dotted" | "base" | "before" | "after" (eval.json markers)
+    err: list[float] | None = None  # eval.json markers: each point's standard error, drawn as an error bar
 
 
 @dataclass
@@ -67,11 +68,12 @@ def eval_markers(summary: dict) -> list[Series]:
         if style == "base":
             point = {**point, "step": BASE_X}
         per_env = point.get("per_env") or {}
-        values = {"all": point.get("success")} | {env: v.get("success") for env, v in per_env.items()
-                                                  if isinstance(v, dict)}
-        for env, value in values.items():
+        blocks = {"all": point} | {env: v for env, v in per_env.items() if isinstance(v, dict)}
+        for env, block in blocks.items():
+            value, err = block.get("success"), block.get("stderr")
             if isinstance(value, (int, float)):
-                out.append(Series(f"{env} {style}", [point["step"]], [value], env, style))
+                out.append(Series(f"{env} {style}", [point["step"]], [value], env, style,
+                                  [err] if isinstance(err, (int, float)) else None))
     return out
 
 
@@ -154,6 +156,8 @@ def plot_curves(panel_list: list[Panel]):
             else:  # eval.json: hollow square for the base, hollow circle before RL, star after; the legend names the shape once, not per env
                 ax.scatter(s.x, s.y, color=color, s=90 if s.style == "after" else 45, zorder=3,
                            marker=MARKERS[s.style], facecolors=color if s.style == "after" else "none")
+                if s.err:  # the standard error eval.json records
+                    ax.errorbar(s.x, s.y, yerr=s.err, fmt="none", ecolor=color, capsize=3, linewidth=1, zorder=2)
         styles = [st for st in MARKERS if any(s.style == st for s in panel.series)]
         handles = [Line2D([], [], color="0.4", marker=MARKERS[st], linestyle="", markerfacecolor="none"
                           if st != "after" else "0.4", label=f"{MARKER_LABELS[st]} (eval.json)") for st in styles]

@@ -90,11 +90,14 @@ def test_curves_follow_the_metrics_rows():
     assert lines["terminal"] == ([0, 5, 10], [0.3, 0.55, 0.8])  # eval rows
     markers = {s.label: (s.x, s.y) for s in held if s.style != "line"}
     assert markers["terminal before"] == ([0], [0.3]) and markers["all after"] == ([10], [0.7])
-    with_base = {**summary, "base": {**summary["before"], "success": 0.05, "per_env": {"terminal": {"success": 0.1}}}}
+    with_base = {**summary, "base": {**summary["before"], "success": 0.05, "stderr": 0.02,
+                                     "per_env": {"terminal": {"success": 0.1, "stderr": 0.04}}}}
     rows = [{**r, "eval/greedy/success": r["eval/success"] + 0.1} for r in metrics["eval"]]
     held = panel(panels({**metrics, "eval": rows}, with_base), "held-out success: base, warm start, RL").series
     marks = {s.label: (s.style, s.x, s.y) for s in held}
     assert marks["all base"] == ("base", [-1], [0.05]) and marks["terminal base"] == ("base", [-1], [0.1])
+    errs = {s.label: s.err for s in held}  # eval.json's standard errors become the markers' error bars
+    assert errs["all base"] == [0.02] and errs["terminal base"] == [0.04] and errs["all envs"] is None
     assert marks["all envs, greedy"][0] == "dotted" and marks["all envs, greedy"][1] == [0, 5, 10]
     plot_curves(panels({**metrics, "eval": rows}, with_base))  # draws every style
     sft = panel(p, "cold start: pretraining, then SFT loss").series[0]  # the sample run has no pretraining rows
