@@ -11,7 +11,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
-from sandforge.config import EnvironmentConfig
+from sandforge.config import DrawPhase, EnvironmentConfig
 from sandforge.environments.task_sources import TaskSourceError, open_source
 from sandforge.registry import environment
 from sandforge.types import Task
@@ -36,7 +36,7 @@ class TaskSampler:
             self.families.append(env.families or known)
             self.sources.append(source)
 
-    def sample(self, n: int, split: str = "train", phase: str = "rl") -> list[Task]:
+    def sample(self, n: int, split: str = "train", phase: DrawPhase = "rl") -> list[Task]:
         """``n`` tasks of ``split``, environments drawn by ``weight`` (``phase`` "warmup") or by ``rl_weight`` where
         an environment sets it (``phase`` "rl")."""
         weights = [e.draw_weight(phase) for e in self.envs]

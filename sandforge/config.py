@@ -73,6 +73,9 @@ class SandboxConfig(Section):
         return self
 
 
+DrawPhase = Literal["warmup", "rl"]  # which weight draws an environment's tasks: the warm start's or RL's
+
+
 class EnvironmentConfig(Section):
     name: str = "terminal"
     families: list[str] = Field(default_factory=list)  # empty: every family the environment has
@@ -104,9 +107,11 @@ class EnvironmentConfig(Section):
     id: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
 
-    def draw_weight(self, phase: str) -> float:
+    def draw_weight(self, phase: DrawPhase) -> float:
         """How often this environment's tasks are drawn: ``weight`` for the warm start (``phase`` "warmup"), RL's
         ``rl_weight`` where set (``phase`` "rl")."""
+        if phase not in get_args(DrawPhase):
+            raise ValueError(f"draw phase {phase!r}: one of {', '.join(get_args(DrawPhase))}")
         return self.weight if phase == "warmup" or self.rl_weight is None else self.rl_weight
 
     def eval_tasks(self, default: int) -> int:

@@ -188,6 +188,8 @@ def test_rl_weight_leaves_an_environment_to_the_warm_start(tmp_path):
     leaning = load_config(_config(tmp_path, "environments:\n  - name: terminal\n  - name: slack\n    rl_weight: 3\n"))
     drawn = TaskSampler(leaning.environments, seed=0).sample(200)
     assert 125 < sum(t.env == "slack" for t in drawn) < 175  # 3 against terminal's weight 1: about three quarters
+    with pytest.raises(ValueError, match="draw phase 'sft': one of warmup, rl"):
+        sampler.sample(1, phase="sft")
 
 
 def test_a_job_whose_rl_draws_nothing_is_refused(tmp_path):
