@@ -11,10 +11,13 @@ they cost as much as the frozen base matmuls. ``MergedLoRA`` instead merges ``W'
   GEMM instead measured slower: 9.3 against 6.5 ms for a [2000, 576] -> 1536 layer's forward and backward, where
   peft's layer takes 13.1 ms; Intel Xeon with AMX, bf16, 2 threads).
 
-The result is the same function with the same gradients, up to the rounding of summing in another order (tests tie it
-to peft's forward: tests/test_lora.py). ``fuse_lora`` makes a policy's adapted layers ``FusedLoraLinear``; a layer in any state
-the fused path does not cover (adapters disabled or merged, dropout, several adapters, a variant such as DoRA, mixed
-dtypes) runs peft's own forward, the reference.
+On the whole RL step the gain is smaller, 1.07x train tokens/s (``bench/trainer.py --sections fused_lora``): the
+frozen layers below the adapters, attention and the loss take the rest.
+
+The result is the same function with the same gradients, up to the rounding of summing in another order (tests tie
+it to peft's forward: tests/test_lora.py). ``fuse_lora`` makes a policy's adapted layers ``FusedLoraLinear``; a layer
+in any state the fused path does not cover (adapters disabled or merged, dropout, several adapters, a variant such as
+DoRA, mixed dtypes) runs peft's own forward, the reference.
 """
 
 from __future__ import annotations
