@@ -228,12 +228,6 @@ class TrainerRank:
         self.steps += 1
         return mismatch_rate(self._reduce(stats)) | self._after_step()
 
-    @property
-    def all_tokens(self) -> bool:
-        """``trainer.scoring: all_tokens``: forwards compute logits at every token, not only where a loss-mask token is
-        predicted (the reference; trainer/batches.py ``forward_scores``)."""
-        return self.cfg.scoring == "all_tokens"
-
     def packs(self) -> bool:
         """Whether micro-batches pack their sequences (``trainer.pack_sequences``, K3 policies) or pad each to the
         longest (Hugging Face policies, whose attention cannot keep packed sequences apart on every backend)."""
@@ -250,24 +244,25 @@ class TrainerRank:
     def _micro_batch_loss(self, micro: list[TrainingRow], totals: Totals,
                           mode: str) -> tuple[torch.Tensor, Stats, torch.Tensor]:
         dev = self.device
+        every = self.cfg.scoring == "all_tokens"  # the reference: logits at every token (trainer/batches.py)
         ids, attn = token_batch(micro, dev)
         layout = self.layout(micro)
         mask = pad_right([r.loss_mask for r in micro], 0, torch.float32, dev)
         if mode == "sft":
-            scores = forward_scores(self.engine, micro, layout, device=dev, all_tokens=self.all_tokens)
+            scores = forward_scores(self.engine, micro, layout, device=dev, all_tokens=every)
             return *sft_objective(scores.logprobs, mask, totals), scores.aux_loss
         temperature = self.temperature  # RL scores tokens as the engine sampled them
         engine_ids = routed_ids(micro, ids.shape[1], dev)  # trainer/routing_replay.py
         forced = engine_ids if self.cfg.routing_replay else None
         with RouterRecorder(self.engine.module) as router:
-            scores = forward_scores(self.engine, micro, layout, temperature, forced, device=dev, all_tokens=self.all_tokens,
+            scores = forward_scores(self.engine, micro, layout, temperature, forced, device=dev, all_tokens=every,
                                     entropy=True if self.settings.entropy_coef else "metric",
                                     hidden=self.value_head is not None)
         ref = None  # no reference forward when KL neither weighs in the loss nor is logged (trainer.log_kl)
         if (self.settings.kl_coef and self.settings.kl_in == "loss") or self.cfg.log_kl:
             with torch.no_grad():
                 ref = forward_scores(self.reference, micro, layout, temperature, device=dev,
-                                     all_tokens=self.all_tokens).logprobs
+                                     all_tokens=every).logprobs
         batch = MicroBatch(
             logprobs=scores.logprobs,
             engine_logprobs=pad_right([r.logprobs for r in micro], 0.0, torch.float32, dev),
@@ -294,6 +289,7 @@ class TrainerRank:
         from sandforge.trainer.algorithms import kl_estimate
 
         s, temperature = self.settings, self.temperature
+        every = self.cfg.scoring == "all_tokens"  # the reference: logits at every token (trainer/batches.py)
         size = max(1, -(-len(rows) // self.cfg.grad_accum_steps))  # as many rows at once as a training micro-batch
         self.engine.eval()
         out = []
@@ -305,12 +301,12 @@ class TrainerRank:
             width = max(len(r.token_ids) for r in micro)
             forced = routed_ids(micro, width, self.device) if self.cfg.routing_replay else None
             scores = forward_scores(self.engine, micro, layout, temperature, forced, device=self.device,
-                                    all_tokens=self.all_tokens,
+                                    all_tokens=every,
                                     hidden=self.value_head is not None)
             penalty = torch.zeros_like(scores.logprobs)
             if s.kl_in == "reward" and s.kl_coef:
                 ref = forward_scores(self.reference, micro, layout, temperature, device=self.device,
-                                     all_tokens=self.all_tokens).logprobs
+                                     all_tokens=every).logprobs
                 penalty = s.kl_coef * kl_estimate(scores.logprobs, ref, s.kl_estimator)
             values = None if self.value_head is None else self.value_head(scores.hidden.float()).squeeze(-1)
             for i, r in enumerate(micro):
