@@ -150,10 +150,15 @@ def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
 def compared(summary: dict, earlier: dict, source: str) -> dict:
     """``sandforge eval --against``: this evaluation against an earlier one of another checkpoint on the same held-out
     tasks, task by task (``paired``: this minus the earlier, in points) and overall (``delta_points``)."""
+    check_comparable(earlier, source)
+    return {"file": source, "delta_points": points(summary, earlier), "paired": paired(summary, earlier)}
+
+
+def check_comparable(earlier: dict, source: str) -> None:
+    """Refuse an ``--against`` file without per-task results (nothing to pair with)."""
     if "per_task" not in earlier:
         raise JobError(f"--against {source}: it holds no per-task results (not a `sandforge eval` summary, or one "
                        "written before summaries kept them)")
-    return {"file": source, "delta_points": points(summary, earlier), "paired": paired(summary, earlier)}
 
 
 def against_lines(cmp: dict) -> list[str]:
@@ -177,7 +182,7 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path, agains
             earlier = json.loads(against.read_text())
         except (OSError, ValueError) as e:
             raise JobError(f"--against {against}: cannot read it as JSON ({e})") from None
-        compared(earlier, earlier, str(against))  # refused before the fleet starts, not after the episodes
+        check_comparable(earlier, str(against))  # refused before the fleet starts, not after the episodes
     from sandforge.job.console import console, make_run_id, progress
     from sandforge.job.fleet.lifecycle import checkpoint_policy, open_fleet
     from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed
