@@ -11,7 +11,9 @@ import uuid
 
 import pytest
 
+from sandforge.environments.sandbox import proxy_folders
 from sandforge.environments.sandbox.labels import (
+    LABEL_EPISODE,
     LABEL_HOST,
     LABEL_PID,
     LABEL_RUN,
@@ -21,6 +23,7 @@ from sandforge.environments.sandbox.labels import (
     driver_labels,
 )
 from sandforge.environments.sandbox.lifecycle import list_run_containers, reap_dead_runs, remove_run_containers
+from sandforge.environments.sandbox.spec import PROXY_ROOT
 
 # --- ownership, no Docker -----------------------------------------------------------------------------------------
 
@@ -53,14 +56,32 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def test_proxy_folders_no_container_claims_are_stale_once_old(tmp_path, monkeypatch):
+    monkeypatch.setattr(proxy_folders, "PROXY_ROOT", str(tmp_path / "proxy"))
+    assert proxy_folders.stale([]) == []  # no root yet
+    for episode in ("claimed", "orphan", "young"):
+        proxy_folders.make(episode)
+    old = time.time() - proxy_folders.ORPHAN_AGE_S - 1
+    for episode in ("claimed", "orphan"):
+        os.utime(tmp_path / "proxy" / episode, (old, old))
+    assert proxy_folders.stale(["claimed"]) == ["orphan"]  # "young" may be a sandbox being created
+    (tmp_path / "outside").mkdir()
+    for name in ("../outside", "..", "", None):
+        proxy_folders.remove(name)  # a label is not a path: nothing outside the root goes
+    assert (tmp_path / "outside").is_dir() and (tmp_path / "proxy").is_dir()
+    proxy_folders.remove("orphan")
+    assert sorted(os.listdir(tmp_path / "proxy")) == ["claimed", "young"]
+
+
 # --- the reaper against real containers ---------------------------------------------------------------------------
 
-# A driver that fills a pool of its own, hands one sandbox out, and waits to be killed.
+# A driver that fills a pool of its own (each sandbox with a proxy folder on the host, as an agent harness's has),
+# hands one sandbox out, and waits to be killed.
 DRIVER = """
 import sys, time
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.pool import SandboxPool
-pool = SandboxPool(SandboxSpec(image=sys.argv[1]), sys.argv[2], size=2)
+pool = SandboxPool(SandboxSpec(image=sys.argv[1], proxy=True), sys.argv[2], size=2)
 held = pool.acquire(timeout=120)
 assert pool.wait_ready(120)
 print("ready", flush=True)
@@ -87,6 +108,10 @@ def _container(client, image: str, labels: dict[str, str]) -> str:
     return client.api.create_container(image, command=["true"], labels=labels, network_disabled=True)["Id"]
 
 
+def _episode(client, container_id: str) -> str:
+    return client.api.inspect_container(container_id)["Config"]["Labels"][LABEL_EPISODE]
+
+
 @pytest.mark.docker
 def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(terminal_image, docker_client, run_ids):
     dead, live, elsewhere, unowned, reused = (run_ids() for _ in range(5))
@@ -97,6 +122,8 @@ def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(term
         driver.send_signal(signal.SIGKILL)  # no cleanup runs: its containers are orphans now
         driver.wait()
     assert len(list_run_containers(dead, docker_client)) == 3  # one handed out + two warm
+    folders = [os.path.join(PROXY_ROOT, _episode(docker_client, cid)) for cid in list_run_containers(dead, docker_client)]
+    assert all(os.path.isdir(f) for f in folders)
 
     mine = driver_labels(live)
     live_box = _container(docker_client, terminal_image, mine)
@@ -108,6 +135,7 @@ def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(term
     reaped = reap_dead_runs(docker_client, runs=[dead, live, elsewhere, unowned, reused])
     assert reaped == {dead: 3, unowned: 1, reused: 1}
     assert list_run_containers(dead, docker_client) == []
+    assert not any(os.path.exists(f) for f in folders)  # their proxy folders went with them
     assert list_run_containers(live, docker_client) == [live_box]
     assert list_run_containers(elsewhere, docker_client) == [other_host]
     assert reap_dead_runs(docker_client, runs=[dead, live, elsewhere, unowned, reused]) == {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-import shutil
 import threading
 import time
 import uuid
@@ -19,7 +18,7 @@ import docker
 import docker.errors
 import requests
 
-from sandforge.environments.sandbox import file_transfer
+from sandforge.environments.sandbox import file_transfer, proxy_folders
 from sandforge.environments.sandbox.clean_context import one_off_environment
 from sandforge.environments.sandbox.daemon import docker_client, force_remove
 from sandforge.environments.sandbox.labels import (
@@ -94,7 +93,7 @@ class DockerSandbox:
         ours = {LABEL_RUN: run_id, LABEL_EPISODE: episode, LABEL_CREATED: str(int(time.time()))}
         all_labels = {**(labels or {}), **ours}
         try:
-            proxy_dir = _proxy_folder(episode) if spec.proxy else None
+            proxy_dir = proxy_folders.make(episode) if spec.proxy else None
         except OSError as e:
             raise SandboxError(f"could not make the sandbox's proxy folder under {PROXY_ROOT} (the rollout worker "
                                f"needs root there, on the Docker host): {e}") from e
@@ -107,7 +106,7 @@ class DockerSandbox:
             raise SandboxError(f"sandbox image {spec.image} is not present: run `sandforge images build`") from e
         except (docker.errors.DockerException, requests.RequestException) as e:
             force_remove(client, name)  # created but failed to start (bad runtime, limits the host refuses)
-            _remove_folder(proxy_dir)
+            proxy_folders.remove(episode if proxy_dir else None)
             raise SandboxError(f"could not start a sandbox from {spec.image}: {e}") from e
         sandbox = cls(container, spec, run_id, client)
         sandbox.proxy_dir = proxy_dir
@@ -362,7 +361,8 @@ class DockerSandbox:
             for shell in shells:
                 shell.stream.close()
             force_remove(self._client, self.id)
-            _remove_folder(self.proxy_dir)
+            if self.proxy_dir:
+                proxy_folders.remove(os.path.basename(self.proxy_dir))
 
     def __enter__(self) -> DockerSandbox:
         return self
@@ -372,19 +372,6 @@ class DockerSandbox:
 
     def __repr__(self) -> str:
         return f"DockerSandbox({self.name}, image={self.spec.image})"
-
-
-def _proxy_folder(episode: str) -> str:
-    """A new host folder for one sandbox's proxy socket: root's, readable by all (the sandbox's user connects)."""
-    path = os.path.join(PROXY_ROOT, episode)
-    os.makedirs(PROXY_ROOT, mode=0o755, exist_ok=True)
-    os.mkdir(path, 0o755)
-    return path
-
-
-def _remove_folder(path: str | None) -> None:
-    if path:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class _Shell:

@@ -15,8 +15,9 @@ import docker.errors
 import requests
 import urllib3.exceptions
 
+from sandforge.environments.sandbox import proxy_folders
 from sandforge.environments.sandbox.daemon import docker_client, force_remove
-from sandforge.environments.sandbox.labels import LABEL_RUN, driver_alive
+from sandforge.environments.sandbox.labels import LABEL_EPISODE, LABEL_RUN, driver_alive
 from sandforge.types import SandboxError
 
 log = logging.getLogger(__name__)
@@ -28,15 +29,23 @@ T = TypeVar("T")
 
 def list_run_containers(run_id: str, client: docker.DockerClient | None = None) -> list[str]:
     """Ids of every container (running or not) labelled with this run."""
-    client = client or docker_client()
-    return [c.id for c in client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL_RUN}={run_id}"})]
+    return [cid for cid, _ in _run_containers(run_id, client or docker_client())]
+
+
+def _run_containers(run_id: str, client: docker.DockerClient) -> list[tuple[str, str]]:
+    """(id, episode label) of every container of this run."""
+    found = client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL_RUN}={run_id}"})
+    return [(c.id, (c.attrs.get("Labels") or {}).get(LABEL_EPISODE, "")) for c in found]
 
 
 def remove_run_containers(run_id: str, client: docker.DockerClient | None = None) -> int:
-    """Force-remove every container of this run (e.g. a crashed driver's) and their volumes; returns how many
-    containers were removed."""
+    """Force-remove every container of this run (e.g. a crashed driver's), their volumes and their proxy folders;
+    returns how many containers were removed."""
     client = client or docker_client()
-    removed = sum(force_remove(client, cid) for cid in list_run_containers(run_id, client))
+    removed = 0
+    for cid, episode in _run_containers(run_id, client):
+        removed += force_remove(client, cid)
+        proxy_folders.remove(episode)
     try:  # volumes whose container was removed without v=True
         for volume in client.api.volumes(filters={"label": f"{LABEL_RUN}={run_id}"}).get("Volumes") or []:
             try:
@@ -49,11 +58,13 @@ def remove_run_containers(run_id: str, client: docker.DockerClient | None = None
 
 
 def reap_dead_runs(client: docker.DockerClient | None = None, runs: Iterable[str] | None = None) -> dict[str, int]:
-    """Remove every sandforge container whose driver was on this host and is gone; returns run id -> removed count.
+    """Remove every sandforge container whose driver was on this host and is gone, with its proxy folder; returns
+    run id -> removed count.
 
     Containers of live drivers, and of drivers on other hosts, are left alone. A container with the run label but
     missing or malformed driver labels is removed (no live driver can own it). ``runs`` limits the sweep to those
-    run ids (default: every run). Removal failures are logged and skipped; a later reap retries them.
+    run ids (default: every run); a sweep of every run also drops the proxy folders no container claims
+    (``proxy_folders.stale``). Removal failures are logged and skipped; a later reap retries them.
     """
     client = client or docker_client()
     wanted = None if runs is None else set(runs)
@@ -71,7 +82,12 @@ def reap_dead_runs(client: docker.DockerClient | None = None, runs: Iterable[str
         except SandboxError as e:
             log.warning("reaper: %s", e)
             continue
+        proxy_folders.remove(labels.get(LABEL_EPISODE))
         removed[run] = removed.get(run, 0) + 1
+    if wanted is None:
+        claimed = [(c.attrs.get("Labels") or {}).get(LABEL_EPISODE, "") for c in containers]
+        for episode in proxy_folders.stale(claimed):
+            proxy_folders.remove(episode)
     return removed
 
 
