@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from math import comb, sqrt
 from pathlib import Path
 from statistics import fmean, stdev
@@ -113,37 +114,71 @@ def eval_temperature(cfg: JobConfig) -> float:
     return cfg.rollout.temperature if cfg.eval.temperature is None else cfg.eval.temperature
 
 
-def heldout_episodes(cfg: JobConfig, collect: Callable[..., list[Trajectory]], tag: str,
-                     greedy: bool = False, per_family: int | None = None) -> tuple[list[Trajectory], dict]:
-    """Run ``eval.samples`` episodes of each held-out task at ``eval_temperature`` through ``collect(tasks, groups,
-    scripted, label, temperature)`` (groups named ``<tag>/<task id>``, which seeds their sampling); (the episodes,
-    their summary, which records the temperature). ``greedy``: one episode per task at temperature 0 (more would
-    repeat it). ``per_family``: that many tasks of every family of every environment instead of the configured
-    numbers."""
-    e = cfg.eval
+@dataclass(frozen=True)
+class HeldoutRun:
+    """One held-out pass over the tasks: ``samples`` episodes of each at ``temperature``, in groups ``<tag>/<task id>``
+    (the group names seed their sampling)."""
+
+    tag: str
+    tasks: tuple[Task, ...]
+    samples: int
+    temperature: float
+
+    @property
+    def groups(self) -> list[str]:
+        return [f"{self.tag}/{task.id}" for task in self.tasks for _ in range(self.samples)]
+
+    @property
+    def episodes(self) -> list[Task]:
+        return [task for task in self.tasks for _ in range(self.samples)]
+
+    def label(self) -> str:
+        return f"{'greedy' if self.temperature == 0 else f'at T={self.temperature:g}'}: {len(self.tasks)} tasks x {self.samples}"
+
+
+def heldout_run(cfg: JobConfig, tag: str, greedy: bool = False, per_family: int | None = None) -> HeldoutRun:
+    """``eval.samples`` episodes of each held-out task at ``eval_temperature``; ``greedy``: one episode per task at
+    temperature 0 (more would repeat it). ``per_family``: that many tasks of every family of every environment
+    instead of the configured numbers."""
     envs = cfg.environments
     if per_family is not None:
         envs = [env.model_copy(update={"eval_tasks_per_family": per_family}) for env in envs]
-    tasks = heldout_tasks(envs, e.tasks_per_family)
-    samples = 1 if greedy else e.samples
-    temperature = 0.0 if greedy else eval_temperature(cfg)
-    episodes = [(task, f"{tag}/{task.id}") for task in tasks for _ in range(samples)]
-    trajs = collect([x[0] for x in episodes], [x[1] for x in episodes], scripted=False,
-                    label=f"held-out eval{' (greedy)' if greedy else f' at T={temperature:g}'}: "
-                          f"{len(tasks)} tasks x {samples}",
-                    temperature=temperature)
-    return trajs, {"temperature": temperature, **summarize(trajs, samples)}
+    tasks = tuple(heldout_tasks(envs, cfg.eval.tasks_per_family))
+    if greedy:
+        return HeldoutRun(tag, tasks, 1, 0.0)
+    return HeldoutRun(tag, tasks, cfg.eval.samples, eval_temperature(cfg))
+
+
+def heldout_episodes(runs: list[HeldoutRun], collect: Callable[..., list[Trajectory]]
+                     ) -> list[tuple[list[Trajectory], dict]]:
+    """Run every pass of ``runs`` in one ``collect(tasks, groups, scripted, label, temperature)`` call, a temperature
+    per episode: the workers start the longest episodes of all of them first, so the passes share one tail instead of
+    each ending on its own slowest episodes. Per pass: its episodes and their summary (which records the temperature)."""
+    tasks = [task for run in runs for task in run.episodes]
+    groups = [group for run in runs for group in run.groups]
+    temperatures = [run.temperature for run in runs for _ in run.episodes]
+    trajs = collect(tasks, groups, scripted=False, label="held-out eval " + ", ".join(run.label() for run in runs),
+                    temperature=temperatures)
+    out = []
+    for run in runs:
+        mine = [t for t in trajs if t.group.startswith(f"{run.tag}/")]
+        out.append((mine, {"temperature": run.temperature, **summarize(mine, run.samples)}))
+    return out
 
 
 def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
                tag: str, per_family: int | None = None) -> tuple[list[Trajectory], dict]:
     """One held-out evaluation as configured: at ``eval.temperature`` (the rollout temperature unless set), plus
-    greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended). ``per_family``: that many
-    tasks per family everywhere (the base evaluation's ``eval.base_tasks_per_family``)."""
-    trajs, summary = heldout_episodes(cfg, collect, tag, per_family=per_family)
+    greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended), both in one pass of the
+    workers. ``per_family``: that many tasks per family everywhere (the base evaluation's
+    ``eval.base_tasks_per_family``)."""
+    runs = [heldout_run(cfg, tag, per_family=per_family)]
     if cfg.eval.greedy:
-        more, summary["greedy"] = heldout_episodes(cfg, collect, f"{tag}g", greedy=True, per_family=per_family)
-        trajs += more
+        runs.append(heldout_run(cfg, f"{tag}g", greedy=True, per_family=per_family))
+    (trajs, summary), *greedy = heldout_episodes(runs, collect)
+    if greedy:
+        more, summary["greedy"] = greedy[0]
+        trajs = trajs + more
     return trajs, summary
 
 

@@ -99,9 +99,9 @@ class RLJob:
         self.fleet.push_weights(self.version)
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str,
-                temperature: float | None = None) -> list[Trajectory]:
+                temperature: float | list[float] | None = None) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included (``temperature``: instead of
-        ``rollout.temperature``, for held-out evaluation)."""
+        ``rollout.temperature``, for held-out evaluation; one per episode in a list)."""
         t0 = time.monotonic()
         trajs = collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
                                  label, temperature)

@@ -22,12 +22,14 @@ class SlowWorker:
         self.gate: asyncio.Semaphore | None = None
         self.running = self.most = 0
         self.seeds: list[int] = []
+        self.temperatures: dict[str, float | None] = {}  # group -> the temperature its call asked for
 
     def ready(self) -> bool:
         return True
 
     async def run_episodes(self, tasks, groups, version, scripted=False, seeds=None, temperature=None):
         self.gate = self.gate or asyncio.Semaphore(self.concurrency)
+        self.temperatures.update((g, temperature) for g in groups)
         return await asyncio.gather(*(self._one(t, g, s) for t, g, s in zip(tasks, groups, seeds)))
 
     async def _one(self, task, group, seed):
@@ -41,6 +43,9 @@ class SlowWorker:
 
     def stats(self) -> tuple[int, list[int]]:
         return self.most, self.seeds
+
+    def asked(self) -> dict[str, float | None]:
+        return self.temperatures
 
 
 class RecordingBar:
@@ -100,3 +105,19 @@ def test_episodes_of_the_longest_references_start_first_with_their_own_seeds(loc
     # the calls go out longest first; an async actor may start them in another order, so the seeds are compared as a
     # set: reordering the calls changed no episode's seed
     assert sorted(started) == sorted(episode_seed(7, groups[k], within[k]) for k in range(6))
+
+
+def test_each_episode_can_have_its_own_temperature(local_ray):
+    """A sampled and a greedy evaluation in one pass (job/evaluation.py ``heldout_episodes``): each episode's call
+    carries its own temperature, whatever order longest-first sends them in; one temperature serves all."""
+    tasks = [Task(id=f"t{i}", env="terminal", family="f", seed=i, instruction="p") for i in range(4)]
+    worker = SlowWorker.remote(4)
+    collect_episodes([worker], tasks, ["s0", "s1", "g0", "g1"], run_seed=7, version=0, scripted=False,
+                     bar=RecordingBar(), label="x", temperature=[0.7, 0.7, 0.0, 0.0])
+    assert ray.get(worker.asked.remote()) == {"s0": 0.7, "s1": 0.7, "g0": 0.0, "g1": 0.0}
+    collect_episodes([worker], tasks[:2], ["a", "b"], run_seed=7, version=0, scripted=False, bar=RecordingBar(),
+                     label="x", temperature=1.0)
+    assert {g: t for g, t in ray.get(worker.asked.remote()).items() if g in "ab"} == {"a": 1.0, "b": 1.0}
+    with pytest.raises(ValueError, match="3 temperatures for 4 episodes"):
+        collect_episodes([worker], tasks, list("abcd"), run_seed=7, version=0, scripted=False, bar=RecordingBar(),
+                         label="x", temperature=[0.7, 0.7, 0.0])

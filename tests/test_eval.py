@@ -97,23 +97,33 @@ def _eval_job(**eval_keys) -> JobConfig:
 
 
 def _fake_collect(calls: list):
-    """collect() as the run's: every episode of the second task of each family wins; records each call's
-    temperature."""
+    """collect() as the run's: every episode of the second task of each family wins, except greedy ones (group
+    ``<tag>g/...``) of the first, which win too; records each call's temperatures, episode count and label; returns
+    the episodes in an order of its own, as the workers finish them."""
     def collect(tasks, groups, scripted, label, temperature=None):
         calls.append((temperature, len(tasks), label))
-        return [_traj(t.env, t.id, t.seed == 1) for t in tasks]
+        out = []
+        for t, g in zip(tasks, groups):
+            out.append(_traj(t.env, t.id, t.seed == 1 or g.split("/")[0].endswith("g")))
+            out[-1].group = g
+        return out[::-1]
     return collect
 
 
 def test_eval_temperature_reaches_the_episodes_and_is_recorded():
     calls: list = []
-    _, summary = evaluation(_eval_job(temperature=0.7), _fake_collect(calls), "eval0")
-    assert [c[:2] for c in calls] == [(0.7, 2 * 2 * 3), (0.0, 2 * 2)]  # sampled at eval.temperature, greedy at 0
-    assert "T=0.7" in calls[0][2]
+    trajs, summary = evaluation(_eval_job(temperature=0.7), _fake_collect(calls), "eval0")
+    # one pass of the workers: sampled at eval.temperature, greedy at 0, each episode with its own
+    [(temperatures, n, label)] = calls
+    assert n == 2 * 2 * 3 + 2 * 2 and temperatures == [0.7] * (2 * 2 * 3) + [0.0] * (2 * 2)
+    assert label == "held-out eval at T=0.7: 4 tasks x 3, greedy: 4 tasks x 1"
     assert summary["temperature"] == 0.7 and summary["greedy"]["temperature"] == 0.0
+    # the passes are told apart by group, whatever order the episodes came back in
+    assert summary["episodes"] == 12 and summary["greedy"]["episodes"] == 4 and len(trajs) == 16
+    assert summary["success"] == 0.5 and summary["greedy"]["success"] == 1.0
     calls.clear()
     _, summary = evaluation(_eval_job(), _fake_collect(calls), "eval0")  # unset: the rollout temperature, as before
-    assert [c[0] for c in calls] == [1.0, 0.0] and summary["temperature"] == 1.0
+    assert sorted(set(calls[0][0])) == [0.0, 1.0] and summary["temperature"] == 1.0
     with pytest.raises(ValueError, match="temperature"):
         _eval_job(temperature=-0.1)
 
@@ -125,10 +135,10 @@ def test_the_base_evaluation_can_take_fewer_tasks_everywhere():
                                              "base_tasks_per_family": 1}})
     calls: list = []
     evaluation(cfg, _fake_collect(calls), "base", per_family=cfg.eval.base_tasks_per_family)
-    assert [c[1] for c in calls] == [3 * 3, 3]  # one task of each of 3 families (slack's 5 too), x 3 samples; greedy
+    assert [c[1] for c in calls] == [3 * 3 + 3]  # one task of each of 3 families (slack's 5 too), x 3 samples; greedy
     calls.clear()
     evaluation(cfg, _fake_collect(calls), "eval0")
-    assert [c[1] for c in calls] == [(2 * 2 + 5) * 3, 2 * 2 + 5]  # the others as configured
+    assert [c[1] for c in calls] == [(2 * 2 + 5) * 3 + 2 * 2 + 5]  # the others as configured
 
 
 def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeypatch):

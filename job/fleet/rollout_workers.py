@@ -94,9 +94,11 @@ def wait_ready(workers: list, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_seed: int, version: int,
-                     scripted: bool, bar: Progress, label: str, temperature: float | None = None) -> list[Trajectory]:
+                     scripted: bool, bar: Progress, label: str,
+                     temperature: float | list[float] | None = None) -> list[Trajectory]:
     """Spread episodes over rollout workers (Ray handles) and gather them all, failed ones included, with a bar.
-    ``temperature``: the policy samples at it, not at ``rollout.temperature`` (held-out evaluation; 0: greedy)."""
+    ``temperature``: the policy samples at it, not at ``rollout.temperature`` (held-out evaluation; 0: greedy); a
+    list gives each episode its own (a sampled and a greedy evaluation in one pass)."""
     import ray
 
     wait_ready(workers)
@@ -107,12 +109,15 @@ def collect_episodes(workers: list, tasks: list[Task], groups: list[str], run_se
     for group in groups:
         seen[group] = seen.get(group, -1) + 1  # the episode's index within its group
         seeds.append(episode_seed(run_seed, group, seen[group]))
+    temperatures = temperature if isinstance(temperature, list) else [temperature] * len(tasks)
+    if len(temperatures) != len(tasks):
+        raise ValueError(f"{len(temperatures)} temperatures for {len(tasks)} episodes")
     pending = {}
     for i, k in enumerate(longest_first(tasks)):
         task, group, seed = tasks[k], groups[k], seeds[k]
         index = i % len(workers)
         shard = [asdict(task)]
-        pending[workers[index].run_episodes.remote(shard, [group], version, scripted, [seed], temperature)] = (
+        pending[workers[index].run_episodes.remote(shard, [group], version, scripted, [seed], temperatures[k])] = (
             index, shard, [group])
     out: list[Trajectory] = []
     job = bar.add_task(label, total=len(tasks))
