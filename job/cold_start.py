@@ -89,7 +89,8 @@ def replay_hint(failed: list, rollout) -> str:
     context, a reference reading the task's /solution folder (which a replay through the bash tool does not have),
     else nothing to add."""
     if any(t.finish_reason == "max_turns" for t in failed):
-        return f"; is rollout.max_turns ({rollout.max_turns}) shorter than its reference solution?"
+        return (f"; is rollout.max_turns ({rollout.max_turns}, or the environment's own max_turns) shorter than its "
+                f"reference solution?")
     if any(t.finish_reason == "context" for t in failed):
         return f"; is rollout.max_context ({rollout.max_context} tokens) shorter than its reference episode?"
     said = " ".join(o for t in failed for turn in t.turns for o in turn.observations)

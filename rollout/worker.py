@@ -78,6 +78,7 @@ class RolloutWorker:
         self.chat = load_chat(setup.model)
         r, s = setup.rollout, setup.sandbox
         self.limits = EpisodeLimits.from_config(r, self.chat.stop_ids, tool_grace=s.exec_timeout + TOOL_GRACE_S)
+        self.env_turns = {e.name: e.max_turns for e in setup.environments if e.max_turns is not None}
         entries = {e.name: environment(e.name) for e in setup.environments}
         sandboxed = {name: entry for name, entry in entries.items() if entry.library_loader is None}
         self.env_classes = {name: entry.env_class() for name, entry in sandboxed.items()}
@@ -144,10 +145,13 @@ class RolloutWorker:
                        limits: EpisodeLimits | None = None) -> dict:
         self.episodes += 1
         session = f"{self.run_id}/{self.worker_id}/{group}/{self.episodes}"
+        limits = limits or self.limits
+        if task.env in self.env_turns:  # environments[].max_turns, for every kind of episode (vf, harness, sandbox)
+            limits = replace(limits, max_turns=self.env_turns[task.env])
         policy = scripted_policy(task, self.chat, version) if scripted else self.policy
         if task.env not in self.env_classes:  # a library's environment (verifiers): no sandbox to wait for
             async with self.gate:
-                traj = await run_vf_episode(task, self.vf_envs, policy, self.chat, limits or self.limits,
+                traj = await run_vf_episode(task, self.vf_envs, policy, self.chat, limits,
                                             self.budget, group, version, session, seed=seed)
             traj.metadata["worker"] = self.worker_id
             return traj.to_dict()
@@ -160,7 +164,6 @@ class RolloutWorker:
                 traj = Trajectory(task=task, group=group, failed=True, failure=f"env: {e}", finish_reason="error",
                                   policy_version=version, reward=Reward(0.0, False, reason=str(e)))
             else:
-                limits = limits or self.limits
                 timeout = task.setup.get("agent_timeout")  # a Harbor task's [agent] timeout_sec, unless the job's
                 if timeout and "episode_timeout" not in self.rollout.model_fields_set:
                     limits = replace(limits, episode_timeout=float(timeout))

@@ -87,6 +87,9 @@ class EnvironmentConfig(Section):
     # held-out tasks per family of this environment in each evaluation, when it differs from eval.tasks_per_family
     # (more where RL trains, so the paired comparison can see its gain; fewer for a family at its floor or ceiling)
     eval_tasks_per_family: int | None = Field(None, ge=0)
+    # turns an episode of this environment may take, when it differs from rollout.max_turns (an env whose answers take
+    # 2-3 calls beside one whose take 7: a wandering episode of the short kind would hold its step's batch to the end)
+    max_turns: int | None = Field(None, ge=1)
     # None: the environment's seeded generators. Else a JSONL file (one Task per line) or, for `harbor`, a Harbor task
     # directory or a folder of them. Relative to the working directory, like run.output_dir.
     tasks: Path | None = None

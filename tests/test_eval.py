@@ -167,6 +167,38 @@ def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeyp
     assert got == [0.7, 0.0, 1.0]
 
 
+def test_an_environments_own_max_turns_bounds_its_episodes(monkeypatch):
+    """``environments[].max_turns`` reaches the episodes of that environment, sampled or greedy, and no other's (no
+    Docker: the episodes take the library path, stood in for, and record the limits they were given)."""
+    import asyncio
+    from dataclasses import asdict
+
+    from sandforge.rollout import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "docker_client", lambda **_: None)
+    monkeypatch.setattr(worker_module.RolloutWorker, "_pool", lambda *args, **kwargs: None)  # no warm pools
+    job = JobConfig.model_validate({"environments": [{"name": "terminal", "max_turns": 3}, {"name": "slack"}],
+                                    "rollout": {"max_turns": 8}})
+    setup = worker_module.WorkerSetup(run_id="t", engine="unused", images={}, labels={},
+                                      environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox,
+                                      model=job.model)
+    w = worker_module.RolloutWorker(0, setup, engine=object())
+    w.env_classes = {}  # every episode takes the library (verifiers) path
+    got: list[tuple] = []
+
+    async def vf_episode(task, envs, policy, chat, limits, *args, **kwargs):
+        got.append((task.env, limits.max_turns, limits.temperature))
+        return Trajectory(task=task, group="g")
+
+    monkeypatch.setattr(worker_module, "run_vf_episode", vf_episode)
+    tasks = [asdict(_traj(env, "a", False).task) for env in ("terminal", "slack")]
+    asyncio.run(w.run_episodes(tasks, ["g1", "g2"], 0))
+    asyncio.run(w.run_episodes(tasks[:1], ["g3"], 0, temperature=0.0))
+    assert got == [("terminal", 3, 1.0), ("slack", 8, 1.0), ("terminal", 3, 0.0)]
+    with pytest.raises(ValueError, match="max_turns"):
+        JobConfig.model_validate({"environments": [{"name": "terminal", "max_turns": 0}]})
+
+
 def test_paired_difference_on_known_per_task_numbers():
     before = {"a": 0.0, "b": 0.5, "c": 0.25, "d": 1.0, "only_before": 0.5}
     after = {"a": 0.5, "b": 0.5, "c": 1.0, "d": 0.75, "only_after": 1.0}
