@@ -50,9 +50,12 @@ def pretrain(job: RLJob) -> None:
 
 def verified_demonstrations(job: RLJob) -> tuple[list, int]:
     """``warmup.episodes`` reference-solution episodes, logged: (the ones their verifier accepted, how many were run).
-    Families with none are named, with the first reason."""
+    Families with none are named, with the first reason. The demonstrations come in the order their tasks were drawn,
+    not the order they finished in, so the SFT batches, and the warm start, follow from ``run.seed`` alone."""
     tasks = job.sampler.sample(job.cfg.warmup.episodes, phase="warmup")
     trajs = job.collect(tasks, [t.id for t in tasks], scripted=True, label="warm start: reference episodes")
+    drawn = {t.id: i for i, t in reversed(list(enumerate(tasks)))}
+    trajs = sorted(trajs, key=lambda t: drawn.get(t.task.id, len(tasks)))
     job.logger.log_trajectories(0, "warmup", trajs)
     demos = [t for t in trajs if not t.failed and t.reward and t.reward.success]
     if not demos:

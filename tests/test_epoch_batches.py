@@ -36,3 +36,27 @@ def test_independent_draws_would_leave_demonstrations_unseen():
     rng = random.Random(0)
     seen = {i for _ in range(32) for i in rng.sample(range(256), 8)}
     assert len(seen) < 200
+
+
+def test_demonstrations_come_in_the_order_their_tasks_were_drawn():
+    """The replays finish in whatever order the workers end them (longest first starts the long ones early); the
+    demonstrations, and so the SFT batches, follow the draw: the same seed gives the same warm start."""
+    from types import SimpleNamespace
+
+    from sandforge.config import JobConfig
+    from sandforge.job.cold_start import verified_demonstrations
+    from sandforge.types import Reward, Task, Trajectory
+
+    tasks = [Task(id=f"t{i}", env="terminal", family="f", seed=i, instruction="") for i in range(6)]
+
+    def collect(drawn, groups, scripted, label):
+        out = [Trajectory(task=t, group=g, reward=Reward(1.0, t.id != "t3")) for t, g in zip(drawn, groups)]
+        return out[::2][::-1] + out[1::2]  # finished out of order
+
+    printed: list = []
+    job = SimpleNamespace(cfg=JobConfig.model_validate({"warmup": {"episodes": 6}}),
+                          sampler=SimpleNamespace(sample=lambda n, phase: tasks[:n]), collect=collect,
+                          logger=SimpleNamespace(log_trajectories=lambda *a: None),
+                          bar=SimpleNamespace(console=SimpleNamespace(print=lambda *a, **k: printed.append(a))))
+    demos, tried = verified_demonstrations(job)
+    assert [d.task.id for d in demos] == ["t0", "t1", "t2", "t4", "t5"] and tried == 6  # t3 did not verify
