@@ -203,8 +203,8 @@ def test_the_warm_starts_hint_follows_how_the_replay_ended():
                     tool_calls=[task.solution[0]], observations=[output])
         return Trajectory(task=task, group="g", turns=[turn], finish_reason=reason)
 
-    assert replay_hint([ended("max_turns")], rollout) == ("; is rollout.max_turns (3) shorter than its reference "
-                                                          "solution?")
+    assert replay_hint([ended("max_turns")], rollout) == ("; is rollout.max_turns (3, or the environment's own "
+                                                          "max_turns) shorter than its reference solution?")
     assert "rollout.max_context (2048 tokens)" in replay_hint([ended("context")], rollout)
     missing = ended("submit", "cp: cannot stat '/solution/files/patch.diff': No such file or directory")
     assert "reads files beside solve.sh in /solution" in replay_hint([missing], rollout)
