@@ -133,7 +133,8 @@ class HeldoutRun:
         return [task for task in self.tasks for _ in range(self.samples)]
 
     def label(self) -> str:
-        return f"{'greedy' if self.temperature == 0 else f'at T={self.temperature:g}'}: {len(self.tasks)} tasks x {self.samples}"
+        how = "greedy" if self.temperature == 0 else f"at T={self.temperature:g}"
+        return f"{how}: {len(self.tasks)} tasks x {self.samples}"
 
 
 def heldout_run(cfg: JobConfig, tag: str, greedy: bool = False, per_family: int | None = None) -> HeldoutRun:
@@ -153,7 +154,8 @@ def heldout_episodes(runs: list[HeldoutRun], collect: Callable[..., list[Traject
                      ) -> list[tuple[list[Trajectory], dict]]:
     """Run every pass of ``runs`` in one ``collect(tasks, groups, scripted, label, temperature)`` call, a temperature
     per episode: the workers start the longest episodes of all of them first, so the passes share one tail instead of
-    each ending on its own slowest episodes. Per pass: its episodes and their summary (which records the temperature)."""
+    each ending on its own slowest episodes. Per pass: its episodes and their summary (which records the
+    temperature)."""
     tasks = [task for run in runs for task in run.episodes]
     groups = [group for run in runs for group in run.groups]
     temperatures = [run.temperature for run in runs for _ in run.episodes]

@@ -122,7 +122,8 @@ def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(term
         driver.send_signal(signal.SIGKILL)  # no cleanup runs: its containers are orphans now
         driver.wait()
     assert len(list_run_containers(dead, docker_client)) == 3  # one handed out + two warm
-    folders = [os.path.join(PROXY_ROOT, _episode(docker_client, cid)) for cid in list_run_containers(dead, docker_client)]
+    folders = [os.path.join(PROXY_ROOT, _episode(docker_client, cid))
+               for cid in list_run_containers(dead, docker_client)]
     assert all(os.path.isdir(f) for f in folders)
 
     mine = driver_labels(live)
