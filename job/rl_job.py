@@ -36,7 +36,7 @@ from sandforge.types import Task, TrainingRow, Trajectory
 def training_rows(trajs: list[Trajectory]) -> list[TrainingRow]:
     """Every episode's sequences, in order: one per episode, or several where a harness rewrote its history."""
     return [TrainingRow(token_ids=r.token_ids, loss_mask=r.loss_mask, logprobs=r.logprobs,
-                        routed_experts=r.routed_experts) for t in trajs for r in t.rows()]
+                        routed_experts=r.routed_experts, temperature=t.temperature) for t in trajs for r in t.rows()]
 
 
 def per_episode(per_row: list[list], trajs: list[Trajectory]) -> list[list]:

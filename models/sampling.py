@@ -28,6 +28,16 @@ def _scale(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
+def _scale_logits(logits: Tensor, temperature: float | Tensor, cols: Tensor) -> Tensor:
+    """``logits`` [B, K, V] at columns ``cols`` divided by the temperature: one float, or [B, T] per token (rows
+    sampled at different temperatures; column t is scored at token t + 1's). 0 (greedy) scores at 1."""
+    if not isinstance(temperature, Tensor):
+        scale = _scale(temperature)
+        return logits if scale == 1.0 else logits / scale
+    per = temperature.to(logits.device, torch.float32)[:, cols + 1]
+    return logits / torch.where(per > 0, per, torch.ones_like(per))[..., None]
+
+
 def draw(probs: Tensor, generators: list[torch.Generator | None] | None = None,
          generator: torch.Generator | None = None) -> Tensor:
     """One token per row of ``probs`` [N, V] (non-negative weights, not necessarily normalised), by the inverse CDF:
@@ -111,7 +121,7 @@ def score_columns(score_mask: Tensor) -> Tensor:
 
 
 def token_scores(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, temperature: float = 1.0,
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, temperature: float | Tensor = 1.0,
     entropy: bool | str = False, hidden: bool = False, segment_ids: Tensor | None = None,
     score_mask: Tensor | None = None,
 ) -> TokenScores:
@@ -125,7 +135,10 @@ def token_scores(
     ``score_mask`` [B, T] (the loss mask): only these tokens are scored, the rest come back 0. The model then computes
     logits at ``score_columns`` only: the lm_head, the fp32 log_softmax over the vocabulary and their backward shrink
     from every token to the policy's own (an agentic episode is mostly prompt and tool output). Without it every token
-    is scored, the reference the masked path is tested against (tests/test_token_scores.py)."""
+    is scored, the reference the masked path is tested against (tests/test_token_scores.py).
+
+    ``temperature``: the logits are divided by it before the softmax, as the engine sampled; a [B, T] tensor gives each
+    token its own (rows sampled at different temperatures, ``trainer/batches.py row_temperatures``)."""
     kwargs = {"return_hidden": True} if hidden else {}
     if segment_ids is not None:
         kwargs["segment_ids"] = segment_ids
@@ -142,10 +155,7 @@ def token_scores(
     del res  # from here on the [B, K, vocab] tensors are the only large ones, one saved for the backward at a time
     if score_mask is None:
         logits = logits[:, :-1]  # the last column predicts past the row
-    scale = _scale(temperature)
-    logits = logits.float()  # fp32 log-probs, whatever the weights are in
-    if scale != 1.0:
-        logits = logits / scale
+    logits = _scale_logits(logits.float(), temperature, cols)  # fp32 log-probs, whatever the weights are in
     logp = F.log_softmax(logits, dim=-1)  # [B, K, V], what the backward keeps; the logits themselves go
     del logits
     targets = input_ids[:, cols + 1]

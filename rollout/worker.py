@@ -79,6 +79,7 @@ class RolloutWorker:
         r, s = setup.rollout, setup.sandbox
         self.limits = EpisodeLimits.from_config(r, self.chat.stop_ids, tool_grace=s.exec_timeout + TOOL_GRACE_S)
         self.env_turns = {e.name: e.max_turns for e in setup.environments if e.max_turns is not None}
+        self.env_temperatures = {e.name: e.temperature for e in setup.environments if e.temperature is not None}
         entries = {e.name: environment(e.name) for e in setup.environments}
         sandboxed = {name: entry for name, entry in entries.items() if entry.library_loader is None}
         self.env_classes = {name: entry.env_class() for name, entry in sandboxed.items()}
@@ -137,24 +138,31 @@ class RolloutWorker:
         self._threads()
         if self.remote is not None:  # the version pushed last: what a server that reports none (vLLM) serves now
             self.remote.version = version
-        limits = self.limits if temperature is None else replace(self.limits, temperature=float(temperature))
-        return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted, s, limits)
+        return await asyncio.gather(*(self._episode(Task.from_dict(t), g, version, scripted, s, temperature)
                                       for t, g, s in zip(tasks, groups, seeds or [None] * len(tasks))))
 
+    def episode_limits(self, env: str, temperature: float | None = None) -> EpisodeLimits:
+        """An episode's limits in environment ``env``: ``rollout``'s, with the environment's own ``max_turns`` and
+        ``temperature`` where set, for every kind of episode (vf, harness, sandbox); ``temperature`` given (held-out
+        evaluation) wins over both temperatures."""
+        limits = self.limits
+        if env in self.env_turns:
+            limits = replace(limits, max_turns=self.env_turns[env])
+        if temperature is None:
+            temperature = self.env_temperatures.get(env)
+        return limits if temperature is None else replace(limits, temperature=float(temperature))
+
     async def _episode(self, task: Task, group: str, version: int, scripted: bool, seed: int | None = None,
-                       limits: EpisodeLimits | None = None) -> dict:
+                       temperature: float | None = None) -> dict:
         self.episodes += 1
         session = f"{self.run_id}/{self.worker_id}/{group}/{self.episodes}"
-        limits = limits or self.limits
-        if task.env in self.env_turns:  # environments[].max_turns, for every kind of episode (vf, harness, sandbox)
-            limits = replace(limits, max_turns=self.env_turns[task.env])
+        limits = self.episode_limits(task.env, temperature)
         policy = scripted_policy(task, self.chat, version) if scripted else self.policy
         if task.env not in self.env_classes:  # a library's environment (verifiers): no sandbox to wait for
             async with self.gate:
                 traj = await run_vf_episode(task, self.vf_envs, policy, self.chat, limits,
                                             self.budget, group, version, session, seed=seed)
-            traj.metadata["worker"] = self.worker_id
-            return traj.to_dict()
+            return self._finished(traj, limits, scripted)
         async with self.gate:
             waited = time.monotonic()
             try:
@@ -176,7 +184,13 @@ class RolloutWorker:
                         traj = await run_episode(task, env, policy, self.chat, limits, group, version, session,
                                                  seed=seed)
                 traj.metadata["seconds_sandbox_wait"] = waited
+        return self._finished(traj, limits, scripted)
+
+    def _finished(self, traj: Trajectory, limits: EpisodeLimits, scripted: bool) -> dict:
+        """The episode as it travels to the driver: which worker ran it, and the temperature its policy sampled at."""
         traj.metadata["worker"] = self.worker_id
+        if not scripted:
+            traj.temperature = limits.temperature
         return traj.to_dict()
 
     def ready(self) -> int:

@@ -90,6 +90,10 @@ class EnvironmentConfig(Section):
     # turns an episode of this environment may take, when it differs from rollout.max_turns (an env whose answers take
     # 2-3 calls beside one whose take 7: a wandering episode of the short kind would hold its step's batch to the end)
     max_turns: int | None = Field(None, ge=1)
+    # the temperature RL rollouts of this environment sample at, when it differs from rollout.temperature (a family
+    # whose groups all fail at 0.7 explores at 1.0 while one with long arguments keeps 0.7); the trainer scores each
+    # episode at its own. Held-out evaluation samples every environment at eval.temperature.
+    temperature: float | None = Field(None, ge=0)
     # None: the environment's seeded generators. Else a JSONL file (one Task per line) or, for `harbor`, a Harbor task
     # directory or a folder of them. Relative to the working directory, like run.output_dir.
     tasks: Path | None = None

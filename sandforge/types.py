@@ -229,6 +229,9 @@ class Trajectory:
     ``earlier_rows``: where a harness behind the recording proxy rewrote its history, the sequences before each
     rewrite, oldest first; the fields above are then the last one. ``rows()`` is every one of them: each trains as its
     own sequence with the episode's one advantage, and no generated token is in two.
+
+    ``temperature``: what the policy sampled at (``rollout.temperature`` or the environment's own; None where no
+    policy sampled, a scripted episode): the trainer scores the episode's tokens at it, or the ratio is off.
     """
 
     task: Task
@@ -245,6 +248,7 @@ class Trajectory:
     failure: str = ""
     finish_reason: str = ""
     policy_version: int = 0  # the driver's version when the episode started; per token see token_versions
+    temperature: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     earlier_rows: list[TokenRow] = field(default_factory=list)
 
@@ -287,7 +291,9 @@ class TrainingRow:
     per-token ``advantages``, PPO's value targets ``returns``, and, when a step takes several optimizer steps
     (mini-batches or epochs), ``old_logprobs``: the trainer's own log-probs at the step's start (``RowScores``), the
     ratio's denominator.
-    ``routed_experts`` is the engine's routing as ``Trajectory.routed_experts`` holds it (None: none known)."""
+    ``routed_experts`` is the engine's routing as ``Trajectory.routed_experts`` holds it (None: none known).
+    ``temperature``: the one its tokens were sampled at, which the trainer scores them under (None: the run's
+    ``rollout.temperature``)."""
 
     token_ids: list[int]
     loss_mask: list[int]
@@ -296,6 +302,7 @@ class TrainingRow:
     returns: list[float] | None = None
     old_logprobs: list[float] | None = None
     routed_experts: list | None = None
+    temperature: float | None = None
 
 
 @dataclass(frozen=True)

@@ -156,8 +156,8 @@ def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeyp
     w = worker_module.RolloutWorker(0, setup, engine=object())
     got: list[float] = []
 
-    async def episode(task, group, version, scripted, seed=None, limits=None):
-        got.append((limits or w.limits).temperature)
+    async def episode(task, group, version, scripted, seed=None, temperature=None):
+        got.append(w.episode_limits(task.env, temperature).temperature)
         return {}
 
     monkeypatch.setattr(w, "_episode", episode)
@@ -197,6 +197,46 @@ def test_an_environments_own_max_turns_bounds_its_episodes(monkeypatch):
     assert got == [("terminal", 3, 1.0), ("slack", 8, 1.0), ("terminal", 3, 0.0)]
     with pytest.raises(ValueError, match="max_turns"):
         JobConfig.model_validate({"environments": [{"name": "terminal", "max_turns": 0}]})
+
+
+def test_an_environments_own_temperature_samples_its_rollouts_and_not_the_evaluation(monkeypatch):
+    """``environments[].temperature`` is what RL rollouts of that environment sample at (others keep
+    ``rollout.temperature``); a temperature given for held-out evaluation wins; each episode records the one it
+    sampled at, for the trainer to score it under, and a scripted one records none."""
+    import asyncio
+    from dataclasses import asdict
+
+    from sandforge.job.rl_job import training_rows
+    from sandforge.rollout import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "docker_client", lambda **_: None)
+    monkeypatch.setattr(worker_module.RolloutWorker, "_pool", lambda *args, **kwargs: None)
+    job = JobConfig.model_validate({"environments": [{"name": "terminal", "temperature": 1.0}, {"name": "slack"}],
+                                    "rollout": {"temperature": 0.7}})
+    setup = worker_module.WorkerSetup(run_id="t", engine="unused", images={}, labels={},
+                                      environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox,
+                                      model=job.model)
+    w = worker_module.RolloutWorker(0, setup, engine=object())
+    w.env_classes = {}
+    got: list[tuple] = []
+
+    async def vf_episode(task, envs, policy, chat, limits, *args, **kwargs):
+        got.append((task.env, limits.temperature))
+        return Trajectory(task=task, group="g")
+
+    monkeypatch.setattr(worker_module, "run_vf_episode", vf_episode)
+    tasks = [asdict(_traj(env, "a", False).task) for env in ("terminal", "slack")]
+    rl = asyncio.run(w.run_episodes(tasks, ["g1", "g2"], 0))
+    held_out = asyncio.run(w.run_episodes(tasks, ["g3", "g4"], 0, temperature=0.7))
+    greedy = asyncio.run(w.run_episodes(tasks[:1], ["g5"], 0, temperature=0.0))
+    assert got == [("terminal", 1.0), ("slack", 0.7), ("terminal", 0.7), ("slack", 0.7), ("terminal", 0.0)]
+    assert [d["temperature"] for d in rl + held_out + greedy] == [1.0, 0.7, 0.7, 0.7, 0.0]
+    rows = training_rows([Trajectory.from_dict(d) for d in rl])
+    assert [r.temperature for r in rows] == [1.0, 0.7]
+    monkeypatch.setattr(worker_module, "scripted_policy", lambda *args: None)
+    assert asyncio.run(w.run_episodes(tasks[:1], ["g6"], 0, scripted=True))[0]["temperature"] is None
+    with pytest.raises(ValueError, match="temperature"):
+        JobConfig.model_validate({"environments": [{"name": "terminal", "temperature": -1}]})
 
 
 def test_paired_difference_on_known_per_task_numbers():

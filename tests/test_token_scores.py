@@ -100,3 +100,25 @@ def test_a_batch_with_nothing_to_score_still_backpropagates():
     s = forward_scores(model, [row], PackedLayout.padded([2]))
     assert (s.logprobs == 0).all() and s.logprobs.requires_grad
     (s.logprobs.sum() * 0).backward()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_rows_sampled_at_different_temperatures_are_each_scored_at_their_own(packed):
+    """Episodes of environments with their own temperature share a micro-batch: each row's log-probs are those it
+    gets scored alone at its temperature (a row without one takes the call's), in either layout."""
+    from dataclasses import replace
+
+    model = _k3()
+    rows = [replace(r, temperature=t) for r, t in zip(_rows(), (1.0, None, 0.4, 1.0))]
+    lengths = [len(r.token_ids) for r in rows]
+    layout = PackedLayout.pack(lengths, model.pack_align) if packed else PackedLayout.padded(lengths)
+    with torch.no_grad():
+        mixed = forward_scores(model, rows, layout, 0.7, entropy="metric")
+        for i, r in enumerate(rows):
+            alone = forward_scores(model, [replace(r, temperature=None)], PackedLayout.padded([len(r.token_ids)]),
+                                   0.7 if r.temperature is None else r.temperature, entropy="metric")
+            n = len(r.token_ids)
+            torch.testing.assert_close(mixed.logprobs[i, :n], alone.logprobs[0, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mixed.entropy[i, :n], alone.entropy[0, :n], atol=1e-5, rtol=1e-5)
+        at_one = forward_scores(model, [replace(r, temperature=None) for r in rows], layout, 0.7)
+    assert not torch.allclose(mixed.logprobs[0], at_one.logprobs[0])  # the row's own temperature was used

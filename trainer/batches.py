@@ -38,21 +38,35 @@ def forward_scores(model, rows: list[TrainingRow], layout: PackedLayout, tempera
     """``token_scores`` of right-padded ``rows``, computed in ``layout`` (packed rows, or one row each) and returned
     in the padded layout, so everything after the forward is the same whether sequences were packed or not.
     Only the rows' loss-mask tokens are scored (the rest are 0; ``all_tokens``: every token, the reference).
+    ``temperature``: what a row is scored at unless it carries its own (``TrainingRow.temperature``).
     ``forced``: the engine's routing [B, T, layers, k] to replay (padded layout, -1 unknown); ``device``: the
     model's, where the batch is built."""
     ids, attn = token_batch(rows, device)
     score_mask = None if all_tokens else pad_right([r.loss_mask for r in rows], 0, torch.bool)  # host: no sync
+    temperature = row_temperatures(rows, temperature, device)
     if layout.is_padded:
         return token_scores(replaying(model, forced), ids, attn, temperature, score_mask=score_mask, **kwargs)
     if forced is not None:
         forced = layout.pack_tensor(forced, fill=UNKNOWN)
     if score_mask is not None:
         score_mask = layout.pack_tensor(score_mask, fill=False)
+    if isinstance(temperature, torch.Tensor):
+        temperature = layout.pack_tensor(temperature, fill=1.0)
     s = token_scores(replaying(model, forced), layout.pack_tensor(ids), None, temperature,
                      segment_ids=layout.segment_ids(ids.device), score_mask=score_mask, **kwargs)
     unpack = layout.unpack
     return TokenScores(unpack(s.logprobs), s.aux_loss, None if s.entropy is None else unpack(s.entropy),
                        None if s.hidden is None else unpack(s.hidden))
+
+
+def row_temperatures(rows: list[TrainingRow], default: float,
+                     device: torch.device | str | None = None) -> float | torch.Tensor:
+    """The temperature each row is scored at: its own, else ``default``. One float when the rows agree (the common
+    case, and the only one without per-environment temperatures), else a [B, T] tensor, each row's on every token."""
+    each = [default if r.temperature is None else r.temperature for r in rows]
+    if len(set(each)) == 1:
+        return each[0]
+    return pad_right([[t] * len(r.token_ids) for t, r in zip(each, rows)], 1.0, torch.float32, device)
 
 
 def split_micro_batches(rows: list[TrainingRow], n: int, padded: bool = False) -> list[list[TrainingRow]]:
