@@ -32,18 +32,22 @@ def where(kind: str) -> str:
 
 
 def fast_bf16(kind: str) -> bool:
-    """Whether bf16 pays on a part placed on ``kind``: always on a GPU; on a CPU only with AMX (``amx_bf16``), where
-    the quickstart measured 1.4x the engine's and 2x the trainer's tokens/s of fp32. A CPU without it (no
-    ``avx512_bf16`` either) emulates bf16 matmuls: on a 2-core AMD EPYC without AVX-512, five 2048-square bf16
-    matmuls had not finished after 100 s where fp32 ran at 75 GFLOP/s (2026-12-04; ``bench/trainer.py precision``
-    compares the two in a run), so ``auto`` is fp32 there. ``SANDFORGE_CPU_BF16=0`` (or ``1``) decides for a CPU
+    """Whether bf16 pays on a part placed on ``kind``: always on a GPU; on a CPU with native bf16 matmuls, AMX
+    (``amx_bf16``: the quickstart measured 1.4x the engine's and 2x the trainer's tokens/s of fp32) or AVX-512 BF16
+    (``avx512_bf16``: on a 2-core AMD EPYC, 2026-12-06, ``bench/trainer.py --sections precision`` 1.63x the trainer's
+    tokens/s, ``bench/engine_replay.py`` 1.65x the engine's). A CPU with neither emulates bf16 matmuls: on a 2-core
+    AMD EPYC without AVX-512, five 2048-square bf16 matmuls had not finished after 100 s where fp32 ran at 75 GFLOP/s
+    (2026-12-04), so ``auto`` is fp32 there. ``SANDFORGE_CPU_BF16=0`` (or ``1``) decides for a CPU
     instead of its flags: the test suite sets 0, so that its figures and tolerances do not depend on the host's AMX."""
     if kind == "cuda":
         return True
     override = os.environ.get(CPU_BF16_VAR, "")
     if override in ("0", "1"):
         return override == "1"
-    return "amx_bf16" in cpu_flags()
+    return bool(NATIVE_BF16 & cpu_flags())
+
+
+NATIVE_BF16 = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo flags of a CPU that multiplies bf16 natively
 
 
 CPU_BF16_VAR = "SANDFORGE_CPU_BF16"

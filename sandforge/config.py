@@ -288,8 +288,8 @@ class EngineConfig(Section):
     # the dtype the engine serves in; the trainer keeps fp32 weights and sends them, cast on load (LoRA merges in fp32
     # first). bfloat16: 1.4x the rollout tokens/s of float32 with SmolLM2 on a 2-core CPU with AMX (bench/rollout.py
     # engine_dtype); the trainer recomputes every log-prob it trains on, so the sampler's rounding only moves the
-    # importance ratio it reports (tis/*). auto: bfloat16 on a GPU or a CPU with AMX, else float32 (a CPU without
-    # native bf16 emulates it, many times slower: models/device.py fast_bf16)
+    # importance ratio it reports (tis/*). auto: bfloat16 on a GPU or a CPU with AMX or AVX-512 BF16, else float32 (a
+    # CPU without native bf16 emulates it, many times slower: models/device.py fast_bf16)
     dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     # where the engine runs (job/fleet/placement.py): auto is cuda when Ray has a GPU to give it, else cpu
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -397,7 +397,8 @@ class TrainerConfig(Section):
     # where the ranks run (job/fleet/placement.py): auto is cuda when Ray has GPUs for them (one each), else cpu
     device: Literal["auto", "cpu", "cuda"] = "auto"
     zero_stage: Literal[0, 1, 2, 3] = 2  # 3: parameters partitioned too (not with expert_parallel nor model.lora)
-    # bf16 weights and activations, fp32 master weights; null: on with CUDA or a CPU with AMX (models/device.py)
+    # bf16 weights and activations, fp32 master weights; null: on with CUDA or a CPU with AMX or AVX-512 BF16
+    # (models/device.py)
     bf16: bool | None = None
     grad_accum_steps: int = Field(2, ge=1)
     # which tokens a forward computes logits at. policy_tokens: only where a loss-mask token is predicted (the lm_head

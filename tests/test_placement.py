@@ -23,10 +23,11 @@ def job(world: int = 1, trainer: str = "auto", engine: str = "auto", colocate: b
 
 # ---------------------------------------------------------------- resolving devices (no Ray)
 
-@pytest.mark.parametrize("flags, bf16", [({"avx2", "fma"}, False), ({"avx512f", "avx512_bf16"}, False),
-                                         ({"avx512f", "amx_bf16", "amx_tile"}, True)])
-def test_auto_precision_is_bf16_only_where_the_cpu_has_amx(monkeypatch, flags, bf16):
-    """A CPU without native bf16 emulates it (a bf16 matmul many times slower than fp32): auto stays fp32 there."""
+@pytest.mark.parametrize("flags, bf16", [({"avx2", "fma"}, False), ({"avx512f", "avx512bw"}, False),
+                                         ({"avx512f", "avx512_bf16"}, True), ({"avx512f", "amx_bf16", "amx_tile"}, True)])
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch, flags, bf16):
+    """A CPU without native bf16 (AMX or AVX-512 BF16) emulates it (a bf16 matmul many times slower than fp32): auto
+    stays fp32 there."""
     monkeypatch.delenv(device.CPU_BF16_VAR, raising=False)
     monkeypatch.setattr(device, "cpu_flags", lambda: flags)
     assert resolve_placement(job(), gpus=0).bf16 is bf16
