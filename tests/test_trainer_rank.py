@@ -86,6 +86,30 @@ def test_sft_steps_lower_the_nll(rank):
     assert last < first
 
 
+def test_each_row_is_scored_at_the_temperature_it_was_sampled_at(rank):
+    """Rows sampled at their environment's own temperature (0.5 here, the rank's shape says 1.0): the engine's
+    log-probs are at 0.5, and the trainer's match them (no mismatch, ratio 1); SFT learns a demonstration at 1."""
+    from sandforge.models.sampling import token_logprobs
+    from sandforge.trainer.batches import pad_right
+
+    rows = make_rows(rank, [1.0, -1.0])
+    ids = pad_right([r.token_ids for r in rows], 0, torch.long)
+    attn = pad_right([[1] * len(r.token_ids) for r in rows], 0, torch.long)
+    with torch.no_grad():
+        cold, _ = token_logprobs(rank.engine.module, ids, attn, temperature=0.5)
+    rows = [replace(r, temperature=0.5, logprobs=cold[i, : len(r.token_ids)].tolist()) for i, r in enumerate(rows)]
+    total = sum(sum(r.loss_mask) for r in rows)
+    nll, mask = masked_logprobs(rank, rows)  # at temperature 1
+    sft = rank.train_step(rows, total, mode="sft")
+    assert sft["loss"] == pytest.approx(-(nll * mask).sum().item() / total, rel=1e-4)
+    with torch.no_grad():
+        cold, _ = token_logprobs(rank.engine.module, ids, attn, temperature=0.5)
+    rows = [replace(r, logprobs=cold[i, : len(r.token_ids)].tolist()) for i, r in enumerate(rows)]
+    metrics = rank.train_step(rows, total, mode="rl")
+    assert metrics["mismatch/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["tis/mean"] == pytest.approx(1.0, abs=1e-4)
+
+
 def first_step_sizes(rank, rows) -> torch.Tensor:
     """|change| / lr of every weight element one RL step moved."""
     before = {k: v.clone() for k, v in rank.get_weights().items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -248,8 +248,9 @@ class TrainerRank:
         ids, attn = token_batch(micro, dev)
         layout = self.layout(micro)
         mask = pad_right([r.loss_mask for r in micro], 0, torch.float32, dev)
-        if mode == "sft":
-            scores = forward_scores(self.engine, micro, layout, device=dev, all_tokens=every)
+        if mode == "sft":  # a demonstration is learnt at temperature 1, whatever a row was sampled at
+            plain = [replace(r, temperature=None) for r in micro]
+            scores = forward_scores(self.engine, plain, layout, device=dev, all_tokens=every)
             return *sft_objective(scores.logprobs, mask, totals), scores.aux_loss
         temperature = self.temperature  # RL scores tokens as the engine sampled them
         engine_ids = routed_ids(micro, ids.shape[1], dev)  # trainer/routing_replay.py
