@@ -1,7 +1,9 @@
 """How long a whole run has left: its plan (episodes, SFT steps, evaluations, RL steps) times what each kind of work
 has cost so far in this run.
 
-Five kinds of work: ``pretrain`` (one synthetic pretraining step), ``scripted`` (a reference-solution episode of the warm start), ``sft`` (one supervised step),
+Six kinds of work: ``pretrain`` (one synthetic pretraining step), ``scripted`` (a reference-solution episode of the warm
+start), ``sft`` (one supervised step), ``base`` (an episode of the pretrained policy's evaluation: one that cannot
+call the tools yet runs every episode to its limits, several times a trained policy's cost, so it is priced apart),
 ``episode`` (a policy episode: RL rollouts and held-out evaluation) and ``update`` (one RL trainer step with its weight
 push). Until a kind has been measured its cost is a prior for a small policy on two cores; the estimate sharpens as the
 run goes: after the first RL step every kind has been measured.
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from sandforge.config import JobConfig
 
 # seconds per unit on 2 CPU cores with a k3-nano policy: only used until the run has measured the kind itself
-PRIORS = {"pretrain": 0.4, "scripted": 1.5, "sft": 1.2, "episode": 1.6, "update": 4.0}
+PRIORS = {"pretrain": 0.4, "scripted": 1.5, "sft": 1.2, "base": 4.0, "episode": 1.6, "update": 4.0}
 
 
 @dataclass
@@ -26,7 +28,7 @@ class RunPlan:
     def of(cls, cfg: JobConfig, start: int = 0, warm: bool = True, sft_only: bool = False) -> RunPlan:
         """The work of ``cfg`` from RL step ``start`` on (``warm``: the warm start still to do)."""
         w, r, e, t = cfg.warmup, cfg.rollout, cfg.eval, cfg.trainer
-        units = {"pretrain": 0, "scripted": 0, "sft": 0, "episode": 0, "update": 0}
+        units = {"pretrain": 0, "scripted": 0, "sft": 0, "base": 0, "episode": 0, "update": 0}
         if warm:
             units["pretrain"] = cfg.pretrain.steps
         if warm and w.steps:
@@ -41,7 +43,7 @@ class RunPlan:
             evals += 1 if t.steps > start else 0
             units["episode"] += evals * eval_episodes(cfg)
             if warm and e.base:
-                units["episode"] += eval_episodes(cfg, e.base_tasks_per_family)
+                units["base"] = eval_episodes(cfg, e.base_tasks_per_family)
         return cls(units)
 
 

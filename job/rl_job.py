@@ -9,6 +9,7 @@ are job/checkpoint.py; job/run.py drives a whole run.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import replace
@@ -99,13 +100,14 @@ class RLJob:
         self.fleet.push_weights(self.version)
 
     def collect(self, tasks: list[Task], groups: list[str], scripted: bool, label: str,
-                temperature: float | list[float] | None = None) -> list[Trajectory]:
+                temperature: float | list[float] | None = None, kind: str | None = None) -> list[Trajectory]:
         """Spread episodes over the workers and gather them all, failed ones included (``temperature``: instead of
-        ``rollout.temperature``, for held-out evaluation; one per episode in a list)."""
+        ``rollout.temperature``, for held-out evaluation; one per episode in a list). ``kind``: what the run's ETA
+        prices their time as (job/eta.py; default "scripted" or "episode")."""
         t0 = time.monotonic()
         trajs = collect_episodes(self.workers, tasks, groups, self.cfg.run.seed, self.version, scripted, self.bar,
                                  label, temperature)
-        self.tick("scripted" if scripted else "episode", len(tasks), time.monotonic() - t0)
+        self.tick(kind or ("scripted" if scripted else "episode"), len(tasks), time.monotonic() - t0)
         remote = self.cfg.engine.remote
         if remote is not None and not scripted and trajs and all(
                 t.failed and (t.failure or "").startswith("engine:") for t in trajs):
@@ -124,7 +126,8 @@ class RLJob:
         """Held-out success of the current policy after ``step`` RL steps (job/evaluation.py): logged as an ``eval``
         row and its episodes; returns the summary. ``base``: the pretrained policy before any training, logged as an
         ``eval_base`` row (its own phase: it is no point of the RL curve)."""
-        trajs, summary = evaluation(self.cfg, self.collect, "base" if base else f"eval{step}",
+        collect = functools.partial(self.collect, kind="base") if base else self.collect
+        trajs, summary = evaluation(self.cfg, collect, "base" if base else f"eval{step}",
                                     self.cfg.eval.base_tasks_per_family if base else None)
         phase = "eval_base" if base else "eval"
         self.logger.log_trajectories(step, phase, trajs)

@@ -20,15 +20,19 @@ def test_the_plan_counts_every_kind_of_work():
     assert eval_episodes(cfg) == 2 * 2 * 3  # families x tasks x samples
     plan = RunPlan.of(cfg)
     # evaluations: before RL, after steps 5 and 10, at the end (12)
-    assert plan.units == {"pretrain": 0, "scripted": 16, "sft": 50, "episode": 12 * 12 + 4 * 12, "update": 12}
-    assert RunPlan.of(cfg, sft_only=True).units == {"pretrain": 0, "scripted": 16, "sft": 50, "episode": 0, "update": 0}
+    assert plan.units == {"pretrain": 0, "scripted": 16, "sft": 50, "base": 0, "episode": 12 * 12 + 4 * 12,
+                          "update": 12}
+    assert RunPlan.of(cfg, sft_only=True).units == {"pretrain": 0, "scripted": 16, "sft": 50, "base": 0, "episode": 0,
+                                                    "update": 0}
     resumed = RunPlan.of(cfg, start=10, warm=False)  # after step 10: steps 11, 12 and the last evaluation (+ before)
-    assert resumed.units == {"pretrain": 0, "scripted": 0, "sft": 0, "episode": 2 * 12 + 2 * 12, "update": 2}
+    assert resumed.units == {"pretrain": 0, "scripted": 0, "sft": 0, "base": 0, "episode": 2 * 12 + 2 * 12,
+                             "update": 2}
     more = RunPlan.of(job(eval={"tasks_per_family": 2, "samples": 3, "every": 5, "greedy": True, "base": True}))
-    assert more.units["episode"] == 12 * 12 + 5 * 2 * 2 * 4  # the base evaluation too; each one greedy as well
+    # each evaluation greedy as well; the base evaluation's episodes are a kind of their own
+    assert (more.units["episode"], more.units["base"]) == (12 * 12 + 4 * 2 * 2 * 4, 2 * 2 * 4)
     smaller_base = RunPlan.of(job(eval={"tasks_per_family": 2, "samples": 3, "every": 5, "greedy": True, "base": True,
                                         "base_tasks_per_family": 1}))
-    assert smaller_base.units["episode"] == 12 * 12 + 4 * 2 * 2 * 4 + 2 * 1 * 4  # its one task per family
+    assert smaller_base.units["base"] == 2 * 1 * 4  # its one task per family
     no_eval = RunPlan.of(job(eval={"tasks_per_family": 0}), warm=False)
     assert no_eval.units["episode"] == 12 * 12
 
@@ -44,3 +48,36 @@ def test_the_clock_prices_the_rest_by_what_it_measured():
     clock.add("episode", 50, 50.0)  # more than planned (dynamic sampling): nothing left of it, never negative
     assert clock.remaining() == 80 * 3.0 + 4 * PRIORS["update"]
     assert "min left" in clock.line()
+
+
+def test_the_base_evaluations_episodes_do_not_price_the_trained_policys():
+    """A pretrained policy that cannot call the tools runs every episode to its limits: 30 of them at 9.6 s each must
+    not price the 468 episodes of a trained policy that follow (a run once read "about 105 min left" with 35 to go)."""
+    clock = RunClock(RunPlan({"base": 30, "episode": 468, "update": 12}))
+    clock.add("base", 30, 288.0)
+    assert clock.remaining() == 468 * PRIORS["episode"] + 12 * PRIORS["update"]
+    clock.add("episode", 180, 500.0)
+    assert clock.remaining() == 288 * 500.0 / 180 + 12 * PRIORS["update"]
+
+
+def test_the_jobs_base_evaluation_is_priced_as_its_own_kind(monkeypatch, tmp_path):
+    """RLJob.evaluate(base=True) feeds the clock "base" units; a later held-out evaluation feeds "episode" ones."""
+    from types import SimpleNamespace
+
+    from sandforge.job import rl_job
+    from sandforge.types import Reward, Trajectory
+
+    def episodes(workers, tasks, groups, *args):
+        return [Trajectory(task=t, group=g, reward=Reward(0.0, False)) for t, g in zip(tasks, groups)]
+
+    monkeypatch.setattr(rl_job, "collect_episodes", episodes)
+    cfg = job(eval={"tasks_per_family": 1, "samples": 2, "base": True})
+    quiet = SimpleNamespace(console=SimpleNamespace(print=lambda *a, **k: None))
+    logger = SimpleNamespace(log_trajectories=lambda *a: None, log=lambda *a: None)
+    job_ = rl_job.RLJob.__new__(rl_job.RLJob)
+    job_.cfg, job_.fleet, job_.logger, job_.bar, job_.version = cfg, SimpleNamespace(workers=[]), logger, quiet, 0
+    job_.clock = RunClock(RunPlan.of(cfg))
+    job_.evaluate(0, base=True)
+    assert job_.clock.done == {"base": 2 * 2}
+    job_.evaluate(0)
+    assert job_.clock.done == {"base": 2 * 2, "episode": 2 * 2}
