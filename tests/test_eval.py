@@ -167,34 +167,41 @@ def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeyp
     assert got == [0.7, 0.0, 1.0]
 
 
-def test_an_environments_own_max_turns_bounds_its_episodes(monkeypatch):
-    """``environments[].max_turns`` reaches the episodes of that environment, sampled or greedy, and no other's (no
-    Docker: the episodes take the library path, stood in for, and record the limits they were given)."""
-    import asyncio
-    from dataclasses import asdict
-
+def _library_worker(monkeypatch, job: dict):
+    """A RolloutWorker of ``job`` without Docker whose episodes take the library (verifiers) path, stood in for: each
+    records (env, the limits it was given) in the returned list and comes back as an empty trajectory."""
     from sandforge.rollout import worker as worker_module
 
     monkeypatch.setattr(worker_module, "docker_client", lambda **_: None)
     monkeypatch.setattr(worker_module.RolloutWorker, "_pool", lambda *args, **kwargs: None)  # no warm pools
-    job = JobConfig.model_validate({"environments": [{"name": "terminal", "max_turns": 3}, {"name": "slack"}],
-                                    "rollout": {"max_turns": 8}})
+    cfg = JobConfig.model_validate(job)
     setup = worker_module.WorkerSetup(run_id="t", engine="unused", images={}, labels={},
-                                      environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox,
-                                      model=job.model)
+                                      environments=tuple(cfg.environments), rollout=cfg.rollout, sandbox=cfg.sandbox,
+                                      model=cfg.model)
     w = worker_module.RolloutWorker(0, setup, engine=object())
-    w.env_classes = {}  # every episode takes the library (verifiers) path
+    w.env_classes = {}  # every episode takes the library path
     got: list[tuple] = []
 
     async def vf_episode(task, envs, policy, chat, limits, *args, **kwargs):
-        got.append((task.env, limits.max_turns, limits.temperature))
+        got.append((task.env, limits))
         return Trajectory(task=task, group="g")
 
     monkeypatch.setattr(worker_module, "run_vf_episode", vf_episode)
+    return w, got
+
+
+def test_an_environments_own_max_turns_bounds_its_episodes(monkeypatch):
+    """``environments[].max_turns`` reaches the episodes of that environment, sampled or greedy, and no other's."""
+    import asyncio
+    from dataclasses import asdict
+
+    w, got = _library_worker(monkeypatch, {"environments": [{"name": "terminal", "max_turns": 3}, {"name": "slack"}],
+                                           "rollout": {"max_turns": 8}})
     tasks = [asdict(_traj(env, "a", False).task) for env in ("terminal", "slack")]
     asyncio.run(w.run_episodes(tasks, ["g1", "g2"], 0))
     asyncio.run(w.run_episodes(tasks[:1], ["g3"], 0, temperature=0.0))
-    assert got == [("terminal", 3, 1.0), ("slack", 8, 1.0), ("terminal", 3, 0.0)]
+    assert [(env, lim.max_turns, lim.temperature) for env, lim in got] == [("terminal", 3, 1.0), ("slack", 8, 1.0),
+                                                                           ("terminal", 3, 0.0)]
     with pytest.raises(ValueError, match="max_turns"):
         JobConfig.model_validate({"environments": [{"name": "terminal", "max_turns": 0}]})
 
@@ -209,27 +216,14 @@ def test_an_environments_own_temperature_samples_its_rollouts_and_not_the_evalua
     from sandforge.job.rl_job import training_rows
     from sandforge.rollout import worker as worker_module
 
-    monkeypatch.setattr(worker_module, "docker_client", lambda **_: None)
-    monkeypatch.setattr(worker_module.RolloutWorker, "_pool", lambda *args, **kwargs: None)
-    job = JobConfig.model_validate({"environments": [{"name": "terminal", "temperature": 1.0}, {"name": "slack"}],
-                                    "rollout": {"temperature": 0.7}})
-    setup = worker_module.WorkerSetup(run_id="t", engine="unused", images={}, labels={},
-                                      environments=tuple(job.environments), rollout=job.rollout, sandbox=job.sandbox,
-                                      model=job.model)
-    w = worker_module.RolloutWorker(0, setup, engine=object())
-    w.env_classes = {}
-    got: list[tuple] = []
-
-    async def vf_episode(task, envs, policy, chat, limits, *args, **kwargs):
-        got.append((task.env, limits.temperature))
-        return Trajectory(task=task, group="g")
-
-    monkeypatch.setattr(worker_module, "run_vf_episode", vf_episode)
+    w, got = _library_worker(monkeypatch, {"environments": [{"name": "terminal", "temperature": 1.0},
+                                                            {"name": "slack"}], "rollout": {"temperature": 0.7}})
     tasks = [asdict(_traj(env, "a", False).task) for env in ("terminal", "slack")]
     rl = asyncio.run(w.run_episodes(tasks, ["g1", "g2"], 0))
     held_out = asyncio.run(w.run_episodes(tasks, ["g3", "g4"], 0, temperature=0.7))
     greedy = asyncio.run(w.run_episodes(tasks[:1], ["g5"], 0, temperature=0.0))
-    assert got == [("terminal", 1.0), ("slack", 0.7), ("terminal", 0.7), ("slack", 0.7), ("terminal", 0.0)]
+    assert [(env, lim.temperature) for env, lim in got] == [("terminal", 1.0), ("slack", 0.7), ("terminal", 0.7),
+                                                            ("slack", 0.7), ("terminal", 0.0)]
     assert [d["temperature"] for d in rl + held_out + greedy] == [1.0, 0.7, 0.7, 0.7, 0.0]
     rows = training_rows([Trajectory.from_dict(d) for d in rl])
     assert [r.temperature for r in rows] == [1.0, 0.7]
