@@ -43,13 +43,14 @@ class RunPlan:
             evals += 1 if t.steps > start else 0
             units["episode"] += evals * eval_episodes(cfg)
             if warm and e.base:
-                units["base"] = eval_episodes(cfg, e.base_tasks_per_family)
+                units["base"] = eval_episodes(cfg, e.base_tasks_per_family, e.base_samples)
         return cls(units)
 
 
-def eval_episodes(cfg: JobConfig, per_family: int | None = None) -> int:
+def eval_episodes(cfg: JobConfig, per_family: int | None = None, samples: int | None = None) -> int:
     """Episodes of one held-out evaluation (generated families; a task file's count is known only once read);
-    ``per_family``: that many tasks of every family (the base evaluation's)."""
+    ``per_family``: that many tasks of every family, ``samples``: that many sampled episodes of each (the base
+    evaluation's)."""
     from sandforge.environments.task_sources import FiniteSource
     from sandforge.job.tasks import env_source
 
@@ -66,7 +67,7 @@ def eval_episodes(cfg: JobConfig, per_family: int | None = None) -> int:
                 n += len(families) * tasks
         except Exception:  # noqa: BLE001 - an estimate: an env that cannot be opened here counts as nothing
             continue
-    return n * (cfg.eval.samples + cfg.eval.greedy)  # greedy: one more episode per task
+    return n * ((samples or cfg.eval.samples) + cfg.eval.greedy)  # greedy: one more episode per task
 
 
 @dataclass

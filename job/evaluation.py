@@ -137,17 +137,18 @@ class HeldoutRun:
         return f"{how}: {len(self.tasks)} tasks x {self.samples}"
 
 
-def heldout_run(cfg: JobConfig, tag: str, greedy: bool = False, per_family: int | None = None) -> HeldoutRun:
+def heldout_run(cfg: JobConfig, tag: str, greedy: bool = False, per_family: int | None = None,
+                samples: int | None = None) -> HeldoutRun:
     """``eval.samples`` episodes of each held-out task at ``eval_temperature``; ``greedy``: one episode per task at
     temperature 0 (more would repeat it). ``per_family``: that many tasks of every family of every environment
-    instead of the configured numbers."""
+    instead of the configured numbers; ``samples``: that many sampled episodes of each instead of ``eval.samples``."""
     envs = cfg.environments
     if per_family is not None:
         envs = [env.model_copy(update={"eval_tasks_per_family": per_family}) for env in envs]
     tasks = tuple(heldout_tasks(envs, cfg.eval.tasks_per_family))
     if greedy:
         return HeldoutRun(tag, tasks, 1, 0.0)
-    return HeldoutRun(tag, tasks, cfg.eval.samples, eval_temperature(cfg))
+    return HeldoutRun(tag, tasks, samples or cfg.eval.samples, eval_temperature(cfg))
 
 
 def heldout_episodes(runs: list[HeldoutRun], collect: Callable[..., list[Trajectory]]
@@ -168,13 +169,13 @@ def heldout_episodes(runs: list[HeldoutRun], collect: Callable[..., list[Traject
     return out
 
 
-def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]],
-               tag: str, per_family: int | None = None) -> tuple[list[Trajectory], dict]:
+def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]], tag: str,
+               per_family: int | None = None, samples: int | None = None) -> tuple[list[Trajectory], dict]:
     """One held-out evaluation as configured: at ``eval.temperature`` (the rollout temperature unless set), plus
     greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended), both in one pass of the
-    workers. ``per_family``: that many tasks per family everywhere (the base evaluation's
-    ``eval.base_tasks_per_family``)."""
-    runs = [heldout_run(cfg, tag, per_family=per_family)]
+    workers. ``per_family``: that many tasks per family everywhere, ``samples``: that many sampled episodes of each (the
+    base evaluation's ``eval.base_tasks_per_family`` and ``eval.base_samples``)."""
+    runs = [heldout_run(cfg, tag, per_family=per_family, samples=samples)]
     if cfg.eval.greedy:
         runs.append(heldout_run(cfg, f"{tag}g", greedy=True, per_family=per_family))
     (trajs, summary), *greedy = heldout_episodes(runs, collect)

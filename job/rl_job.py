@@ -127,8 +127,9 @@ class RLJob:
         row and its episodes; returns the summary. ``base``: the pretrained policy before any training, logged as an
         ``eval_base`` row (its own phase: it is no point of the RL curve)."""
         collect = functools.partial(self.collect, kind="base") if base else self.collect
+        e = self.cfg.eval
         trajs, summary = evaluation(self.cfg, collect, "base" if base else f"eval{step}",
-                                    self.cfg.eval.base_tasks_per_family if base else None)
+                                    *((e.base_tasks_per_family, e.base_samples) if base else ()))
         phase = "eval_base" if base else "eval"
         self.logger.log_trajectories(step, phase, trajs)
         summary = {"step": step, "policy_version": self.version, **({"base": True} if base else {}), **summary}

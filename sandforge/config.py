@@ -349,6 +349,7 @@ class EvalConfig(Section):
     # held-out tasks per family of every environment for that base evaluation; null: as the others. A pretrained model
     # that cannot call the tools yet scores 0 on any number of tasks, and its episodes run to their limits
     base_tasks_per_family: int | None = Field(None, ge=1)
+    base_samples: int | None = Field(None, ge=1)  # its sampled episodes per task; null: ``samples``
 
 
 class TrainerConfig(Section):

@@ -33,6 +33,10 @@ def test_the_plan_counts_every_kind_of_work():
     smaller_base = RunPlan.of(job(eval={"tasks_per_family": 2, "samples": 3, "every": 5, "greedy": True, "base": True,
                                         "base_tasks_per_family": 1}))
     assert smaller_base.units["base"] == 2 * 1 * 4  # its one task per family
+    fewer_samples = RunPlan.of(job(eval={"tasks_per_family": 2, "samples": 3, "every": 5, "greedy": True, "base": True,
+                                         "base_tasks_per_family": 1, "base_samples": 1}))
+    assert fewer_samples.units["base"] == 2 * 1 * 2  # one sampled episode a task and the greedy one
+    assert fewer_samples.units["episode"] == more.units["episode"]  # the others' samples as configured
     no_eval = RunPlan.of(job(eval={"tasks_per_family": 0}), warm=False)
     assert no_eval.units["episode"] == 12 * 12
 
@@ -81,3 +85,8 @@ def test_the_jobs_base_evaluation_is_priced_as_its_own_kind(monkeypatch, tmp_pat
     assert job_.clock.done == {"base": 2 * 2}
     job_.evaluate(0)
     assert job_.clock.done == {"base": 2 * 2, "episode": 2 * 2}
+    job_.cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"base_samples": 1})})
+    job_.clock = RunClock(RunPlan.of(job_.cfg))
+    job_.evaluate(0, base=True)  # eval.base_samples: one sampled episode of each of its tasks
+    job_.evaluate(0)
+    assert job_.clock.done == {"base": 2 * 1, "episode": 2 * 2}

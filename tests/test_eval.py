@@ -139,6 +139,10 @@ def test_the_base_evaluation_can_take_fewer_tasks_everywhere():
     calls.clear()
     evaluation(cfg, _fake_collect(calls), "eval0")
     assert [c[1] for c in calls] == [(2 * 2 + 5) * 3 + 2 * 2 + 5]  # the others as configured
+    calls.clear()
+    _, summary = evaluation(cfg, _fake_collect(calls), "base", per_family=1, samples=1)  # eval.base_samples: 1
+    assert [c[1] for c in calls] == [3 * 1 + 3]  # one sampled episode of each task, and the greedy one
+    assert summary["episodes"] == 3 and summary["greedy"]["episodes"] == 3
 
 
 def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeypatch):

@@ -56,10 +56,10 @@ def test_eval_json_has_before_and_after_per_environment(run):
     assert [h["step"] for h in result["history"]] == [0, 1, 2]
     base, before, after = result["base"], result["before"], result["after"]
     assert base["base"] and before["step"] == 0 and after["step"] == 2 and result["k"] == 2
-    for summary in (base, before, after):
+    for summary, samples in ((base, 1), (before, 2), (after, 2)):  # the base sampled once a task (eval.base_samples)
         assert set(summary["per_env"]) == ENVS
         assert 0.0 <= summary["success"] <= summary["pass@k"] <= 1.0 and 0.0 <= summary["stderr"] <= 0.5
-        assert all(s["episodes"] == s["tasks"] * 2 for s in summary["per_env"].values())
+        assert all(s["episodes"] == s["tasks"] * samples for s in summary["per_env"].values())
         greedy = summary["greedy"]  # one greedy episode per task
         assert set(greedy["per_env"]) == ENVS and all(s["episodes"] == s["tasks"] for s in greedy["per_env"].values())
     assert set(result["delta_points"]["per_env"]) == ENVS
