@@ -29,7 +29,7 @@ from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_fa
 from sandforge.job.runlog import RunLogger
 from sandforge.job.tasks import TaskSampler
 from sandforge.trainer.algorithms import (TieBreak, informative_groups, overlong_penalty, resolve, signal_rewards,
-                                          token_advantages)
+                                          token_advantages, trained_successes)
 from sandforge.trainer.rank import RolloutShape
 from sandforge.types import Task, TrainingRow, Trajectory
 
@@ -177,7 +177,7 @@ class RLJob:
             ok = [t for t in got if not t.failed]  # failed episodes never reach the gradient
             if not s.dynamic_sampling:
                 return trajs, ok, {}
-            useful = informative_groups([t.reward.value for t in ok], [t.reward.success for t in ok],
+            useful = informative_groups([t.reward.value for t in ok], self.successes(ok),
                                         [t.group for t in ok], on=s.dynamic_sampling_on)
             filtered += len({t.group for t in got} - useful)
             keep += [t for t in ok if t.group in useful]
@@ -186,6 +186,11 @@ class RLJob:
                 break
         return trajs, keep, {"dapo/filtered_groups": filtered, "dapo/rounds": n + 1}
 
+    def successes(self, ok: list[Trajectory]) -> list[bool]:
+        """Each episode's success as RL trains on it (``trainer.unended_fails``)."""
+        return trained_successes([t.reward.success for t in ok], [t.finish_reason for t in ok],
+                                 self.settings.unended_fails)
+
     def rl_rows(self, ok: list[Trajectory]) -> tuple[list[TrainingRow], dict[str, float]]:
         """Training rows with per-token advantages (and PPO's value targets) from the algorithm, on the reward signal
         ``trainer.reward_signal`` picks (the verifier's value, or its success) plus the overlong penalty."""
@@ -193,7 +198,7 @@ class RLJob:
         rows = training_rows(ok)
         penalties = [overlong_penalty(t.response_tokens, s.response_budget, s.overlong_buffer, s.overlong_penalty)
                      for t in ok]
-        values, successes = [t.reward.value for t in ok], [t.reward.success for t in ok]
+        values, successes = [t.reward.value for t in ok], self.successes(ok)
         signal = signal_rewards(s.reward_signal, values, successes)
         mini = self.cfg.trainer.mini_batches > 1 or self.cfg.trainer.epochs > 1  # later steps: the start's log-probs
         scores = trainer_ranks.score(self.ranks, rows) if s.needs_scores or mini else None

@@ -363,6 +363,10 @@ class TrainerConfig(Section):
     reward_signal: Literal["reward", "success", "tiebreak"] = "reward"
     # tiebreak: at most half dr_grpo's gap between a success and a failure, so partial credit stays a tie-break
     tiebreak_weight: float = Field(0.1, ge=0, le=0.5)
+    # success and tiebreak: an RL episode the policy did not end itself (cut at its turn limit, its context or its
+    # timeout) trains as a failure whatever its verifier said (held-out evaluation still grades it as it stands): a
+    # success that idled to the limit would reinforce its idle turns (docs/algorithms.md "Reward signal")
+    unended_fails: bool = False
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] | None = None
     lr: float = Field(1e-4, gt=0)
     # over the RL run's optimizer steps (trainer.steps x trainer.mini_batches); the warm start keeps warmup.lr
@@ -435,6 +439,13 @@ class TrainerConfig(Section):
                              f"({', '.join(TIEBREAK_ALGORITHMS)}), not trainer.algorithm {algorithm}: use "
                              "reward_signal success or one of those algorithms")
         return signal
+
+    @model_validator(mode="after")
+    def _unended_fails_on_success(self) -> "TrainerConfig":
+        if self.unended_fails and self.reward_signal == "reward":
+            raise ValueError("unended_fails turns an unended episode's success into a failure, and reward_signal reward "
+                             "trains on the verifier's value, not its success: use reward_signal success or tiebreak")
+        return self
 
     @field_validator("expert_parallel")
     @classmethod

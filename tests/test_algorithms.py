@@ -340,6 +340,57 @@ def test_reward_signal_tiebreak_needs_an_algorithm_with_one_advantage_per_episod
     assert settings("grpo").reward_signal == "reward"  # today's behaviour unless a job asks
 
 
+def test_unended_fails_makes_a_success_that_idled_to_its_turn_limit_a_failure():
+    """Run 7 of the quickstart: its policy stopped calling submit after the one call that solved a terminal or slack
+    task, idled to the turn limit, and was graded a success all the same; those idle turns were reinforced until
+    notion's three-call answers stopped after their first call (held-out 3 of 32 -> 0)."""
+    successes, credit = [True, True, True, True], [1.0, 1.0, 1.0, 1.0]
+    finish = ["submit", "max_turns", "submit", "timeout"]
+    assert A.trained_successes(successes, finish, unended_fails=False) == successes
+    trained = A.trained_successes(successes, finish, unended_fails=True)
+    assert trained == [True, False, True, False]
+    assert A.trained_successes([True, False], ["text", "submit"], True) == [True, False]  # prose ends it too
+    assert A.trained_successes([True, True], ["context", "error"], True) == [False, False]
+    for name, fn in GROUP_ALGORITHMS.items():
+        before = flat(fn(signal_ep("tiebreak", credit, successes, ["g"] * 4))[0])
+        assert before == [0.0] * 4, name  # all succeeded alike: nothing tells submitting from idling
+        after = flat(fn(signal_ep("tiebreak", credit, trained, ["g"] * 4))[0])
+        assert after[0] == after[2] > 0 > after[1] == after[3], name
+
+
+def test_unended_fails_reads_success_so_it_refuses_the_reward_signal():
+    assert settings("grpo", reward_signal="tiebreak", unended_fails=True).unended_fails
+    assert not settings("grpo").unended_fails  # graded as it stands unless a job asks
+    with pytest.raises(ValueError, match="unended_fails"):
+        TrainerConfig(reward_signal="reward", unended_fails=True)
+
+
+def test_the_job_trains_on_the_successes_unended_fails_gives():
+    """RLJob.rl_rows: in a group where every episode succeeded, the one cut at its turn limit gets a negative advantage
+    on each of its tokens with unended_fails, none without."""
+    from sandforge.config import JobConfig
+    from sandforge.job.rl_job import RLJob
+    from sandforge.types import Reward, Task, Trajectory
+
+    def episode(finish):
+        task = Task(id="t", env="terminal", family="f", seed=0, instruction="")
+        return Trajectory(task=task, group="0/t", reward=Reward(1.0, True), finish_reason=finish,
+                          token_ids=[5, 6, 7, 8], loss_mask=[0, 1, 1, 1], logprobs=[0.0] * 4)
+
+    job = RLJob.__new__(RLJob)
+    ok = [episode("submit"), episode("max_turns"), episode("submit"), episode("submit")]
+    for unended_fails in (False, True):
+        job.cfg = JobConfig.model_validate({"trainer": {"reward_signal": "tiebreak", "unended_fails": unended_fails}})
+        job.settings = resolve(job.cfg.trainer, 4)
+        rows, _ = job.rl_rows(ok)
+        cut = [a for a, m in zip(rows[1].advantages, rows[1].loss_mask) if m]
+        if unended_fails:
+            assert all(a < 0 for a in cut) and all(a > 0 for r in rows[::2] for a, m in zip(r.advantages, r.loss_mask) if m)
+            assert job.successes(ok) == [True, False, True, True]  # what dynamic sampling reads too
+        else:
+            assert cut == [0.0] * 3
+
+
 def test_overlong_penalty_by_hand():
     # budget 100, buffer 20: free up to 80 tokens, then linear to -1 at 100
     assert [overlong_penalty(n, 100, 20) for n in (10, 80, 90, 100, 120)] == pytest.approx([0, 0, -0.5, -1, -1])

@@ -84,6 +84,18 @@ def signal_rewards(signal: str, rewards: list[float], successes: list[bool]) -> 
     return list(rewards) if signal == "reward" else [float(s) for s in successes]
 
 
+ENDED_BY_POLICY = ("submit", "text")  # finish reasons of an episode that the policy ended itself (Trajectory)
+
+
+def trained_successes(successes: list[bool], finish_reasons: list[str], unended_fails: bool) -> list[bool]:
+    """The successes RL trains on: the verifier's, except that with ``trainer.unended_fails`` an episode the policy did
+    not end itself (its turn limit, context or timeout cut it) is a failure. Without it such a success, graded on
+    the sandbox as it stood, reinforces every turn it idled through before the cut as much as a submitted one."""
+    if not unended_fails:
+        return list(successes)
+    return [s and f in ENDED_BY_POLICY for s, f in zip(successes, finish_reasons)]
+
+
 def tie_break(adv: list[float], groups: list[str], tie: TieBreak | None) -> list[float]:
     """Partial credit as a tie-break on top of the success advantages ``adv``: each episode gains
     w * (credit - mean credit of the episodes of its group with the same success), added after the algorithm's

@@ -61,6 +61,7 @@ class Settings:
     gae_lambda: float
     reward_signal: str  # "reward", "success" or "tiebreak" (advantages.signal_rewards)
     tiebreak_weight: float
+    unended_fails: bool  # an episode the policy did not end itself trains as a failure (advantages.trained_successes)
     dynamic_sampling: bool
     dynamic_sampling_on: str  # "success" or "reward" (dapo.informative_groups)
     dynamic_sampling_max_rounds: int
@@ -99,6 +100,7 @@ def resolve(trainer: TrainerConfig, response_budget: int) -> Settings:
         gae_lambda=t.gae_lambda,
         reward_signal=t.reward_signal,
         tiebreak_weight=t.tiebreak_weight,
+        unended_fails=t.unended_fails,
         dynamic_sampling=pick(t.dynamic_sampling, algo.dynamic_sampling),
         dynamic_sampling_on=t.dynamic_sampling_on,
         dynamic_sampling_max_rounds=t.dynamic_sampling_max_rounds,
