@@ -128,8 +128,8 @@ class RLJob:
         ``eval_base`` row (its own phase: it is no point of the RL curve)."""
         collect = functools.partial(self.collect, kind="base") if base else self.collect
         e = self.cfg.eval
-        trajs, summary = evaluation(self.cfg, collect, "base" if base else f"eval{step}",
-                                    *((e.base_tasks_per_family, e.base_samples) if base else ()))
+        per_family, samples = (e.base_tasks_per_family, e.base_samples) if base else (None, None)
+        trajs, summary = evaluation(self.cfg, collect, "base" if base else f"eval{step}", per_family, samples)
         phase = "eval_base" if base else "eval"
         self.logger.log_trajectories(step, phase, trajs)
         summary = {"step": step, "policy_version": self.version, **({"base": True} if base else {}), **summary}

@@ -443,8 +443,9 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _unended_fails_on_success(self) -> "TrainerConfig":
         if self.unended_fails and self.reward_signal == "reward":
-            raise ValueError("unended_fails turns an unended episode's success into a failure, and reward_signal reward "
-                             "trains on the verifier's value, not its success: use reward_signal success or tiebreak")
+            raise ValueError("unended_fails turns an unended episode's success into a failure, and reward_signal "
+                             "reward trains on the verifier's value, not its success: use reward_signal success or "
+                             "tiebreak")
         return self
 
     @field_validator("expert_parallel")
