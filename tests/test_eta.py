@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sandforge.config import JobConfig
-from sandforge.job.eta import PRIORS, RunClock, RunPlan, eval_episodes
+from sandforge.job.eta import PRIORS, REFERENCE_FORWARD, RunClock, RunPlan, eval_episodes
 
 
 def job(**sections) -> JobConfig:
@@ -90,3 +90,26 @@ def test_the_jobs_base_evaluation_is_priced_as_its_own_kind(monkeypatch, tmp_pat
     job_.evaluate(0, base=True)  # eval.base_samples: one sampled episode of each of its tasks
     job_.evaluate(0)
     assert job_.clock.done == {"base": 2 * 1, "episode": 2 * 2}
+
+
+def test_an_update_not_yet_measured_is_priced_from_the_warm_starts_sft_steps():
+    """After the warm start the trainer's cost per episode is known: the RL updates still ahead are priced from it
+    (the quickstart's 12 updates took 23-52 s each where the prior says 4, and the line after its warm start read
+    "about 19 min left" with 31 to go)."""
+    cfg = job(rollout={"tasks_per_step": 6, "group_size": 4}, warmup={"steps": 32, "episodes": 256, "batch_size": 8},
+              trainer={"steps": 12, "kl_coef": 0.05, "log_kl": False})
+    plan = RunPlan.of(cfg)
+    assert plan.update_in_sft_steps == 24 / 8 * REFERENCE_FORWARD  # 3 SFT batches of episodes, with the reference
+    no_reference = RunPlan.of(job(rollout={"tasks_per_step": 6, "group_size": 4},
+                                  warmup={"steps": 32, "episodes": 256, "batch_size": 8},
+                                  trainer={"steps": 12, "kl_coef": 0.0, "log_kl": False, "epochs": 2}))
+    assert no_reference.update_in_sft_steps == 24 / 8 * 2  # two PPO passes over the batch, no reference forward
+    clock = RunClock(plan)
+    assert clock.cost("update") == PRIORS["update"]  # nothing measured yet
+    clock.add("sft", 32, 32 * 8.8)
+    assert clock.cost("update") == 8.8 * plan.update_in_sft_steps
+    clock.add("update", 1, 30.0)  # the update's own measurement wins
+    assert clock.cost("update") == 30.0
+    resumed = RunClock(RunPlan.of(cfg, start=4, warm=False))  # no warm start in this run: the prior
+    resumed.add("episode", 24, 48.0)
+    assert resumed.plan.update_in_sft_steps == 0.0 and resumed.cost("update") == PRIORS["update"]
