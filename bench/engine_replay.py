@@ -1,5 +1,5 @@
-"""The engine alone on an RL step's episodes: a run's trajectories replayed through ``EngineCore``, fast cache against
-the reference.
+"""The engine alone on an RL step's episodes: a run's trajectories replayed through ``EngineCore``, the fused decode
+path and the model path's fast cache against the model path's reference cache.
 
     python bench/engine_replay.py --trajectories RUN/trajectories.jsonl --model RUN/checkpoints/step_0/policy
                                   [--episodes 24] [--concurrency 24] [--baseline-concurrency 16] [--phase rl]
@@ -12,10 +12,12 @@ appends the engine's own tokens and the trajectory's observation tokens, after `
 ``engine.dtype: auto`` would pick it, ``max_batch_size`` = concurrency), so prefills, session caches, batch joins and
 leaves happen as in a real step, without Docker, Ray or the trainer.
 
-Two runs in this process, each with fresh sessions: ``engine.kv_cache: fast`` at ``--concurrency`` and
+Three runs in this process, each with fresh sessions: ``engine.decoder: auto`` (the fused path, engine/llama.py) at
+``--concurrency``, ``engine.decoder: model`` with ``engine.kv_cache: fast`` at ``--concurrency``, and with
 ``reference`` (transformers' cache, gather compaction) at ``--baseline-concurrency``. Each prints the engine's busy
-seconds split into decode steps, prefills, batch joins (``add``) and leaves (``remove``) and sampling; the last line is
-JSON with ``fast_vs_reference`` (the reference run's engine-busy seconds over the fast run's).
+seconds split into decode steps, prefills, batch joins (``add``) and leaves (``remove``) and the rest (sampling,
+bookkeeping); the last line is JSON with ``fused_vs_fast`` and ``fast_vs_reference`` (busy seconds over busy
+seconds).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from pathlib import Path
 import torch
 
 from sandforge.engine import batch as batch_mod
-from sandforge.engine import core as core_mod
+from sandforge.engine import blocks as blocks_mod
+from sandforge.engine import decoders as decoders_mod
+from sandforge.engine import llama as llama_mod
 from sandforge.engine.core import EngineCore
 from sandforge.types import GenerateRequest
 
@@ -76,13 +80,15 @@ def synthetic_episodes(n: int, vocab: int, prompt_tokens: int, max_generated: in
     return eps
 
 
-PARTS = {"decode": (batch_mod.DecodeBatch, "step"), "add": (batch_mod.DecodeBatch, "add"),
-         "remove": (batch_mod.DecodeBatch, "remove"), "prefill": (core_mod, "prefill")}
+PARTS = [("decode", decoders_mod.ModelDecoder, "step"), ("add", batch_mod.DecodeBatch, "add"),
+         ("remove", batch_mod.DecodeBatch, "remove"), ("prefill", decoders_mod.ModelDecoder, "prefill"),
+         ("decode", llama_mod.LlamaDecoder, "step"), ("add", blocks_mod.SlotBatch, "add"),
+         ("remove", blocks_mod.SlotBatch, "remove"), ("prefill", llama_mod.LlamaDecoder, "prefill")]
 
 
 def instrument(times: Counter) -> None:
     """Time the engine's parts (each call's wall time added to ``times``)."""
-    for name, (owner, attr) in PARTS.items():
+    for name, owner, attr in PARTS:
         fn = getattr(owner, attr)
 
         @functools.wraps(fn)
@@ -120,19 +126,21 @@ async def replay(engine: EngineCore, episodes: list[Episode], concurrency: int, 
     return time.perf_counter() - t0
 
 
-def run(model, episodes, concurrency, args, fast: bool, times: Counter) -> dict:
-    model.fast_cache = fast
+def run(model, episodes, concurrency, args, kind: str, times: Counter) -> dict:
+    """``kind``: fused (engine.decoder auto), fast or reference (engine.decoder model with that kv_cache)."""
+    model.fast_cache = kind != "reference"
     times.clear()
-    engine = EngineCore(model, max_batch_size=concurrency, session_memory_mb=args.session_memory_mb)
+    engine = EngineCore(model, max_batch_size=concurrency, session_memory_mb=args.session_memory_mb,
+                        decoder="auto" if kind == "fused" else "model")
     wall = asyncio.run(replay(engine, episodes, concurrency, args.tool_s, args.temperature))
     stats = engine.stats()
     busy = stats["busy_seconds"]
     parts = {k: round(v, 2) for k, v in times.items()}
     parts["other"] = round(busy - sum(times.values()), 2)  # sampling, session bookkeeping
-    return {"kv_cache": "fast" if fast else "reference", "concurrency": concurrency, "wall_s": round(wall, 2),
+    return {"engine": kind, "concurrency": concurrency, "wall_s": round(wall, 2),
             "busy_s": round(busy, 2), "parts_s": parts, "decode_steps": stats["decode_steps"],
             "mean_batch": round(stats["mean_batch_size"], 2), "decode_tokens": stats["decode_tokens"],
-            "prefill_tokens": stats["prefill_tokens"]}
+            "prefill_tokens": stats["prefill_tokens"], "prefix_tokens": stats["prefix_tokens"]}
 
 
 def main() -> None:
@@ -171,12 +179,15 @@ def main() -> None:
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
     times: Counter = Counter()
     instrument(times)
-    fast = run(model, episodes, args.concurrency, args, True, times)
+    fused = run(model, episodes, args.concurrency, args, "fused", times)
+    print(json.dumps(fused))
+    fast = run(model, episodes, args.concurrency, args, "fast", times)
     print(json.dumps(fast))
-    reference = run(model, episodes, args.baseline_concurrency, args, False, times)
+    reference = run(model, episodes, args.baseline_concurrency, args, "reference", times)
     print(json.dumps(reference))
-    print(json.dumps({"fast_vs_reference": round(reference["busy_s"] / fast["busy_s"], 2), "fast": fast,
-                      "reference": reference, "cpu": cpu_model()}))
+    print(json.dumps({"fused_vs_fast": round(fast["busy_s"] / fused["busy_s"], 2),
+                      "fast_vs_reference": round(reference["busy_s"] / fast["busy_s"], 2), "fused": fused,
+                      "fast": fast, "reference": reference, "cpu": cpu_model()}))
 
 
 def cpu_model() -> str:

@@ -1,6 +1,8 @@
 """The model-facing half of the engine: prefill many sequences' new tokens in a few left-padded forwards, keep the
 caches of all running sequences merged in one decode batch, and sample each row with its own parameters.
 
+``ModelDecoder`` (engine/decoders.py) puts this path behind the interface ``EngineCore`` drives.
+
 Works for any policy whose ``forward(ids, attention_mask, cache, use_cache)`` returns ``logits``, ``cache`` and
 ``router_ids`` and whose cache class has ``cat`` (merge rows, left-padding to the longest), ``select``, ``compact``
 and ``keep_rows`` (select then compact): the K3 model (``K3Cache``) and Hugging Face models (``HFCache``).
@@ -8,6 +10,7 @@ and ``keep_rows`` (select then compact): the K3 model (``K3Cache``) and Hugging 
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,18 +97,45 @@ def prefill(model: nn.Module, items: list[Prefill], device: torch.device) -> int
     return forwards
 
 
+_sample_kernel = None
+_sample_kernel_loaded = False
+
+
+def sample_kernel():
+    """engine/kernels/sample.c's ``sample_rows_f32`` (None where it is not built)."""
+    global _sample_kernel, _sample_kernel_loaded
+    if not _sample_kernel_loaded:
+        _sample_kernel_loaded = True
+        from . import native
+
+        lib = native.load()
+        if lib is not None:
+            _sample_kernel = lib.sample_rows_f32
+            _sample_kernel.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+            _sample_kernel.restype = None
+    return _sample_kernel
+
+
 def sample_rows(
     logits: Tensor, params: list[tuple[float, float, int]], generator: torch.Generator,
-    generators: list[torch.Generator | None] | None = None, sampler: str = "cdf",
+    generators: list[torch.Generator | None] | None = None, sampler: str = "cdf", use_kernel: bool = True,
 ) -> tuple[list[int], list[float]]:
     """logits [N, V]; params[i] = (temperature, top_p, top_k) of row i; generators[i]: row i's own generator (None:
     the shared ``generator``). Rows with equal parameters are sampled together by ``sample_next``, so each row follows
     exactly the definition of ``generate``, and a row with a generator of its own draws the same token whatever else
-    is batched with it. ``sampler``: how tokens are drawn (models/sampling.py ``DRAWS``)."""
-    tokens, logprobs = [0] * len(params), [0.0] * len(params)
+    is batched with it. ``sampler``: how tokens are drawn (models/sampling.py ``DRAWS``).
+
+    Rows without truncation (top_p 1, top_k 0) drawn by ``cdf`` take the C kernel (engine/kernels/sample.c) where it is
+    built: the same uniforms from the same generators in the same order, the same definition, so the same tokens
+    (bar a uniform within rounding of a token's boundary) and log-probs within float rounding."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault(p, []).append(i)
+    plain = sampler == "cdf" and all(top_p >= 1.0 and top_k <= 0 for _, top_p, top_k in groups)
+    if (use_kernel and plain and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and sample_kernel() is not None):
+        return _sample_rows_kernel(logits, params, groups, generator, generators)
+    tokens, logprobs = [0] * len(params), [0.0] * len(params)
     for (temperature, top_p, top_k), rows in groups.items():
         idx = torch.tensor(rows, device=logits.device)
         own = None if generators is None else [generators[r] for r in rows]
@@ -114,6 +144,30 @@ def sample_rows(
         for r, ti, li in zip(rows, t.tolist(), lp.tolist()):
             tokens[r], logprobs[r] = ti, li
     return tokens, logprobs
+
+
+def _sample_rows_kernel(logits: Tensor, params: list[tuple[float, float, int]], groups: dict[tuple, list[int]],
+                        generator: torch.Generator, generators: list[torch.Generator | None] | None,
+                        ) -> tuple[list[int], list[float]]:
+    """``sample_rows`` by the kernel: each group's uniforms drawn as models/sampling.py ``draw`` draws them."""
+    n = len(params)
+    u = torch.zeros(n, dtype=torch.float32)
+    for (temperature, _, _), rows in groups.items():
+        if temperature <= 0:  # greedy draws nothing
+            continue
+        if generators is None:
+            drawn = torch.rand(len(rows), 1, generator=generator, dtype=torch.float32)[:, 0]
+        else:
+            drawn = torch.cat([torch.rand(1, generator=generators[r] if generators[r] is not None else generator,
+                                          dtype=torch.float32) for r in rows])
+        u[rows] = drawn
+    temperature = torch.tensor([p[0] for p in params], dtype=torch.float32)
+    tokens = torch.empty(n, dtype=torch.int64)
+    logprobs = torch.empty(n, dtype=torch.float32)
+    logits = logits.contiguous()
+    sample_kernel()(logits.data_ptr(), temperature.data_ptr(), u.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
+                    n, logits.shape[1], torch.get_num_threads())
+    return tokens.tolist(), logprobs.tolist()
 
 
 class DecodeBatch:
@@ -149,3 +203,4 @@ class DecodeBatch:
     def clear(self) -> list:
         rows, self.rows, self.cache = self.rows, [], None
         return rows
+

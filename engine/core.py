@@ -13,7 +13,9 @@ worker thread, one model call at a time):
    running sequence per update); each result's ``token_versions`` says which weights sampled each token;
 2. admits pending requests while the decode batch has room: a request whose session cache covers a prefix of its
    prompt prefills only the rest; identical fresh prompts (and the n samples of one request) are prefilled once and the
-   cache copied; a prompt seen recently is served from a snapshot; prefills run in a few left-padded forwards;
+   cache copied; a prompt seen recently is served from a snapshot; with the fused decoder, fresh prompts that share
+   a prefix with each other or with a stored prompt (an RL step's system prompt and tool declarations) feed only
+   what follows it (``prefix_tokens`` counts the tokens so served); prefills run in a few left-padded forwards;
 3. runs one decode step over all running sequences, samples each with its own parameters, and retires the finished
    ones: their caches go back to their sessions, their requests' futures resolve.
 
@@ -41,12 +43,30 @@ from torch import Tensor, nn
 
 from sandforge.types import GenerateRequest, Sample
 
-from .batch import DecodeBatch, Prefill, cat_caches, prefill, sample_rows
+from .batch import Prefill, cat_caches, sample_rows
+from .decoders import make_decoder
 from .requests import Request, Row, parse_request
 from .sessions import CacheEntry, SessionStore
 
+PREFIX_MIN = 32  # the shortest prompt prefix shared between fresh prompts that is prefilled once for all of them
+
+
 def _extends(prompt: list[int], held: list[int]) -> bool:
     return len(prompt) > len(held) and prompt[: len(held)] == held
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class EngineCore:
@@ -59,9 +79,11 @@ class EngineCore:
         max_prefill_tokens: int = 4096,
         max_snapshots: int = 16,
         sampler: str = "cdf",
+        decoder: str = "auto",
     ):
         self.model = model.eval()
         self.device = next(model.parameters()).device
+        self.decoder = make_decoder(self.model, self.device, decoder)  # engine.decoder (engine/decoders.py)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens  # per iteration, so long prompts stall running sequences less
         self.max_seq_len = getattr(model.config, "max_seq_len", None)
@@ -69,7 +91,7 @@ class EngineCore:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = sampler  # engine.sampler: how tokens are drawn (models/sampling.py DRAWS)
         self.store = SessionStore(int(session_memory_mb * 2**20), max_snapshots)
-        self.batch = DecodeBatch()
+        self.batch = self.decoder.new_batch()
         self.version = -1  # no trainer weights yet
         self.interrupt_loads = False  # True: loads swap weights under running sequences (see the module docstring)
         self.busy_seconds = 0.0  # time the engine thread spent working (the rest of the wall time it was idle)
@@ -153,6 +175,7 @@ class EngineCore:
             "cached_tokens": c["cached_tokens"],
             "shared_prefills": c["shared_prefills"],
             "shared_prefill_tokens": c["shared_prefill_tokens"],
+            "prefix_tokens": c["prefix_tokens"],
             "prefill_forwards": c["prefill_forwards"],
             "generated_tokens": c["generated_tokens"],
             "decode_steps": c["decode_steps"],
@@ -232,6 +255,7 @@ class EngineCore:
                 _, state_dict, version, future, loop, _, partial = cmd
                 try:
                     self.model.load_state_dict(state_dict, strict=not partial)
+                    self.decoder.refresh()
                     self.version = version
                     self.store.clear()
                     if len(self.batch):
@@ -249,7 +273,7 @@ class EngineCore:
         recorded stays as it was when those tokens were fed (the routing that sampled them)."""
         rows = self.batch.clear()
         items = [Prefill(None, row.request.prompt + row.token_ids[:-1]) for row in rows]
-        self.counts["prefill_forwards"] += prefill(self.model, items, self.device)
+        self.counts["prefill_forwards"] += self.decoder.prefill(items)
         self.counts["interrupted_rows"] += len(rows)
         self.counts["reprefill_tokens"] += sum(len(item.tokens) for item in items)
         keep, caches = [], []
@@ -283,7 +307,8 @@ class EngineCore:
             entry = self._session_cache(req)
             cached = len(entry.tokens) if entry is not None else 0
             snapshot = self.store.snapshot(tuple(req.prompt)) if entry is None else None
-            cost = 0 if snapshot is not None else len(req.prompt) - cached
+            prefix = self._stored_prefix(req.prompt) if entry is None and snapshot is None else None
+            cost = 0 if snapshot is not None else len(req.prompt) - cached - (prefix[1] if prefix else 0)
             if plan and cost > budget:
                 break
             self.pending.popleft()
@@ -300,7 +325,12 @@ class EngineCore:
             key = ("fresh", tuple(req.prompt)) if entry is None else ("session", id(req))
             item = items.get(key)
             if item is None:
-                item = items[key] = Prefill(None if entry is None else entry.cache, req.prompt[cached:])
+                if prefix is not None:  # a stored prompt's cache holds this one's first tokens
+                    source, n = prefix
+                    item = items[key] = Prefill(source.cache.prefix(n), req.prompt[n:])
+                    self.counts["prefix_tokens"] += n
+                else:
+                    item = items[key] = Prefill(None if entry is None else entry.cache, req.prompt[cached:])
                 self.counts["prefill_tokens"] += len(item.tokens)
                 shared = req.n - 1
             else:
@@ -311,7 +341,8 @@ class EngineCore:
         if not plan:
             self._admitting = []
             return
-        self.counts["prefill_forwards"] += prefill(self.model, list(items.values()), self.device)
+        self._share_prefixes([item for key, item in items.items() if key[0] == "fresh" and item.cache is None])
+        self.counts["prefill_forwards"] += self.decoder.prefill(list(items.values()))
         for key, item in items.items():
             if key[0] == "fresh" and item.error is None:  # later requests for this prompt skip its prefill
                 routed = None if item.routed is None else item.routed.clone()
@@ -341,6 +372,49 @@ class EngineCore:
             first = len(self.batch) - len(rows)
             self._sample(torch.stack(logits), list(range(first, len(self.batch))))
         self._admitting = []
+
+    def _stored_prefix(self, prompt: list[int]) -> tuple[CacheEntry, int] | None:
+        """The stored prompt sharing the longest prefix with ``prompt`` (at least ``PREFIX_MIN`` tokens, and one
+        token short of the whole prompt: its last position must be fed for logits), and that length; None where the
+        decoder's caches cannot be cut to a prefix (``prefix_caching``)."""
+        if not getattr(self.decoder, "prefix_caching", False) or len(prompt) <= PREFIX_MIN:
+            return None
+        best, length = None, PREFIX_MIN - 1
+        for kind, key in self.store.entries:
+            if kind == "prompt" and key[:PREFIX_MIN] == tuple(prompt[:PREFIX_MIN]):
+                n = min(_common_prefix(key, tuple(prompt)), len(prompt) - 1)
+                if n > length:
+                    best, length = self.store.entries[(kind, key)], n
+        return None if best is None else (best, length)
+
+    def _share_prefixes(self, fresh: list[Prefill]) -> None:
+        """Fresh prompts admitted together that share a prefix (an RL step's episodes: the system prompt and the tool
+        declarations) prefill it once: it is fed first, kept as a stored prompt (so later admissions under these
+        weights find it too), and each prompt feeds only the rest."""
+        if not getattr(self.decoder, "prefix_caching", False):
+            return
+        groups: dict[tuple, list[Prefill]] = {}
+        for item in fresh:
+            if len(item.tokens) > PREFIX_MIN:
+                groups.setdefault(tuple(item.tokens[:PREFIX_MIN]), []).append(item)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            n = min(len(item.tokens) for item in group) - 1
+            for item in group[1:]:
+                n = min(n, _common_prefix(group[0].tokens, item.tokens))
+            if n < PREFIX_MIN:
+                continue
+            shared = Prefill(None, group[0].tokens[:n])
+            self.counts["prefill_forwards"] += self.decoder.prefill([shared])
+            if shared.error is not None:  # each prompt is prefilled whole instead
+                continue
+            cache = shared.out_cache.select([shared.out_row]).compact()
+            self.store.put_snapshot(tuple(shared.tokens), CacheEntry(cache, list(shared.tokens), shared.logits.clone()))
+            for item in group:
+                item.cache, item.tokens = cache, item.tokens[n:]
+            self.counts["prefill_tokens"] -= (len(group) - 1) * n
+            self.counts["prefix_tokens"] += (len(group) - 1) * n
 
     def _session_cache(self, req: Request) -> CacheEntry | None:
         """The request's session cache if its prompt extends what that cache holds (looked at, not taken)."""
@@ -377,7 +451,7 @@ class EngineCore:
 
     def _decode(self) -> None:
         rows = self.batch.rows
-        logits, routed = self.batch.step(self.model, [r.token_ids[-1] for r in rows], self.device)
+        logits, routed = self.decoder.step(self.batch, [r.token_ids[-1] for r in rows])
         self.counts["decode_steps"] += 1
         self.counts["decode_rows"] += len(rows)
         if routed is not None:

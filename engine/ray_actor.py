@@ -42,7 +42,8 @@ class EngineActor:
         model = model.to(getattr(torch, dtype))  # loads cast the trainer's fp32 weights (load_state_dict)
         if hasattr(model, "fast_cache"):  # a Hugging Face policy (models/hf.py)
             model.fast_cache = engine.kv_cache == "fast"
-        self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed, sampler=engine.sampler)
+        self.core = EngineCore(model, engine.max_batch_size, engine.session_memory_mb, seed, sampler=engine.sampler,
+                               decoder=engine.decoder)
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:
         return await self.core.generate(request)

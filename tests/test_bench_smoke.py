@@ -60,6 +60,18 @@ def test_model():
     assert out["kda_chunked_vs_recurrent"] > 0
 
 
+def test_engine_roofline(tmp_path):
+    """bench/engine.py on a tiny Llama: both engines and the roofline's keys for each batch."""
+    pytest.importorskip("peft")
+    from test_lora import save_tiny_llama
+
+    llama = save_tiny_llama(tmp_path / "llama")
+    out = last_json(bench("engine.py", "--models", str(llama), "--batches", "1,2", "--context", "16",
+                          "--new-tokens", "4", "--rounds", "1", "--dtype", "float32"),
+                    "cpu", "amx", "machine", "decode_vs_roofline_b1", "decode_vs_roofline_b2", "old_vs_roofline_b2")
+    assert 0 < out["decode_vs_roofline_b2"] and out["llama_b2"]["new_tok_s"] > 0
+
+
 def test_rollout_engine_sections():
     out = last_json(bench("rollout.py", "--sections", "prefill", "decode", "--prefill-episodes", "1", "--episodes", "1",
                           "--turns", "1", "--batch", "2"),
@@ -71,8 +83,8 @@ def test_rollout_engine_sections():
 
 
 def test_engine_replay(tmp_path):
-    """The engine replaying synthetic quickstart-shaped episodes with the fast cache and the reference; both runs decode
-    exactly the tokens the episodes ask for."""
+    """The engine replaying synthetic quickstart-shaped episodes on the fused path, with the model path's fast cache and
+    with its reference; the three runs decode exactly the tokens the episodes ask for."""
     pytest.importorskip("peft")
     from test_lora import save_tiny_llama
 
@@ -80,10 +92,12 @@ def test_engine_replay(tmp_path):
     out = last_json(bench("engine_replay.py", "--model", str(llama), "--episodes", "3", "--concurrency", "3",
                           "--baseline-concurrency", "2", "--prompt-tokens", "40", "--max-generated", "8",
                           "--tool-s", "0", "--dtype", "float32"),
-                    "fast_vs_reference", "fast", "reference", "cpu")
-    assert out["fast"]["decode_tokens"] == out["reference"]["decode_tokens"] > 0
-    assert out["fast"]["kv_cache"] == "fast" and out["reference"]["kv_cache"] == "reference"
-    assert set(out["fast"]["parts_s"]) == {"decode", "add", "remove", "prefill", "other"}
+                    "fused_vs_fast", "fast_vs_reference", "fused", "fast", "reference", "cpu")
+    assert out["fused"]["decode_tokens"] == out["fast"]["decode_tokens"] == out["reference"]["decode_tokens"] > 0
+    assert [out[k]["engine"] for k in ("fused", "fast", "reference")] == ["fused", "fast", "reference"]
+    assert set(out["fast"]["parts_s"]) == set(out["fused"]["parts_s"]) == {"decode", "add", "remove", "prefill",
+                                                                            "other"}
+    assert out["fused"]["prefill_tokens"] <= out["fast"]["prefill_tokens"]
 
 
 @pytest.mark.docker

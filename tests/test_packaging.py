@@ -28,3 +28,4 @@ def test_wheel_install_holds_every_part_and_the_dockerfiles(tmp_path):
         assert f"{target}/sandforge/{part.replace('.', '/')}/__init__.py" in out
     assert (target / "sandforge" / "environments" / "terminal" / "Dockerfile").is_file()
     assert (target / "sandforge" / "environments" / "apps" / "Dockerfile").is_file()  # slack's and notion's image
+    assert (target / "sandforge" / "engine" / "kernels" / "pool.c").is_file()  # the engine's kernels build from these
