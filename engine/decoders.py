@@ -46,10 +46,11 @@ class ModelDecoder:
 
 def make_decoder(model: nn.Module, device: torch.device, kind: str = "auto"):
     """``engine.decoder``: ``fused`` the fused path (engine/llama.py; an error for a policy it does not cover),
-    ``model`` the policy's own forward, ``auto`` the fused path where it covers the policy."""
+    ``model`` the policy's own forward, ``auto`` the fused path where it covers the policy and the engine is on a CPU
+    (its kernels are CPU code; on a GPU the fused path runs their torch references, unmeasured there yet)."""
     if kind not in DECODERS:
         raise ValueError(f"engine.decoder must be one of {', '.join(DECODERS)}, not {kind!r}")
-    if kind != "model":
+    if kind == "fused" or (kind == "auto" and device.type == "cpu"):
         reason = unsupported(model)
         if reason is None:
             return LlamaDecoder(model)

@@ -300,10 +300,10 @@ class EngineConfig(Section):
     # (models/kv_room.py), rows compacted by slicing where they end in their tokens; reference: transformers' own
     # DynamicLayer, which copies the whole cache every token, and compaction by gather (bench/rl_step.py's baseline)
     kv_cache: Literal["fast", "reference"] = "fast"
-    # how the engine runs the policy. auto: the fused decode path where it covers the policy (Llama, Mistral without
-    # a sliding window, Qwen2, Qwen3: engine/llama.py; its attention and small linear layers are C kernels built on
-    # first use, engine/native.py), else the policy's own forward; fused: that path or an error; model: the policy's
-    # own forward always (the reference, and what kv_cache applies to)
+    # how the engine runs the policy. auto: on a CPU, the fused decode path where it covers the policy (Llama, Mistral
+    # without a sliding window, Qwen2, Qwen3: engine/llama.py; its attention, small linear layers and sampling are C
+    # kernels built on first use, engine/native.py), else the policy's own forward; fused: that path or an error;
+    # model: the policy's own forward always (the reference, and what kv_cache applies to)
     decoder: Literal["auto", "fused", "model"] = "auto"
     # how a sampled token is drawn from its probabilities. cdf: one uniform per row against the cumulative sum
     # (models/sampling.py draw); multinomial: torch.multinomial, one exponential per vocabulary entry (the reference,
