@@ -16,8 +16,8 @@ thread and the machine's CPU-heavy part, so its work ranks above the waits that 
 
 - ``weight_sync``: the driver's push of the new adapters to the engine (``time/weight_sync``), the engine's load
   included;
-- ``engine_prefill``, ``engine_decode``: the engine model's forwards over more than one new token per row (prefill)
-  or exactly one (a decode step);
+- ``engine_prefill``, ``engine_decode``: the engine decoder's prefills and decode steps (engine/decoders.py: the
+  model's own forwards, or the fused path's);
 - ``engine_other``: the rest of the engine thread's iterations (sampling, cache bookkeeping, session closes);
 - ``trainer_backward``: DeepSpeed's ``backward`` and ``step`` calls in the rank (the backward pass and the optimizer
   step); ``trainer_forward``: the rest of ``TrainerRank.train_step`` (and ``score``): forwards, the loss, batching;
@@ -124,19 +124,12 @@ def instrument() -> None:
         return
 
     def engine(self) -> None:
-        spans, core, started = self._bench_spans, self.core, []
+        spans, core = self._bench_spans, self.core
         core._iteration = _timed(core._iteration, "engine", spans)  # one engine iteration: admit, prefill, decode
-
-        def before(module, args, kwargs):
-            ids = args[0] if args else kwargs["input_ids"]
-            started.append(("engine_prefill" if ids.shape[-1] > 1 else "engine_decode", time.monotonic()))
-
-        def after(module, args, kwargs, out):
-            kind, t0 = started.pop()
-            spans.append((kind, t0, time.monotonic()))
-
-        core.model.register_forward_pre_hook(before, with_kwargs=True)
-        core.model.register_forward_hook(after, with_kwargs=True)
+        # the policy's prefills and decode steps, whichever decoder runs it (engine.decoder: the model's own forward
+        # or the fused path)
+        core.decoder.prefill = _timed(core.decoder.prefill, "engine_prefill", spans)
+        core.decoder.step = _timed(core.decoder.step, "engine_decode", spans)
 
     _after_init(EngineActor, engine)
     EngineActor.bench_params = lambda self: sum(p.numel() for p in self.core.model.parameters())

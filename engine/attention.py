@@ -17,19 +17,15 @@ from torch import Tensor
 from . import native
 
 _KERNELS = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
-_functions: dict[torch.dtype, object] = {}
 
 
 def _kernel(dtype: torch.dtype):
-    if dtype not in _functions:
-        lib = native.load()
-        fn = None
-        if lib is not None and dtype in _KERNELS:
-            fn = getattr(lib, _KERNELS[dtype])
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        _functions[dtype] = fn
-    return _functions[dtype]
+    """engine/kernels/decode_attention.c's function for ``dtype`` (None where there is none, or it is not built)."""
+    if dtype not in _KERNELS:
+        return None
+    return native.function(_KERNELS[dtype], (ctypes.c_void_p,) * 5 + (ctypes.c_int64,) * 5 + (ctypes.c_float,
+                                                                                                ctypes.c_int),
+                           ctypes.c_int)
 
 
 def kernel_available(dtype: torch.dtype) -> bool:

@@ -19,6 +19,8 @@ from torch import Tensor, nn
 
 from sandforge.models.sampling import SamplingParams, sample_next
 
+from . import native
+
 
 @dataclass
 class Prefill:
@@ -97,23 +99,9 @@ def prefill(model: nn.Module, items: list[Prefill], device: torch.device) -> int
     return forwards
 
 
-_sample_kernel = None
-_sample_kernel_loaded = False
-
-
 def sample_kernel():
     """engine/kernels/sample.c's ``sample_rows_f32`` (None where it is not built)."""
-    global _sample_kernel, _sample_kernel_loaded
-    if not _sample_kernel_loaded:
-        _sample_kernel_loaded = True
-        from . import native
-
-        lib = native.load()
-        if lib is not None:
-            _sample_kernel = lib.sample_rows_f32
-            _sample_kernel.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-            _sample_kernel.restype = None
-    return _sample_kernel
+    return native.function("sample_rows_f32", (ctypes.c_void_p,) * 5 + (ctypes.c_int64, ctypes.c_int64, ctypes.c_int))
 
 
 def sample_rows(

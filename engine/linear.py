@@ -26,22 +26,15 @@ from . import native
 MAX_ROWS = 64  # above this a linear layer is compute-bound and torch's GEMM is the faster one
 BLOCK = 32  # columns per packed block (the kernel's tile width)
 
-_fn = None
-_loaded = False
-
-
 def _kernel():
-    global _fn, _loaded
-    if not _loaded:
-        _loaded = True
-        lib = native.load()
-        if lib is not None and lib.small_gemm_available():
-            _fn = lib.small_gemm_bf16
-            _fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                            ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
-            _fn.restype = ctypes.c_int
-    return _fn
+    """engine/kernels/small_gemm.c's ``small_gemm_bf16`` (None where it is not built, or the CPU has no AVX-512 BF16)."""
+    available = native.function("small_gemm_available", (), ctypes.c_int)
+    if available is None or not available():
+        return None
+    return native.function("small_gemm_bf16", (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float,
+                                                ctypes.c_int), ctypes.c_int)
 
 
 def kernel_available() -> bool:

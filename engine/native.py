@@ -14,6 +14,7 @@ warning and callers take their torch references instead (slower, the same result
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -23,7 +24,11 @@ import warnings
 from pathlib import Path
 
 SOURCES = Path(__file__).parent / "kernels"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC"]
+# compiled with -ffast-math, linked without it: gcc links crtfastmath.o into anything linked with -ffast-math, shared
+# libraries too (before gcc 13), and its constructor sets the CPU to flush subnormal floats to zero in the whole
+# process, the trainer's arithmetic and every other library's included (tests/test_engine_llama.py checks it does not)
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-pthread", "-fPIC"]
+LINK = ["-shared", "-pthread"]
 
 _loaded: list = []  # [the library or None], once tried
 
@@ -56,6 +61,17 @@ def load() -> ctypes.CDLL | None:
     return _loaded[0]
 
 
+@functools.cache
+def function(name: str, argtypes: tuple = (), restype=None):
+    """The library's function ``name`` with its C signature set, or None where the library is not built."""
+    lib = load()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
 def _build_and_load() -> ctypes.CDLL | None:
     if os.environ.get("SANDFORGE_KERNELS", "").lower() == "off":
         return None
@@ -67,16 +83,20 @@ def _build_and_load() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         text = [p.read_text() for p in sorted(SOURCES.glob("*.[ch]"))]
-        digest = hashlib.sha256("\0".join([*text, version, " ".join(FLAGS), _cpu()]).encode())
+        digest = hashlib.sha256("\0".join([*text, version, " ".join(FLAGS + LINK), _cpu()]).encode())
         target = cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                result = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, sources), "-lm"],
-                                        capture_output=True, text=True, timeout=300)
-                if result.returncode != 0:
-                    raise RuntimeError(result.stderr.strip()[-2000:])
+                objects = [Path(tmp) / f"{source.stem}.o" for source in sources]
+                commands = [[compiler, *FLAGS, "-c", str(source), "-o", str(obj)]
+                            for source, obj in zip(sources, objects)]
+                commands.append([compiler, *LINK, "-o", str(built), *map(str, objects), "-lm"])
+                for command in commands:
+                    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+                    if result.returncode != 0:
+                        raise RuntimeError(result.stderr.strip()[-2000:])
                 os.replace(built, target)  # atomic: two processes building at once both end with a whole file
         return ctypes.CDLL(str(target))
     except Exception as e:  # noqa: BLE001 - any failure leaves the torch reference in place

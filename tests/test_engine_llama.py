@@ -101,6 +101,17 @@ needs_gemm = pytest.mark.skipif(not gemm_available(), reason="the small GEMM ker
 
 
 @needs_attention
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """The kernels are compiled with -ffast-math; linked with it, gcc's crtfastmath would set the CPU to flush
+    subnormals to zero in the whole process (the trainer's arithmetic, hypothesis's float strategies)."""
+    from sandforge.engine import native
+
+    assert native.load() is not None
+    assert 5e-324 * 1.0 > 0  # the smallest double, kept
+    assert torch.tensor([1e-40]).mul(1.0).item() > 0  # a float32 subnormal, kept
+
+
+@needs_attention
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("d,kv,g", [(64, 3, 3), (32, 2, 2), (16, 1, 5)])
 def test_attention_kernel_equals_its_reference(dtype, tol, d, kv, g):

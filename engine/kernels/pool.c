@@ -8,6 +8,11 @@
  * kernels, a few microseconds of Python apart, find them awake, and then sleep on a condition variable, so an idle
  * engine costs no CPU. One pool serves every kernel (they are one library), and calls from several threads (several
  * engines in one process) take turns.
+ *
+ * Kernels run with subnormal floats flushed to zero (the CPU's FTZ and DAZ flags, x86): an exp far below the row's
+ * maximum, or a probability that small times a value, otherwise takes the CPU's slow path (a decode step of SmolLM2
+ * at batch 24 ran 2.7x slower). The flags are set on the workers, which run nothing else, and on the calling thread
+ * only for the duration of the call: the rest of the process keeps IEEE arithmetic.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -20,8 +25,17 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PAUSE() _mm_pause()
+#define FLUSH_SUBNORMALS 0x8040u /* MXCSR: flush to zero (bit 15), denormals are zero (bit 6) */
+static inline unsigned flush_subnormals(void) {
+    const unsigned saved = _mm_getcsr();
+    _mm_setcsr(saved | FLUSH_SUBNORMALS);
+    return saved;
+}
+static inline void restore_floats(unsigned saved) { _mm_setcsr(saved); }
 #else
 #define PAUSE() ((void)0)
+static inline unsigned flush_subnormals(void) { return 0; }
+static inline void restore_floats(unsigned saved) { (void)saved; }
 #endif
 
 #define SPIN_US 300
@@ -61,6 +75,7 @@ static void *worker(void *arg) {
     free(arg);
     const int index = birth.index;
     uint_fast64_t seen = birth.generation;
+    flush_subnormals(); /* for good: a worker runs kernels only */
     for (;;) {
         const double until = now_us() + SPIN_US;
         for (int spins = 0; atomic_load_explicit(&pool.generation, memory_order_acquire) == seen; spins++) {
@@ -104,12 +119,14 @@ static void start_workers(int n) {
 void pool_run(task_fn fn, void *ctx, int64_t items, int threads) {
     if (items <= 0) return;
     pthread_mutex_lock(&pool.run_lock);
+    const unsigned saved = flush_subnormals();
     int helpers = threads - 1;
     if (helpers > items - 1) helpers = (int)(items - 1);
     if (helpers > pool.workers) start_workers(helpers);
     if (helpers > pool.workers) helpers = pool.workers;
     if (helpers <= 0) {
         for (int64_t i = 0; i < items; i++) fn(ctx, i);
+        restore_floats(saved);
         pthread_mutex_unlock(&pool.run_lock);
         return;
     }
@@ -122,5 +139,6 @@ void pool_run(task_fn fn, void *ctx, int64_t items, int threads) {
     pthread_mutex_unlock(&pool.lock);
     take_items();
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) PAUSE();
+    restore_floats(saved);
     pthread_mutex_unlock(&pool.run_lock);
 }
