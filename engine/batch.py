@@ -191,4 +191,3 @@ class DecodeBatch:
     def clear(self) -> list:
         rows, self.rows, self.cache = self.rows, [], None
         return rows
-

@@ -377,12 +377,14 @@ class EngineCore:
         """The stored prompt sharing the longest prefix with ``prompt`` (at least ``PREFIX_MIN`` tokens, and one
         token short of the whole prompt: its last position must be fed for logits), and that length; None where the
         decoder's caches cannot be cut to a prefix (``prefix_caching``)."""
-        if not getattr(self.decoder, "prefix_caching", False) or len(prompt) <= PREFIX_MIN:
+        if not self.decoder.prefix_caching or len(prompt) <= PREFIX_MIN:
             return None
+        tokens = tuple(prompt)
+        head = tokens[:PREFIX_MIN]
         best, length = None, PREFIX_MIN - 1
         for kind, key in self.store.entries:
-            if kind == "prompt" and key[:PREFIX_MIN] == tuple(prompt[:PREFIX_MIN]):
-                n = min(_common_prefix(key, tuple(prompt)), len(prompt) - 1)
+            if kind == "prompt" and key[:PREFIX_MIN] == head:
+                n = min(_common_prefix(key, tokens), len(prompt) - 1)
                 if n > length:
                     best, length = self.store.entries[(kind, key)], n
         return None if best is None else (best, length)
@@ -391,7 +393,7 @@ class EngineCore:
         """Fresh prompts admitted together that share a prefix (an RL step's episodes: the system prompt and the tool
         declarations) prefill it once: it is fed first, kept as a stored prompt (so later admissions under these
         weights find it too), and each prompt feeds only the rest."""
-        if not getattr(self.decoder, "prefix_caching", False):
+        if not self.decoder.prefix_caching:
             return
         groups: dict[tuple, list[Prefill]] = {}
         for item in fresh:
