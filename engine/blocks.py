@@ -142,14 +142,14 @@ class SlotBatch:
 
     # ---------------------------------------------------------------- a decode step
     def reserve_step(self) -> None:
-        """Room for one more token in every row."""
+        """Room for one more token in every row (before a step's writes)."""
         self._reserve(len(self.rows), int(self.lengths.max()) + 1)
+        self._row_index = torch.arange(len(self.rows), device=self.device)  # the step's writes, every layer
 
     def write(self, layer: int, keys: Tensor, values: Tensor) -> None:
         """The step's new keys and values ([rows, kv_heads, d]) at each row's own next position."""
-        rows = torch.arange(len(self.rows), device=self.device)
-        self.keys[layer][rows, :, self.lengths] = keys
-        self.values[layer][rows, :, self.lengths] = values
+        self.keys[layer][self._row_index, :, self.lengths] = keys
+        self.values[layer][self._row_index, :, self.lengths] = values
 
     def advance(self) -> None:
         self.lengths += 1
