@@ -33,6 +33,9 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
 - precision: train tokens/s of the quickstart's RL step (SmolLM2, LoRA on the top layers) without the KL reference's
   forward (``trainer.log_kl: false``) over with it, and with DeepSpeed bf16 (``trainer.bf16``) over fp32; JSON
   ``no_kl_vs_kl``, ``bf16_vs_fp32``.
+- shared_trunk: train tokens/s of the quickstart's RL step with KL 0.05 in the loss when the reference's forward
+  resumes from the policy's frozen layers below the adapters (``trainer.reference_forward: shared_trunk``) over the
+  full reference forward; JSON ``shared_trunk_vs_full``.
 - loss_mask_scoring: train tokens/s of the same step when logits are computed only where a loss-mask token is
   predicted (the trainer's path) over scoring every token (the reference), on quickstart-shaped episodes
   (``--policy-share`` of the tokens the policy's); JSON ``loss_mask_vs_all_tokens``.
@@ -473,6 +476,35 @@ def fused_lora_section(args, table: Table) -> dict:
             "fused_lora_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
 
 
+def shared_trunk_section(args, table: Table) -> dict:
+    """Train tokens/s of the quickstart's RL step (SmolLM2-135M, LoRA on the top ``--lora-top-layers`` layers, bf16,
+    KL 0.05 to the reference in the loss, micro-batches of 2 episodes) with the reference's forward resumed from the
+    policy's frozen trunk (``trainer.reference_forward: shared_trunk``, trainer/shared_trunk.py) over the full
+    reference forward (``full``, the reference), on quickstart-shaped episodes. Two TrainerRanks in this process, their
+    steps alternated so machine noise hits both alike."""
+    import os
+
+    from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
+    from sandforge.job.fleet.lifecycle import free_port
+    from sandforge.models.sources import local_model_dir
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    model = ModelConfig(path=str(local_model_dir(args.smollm2)), lora=LoraConfig(top_layers=args.lora_top_layers))
+    ranks = {mode: TrainerRank(0, 1, "127.0.0.1", free_port(), model,
+                               TrainerConfig(grad_accum_steps=max(1, args.lora_rows // 2), kl_coef=0.05, bf16=True,
+                                             reference_forward=mode), RolloutShape(1.0, args.lora_len), seed=0,
+                               num_threads=args.lora_threads)
+             for mode in ("full", "shared_trunk")}
+    rows = _agentic_rows(len(ranks["full"].tokenizer), args.lora_rows, args.lora_len, args.policy_share)
+    tps = _rl_tokens_per_s(ranks, rows, args.train_steps)
+    for name in ranks:
+        table.add_row(f"RL step, SmolLM2 LoRA top {args.lora_top_layers}, bf16, KL reference {name}",
+                      f"{tps[name]:.0f} tok/s", f"{tps[name] / tps['full']:.2f}x the full reference forward")
+    return {"shared_trunk_vs_full": round(tps["shared_trunk"] / tps["full"], 3),
+            "shared_trunk_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
+
+
 def _agentic_rows(vocab: int, n: int, length: int, policy_share: float) -> list[TrainingRow]:
     """Episodes shaped as the quickstart's: a system prompt with the tool declarations, then policy turns between tool
     outputs, ``policy_share`` of the tokens the policy's own (the loss mask)."""
@@ -547,7 +579,8 @@ def loss_mask_scoring_section(args, table: Table) -> dict:
 
 # Sections run in order; each adds rows to the table and returns its JSON keys.
 SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section,
-            lora_vs_full_section, precision_section, loss_mask_scoring_section, fused_lora_section]
+            lora_vs_full_section, precision_section, loss_mask_scoring_section, fused_lora_section,
+            shared_trunk_section]
 
 
 def main() -> None:

@@ -415,6 +415,10 @@ class TrainerConfig(Section):
     # and the fp32 log-softmax over the vocabulary shrink to the policy's own tokens); all_tokens: every token, the
     # reference (the same log-probs and gradients: tests/test_token_scores.py)
     scoring: Literal["policy_tokens", "all_tokens"] = "policy_tokens"
+    # the KL reference's forward of a LoRA policy with adapters on its top layers. shared_trunk: it resumes from the
+    # hidden states the policy's own forward had below the first adapted layer (the same frozen layers, the same
+    # tokens: trainer/shared_trunk.py); full: every layer again, the reference (tests/test_shared_trunk.py)
+    reference_forward: Literal["shared_trunk", "full"] = "shared_trunk"
     # K3 policies: a micro-batch's sequences share forward rows instead of padding to the longest (models/packing.py);
     # Hugging Face policies always pad
     pack_sequences: bool = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +26,7 @@ from sandforge.trainer.algorithms import MicroBatch, Stats, Totals, resolve, rl_
 from sandforge.trainer.batches import DUMMY_ROW, forward_scores, pad_right, split_micro_batches, token_batch
 from sandforge.trainer.checkpoint import RankCheckpoint, load_reference
 from sandforge.trainer.routing_replay import RouterRecorder, mismatch_counts, mismatch_rate, routed_ids
+from sandforge.trainer.shared_trunk import capture, find_trunk, resumed
 from sandforge.trainer.weight_export import WeightExport
 from sandforge.types import RowScores, TrainingRow
 
@@ -147,8 +149,12 @@ class TrainerRank:
                     set_z3_leaf_modules(policy, [LatentMoE])
             self.engine, self.optimizer, _, _ = deepspeed.initialize(model=policy, optimizer=optimizer,
                                                                      config=ds_config)
+        # the layers below the adapters: the reference's forward resumes from the policy's (trainer/shared_trunk.py)
+        self.trunk = None
         if self.lora:
             self.reference = AdapterSnapshot(self.engine.module)
+            if trainer.reference_forward == "shared_trunk":
+                self.trunk = find_trunk(self.engine.module)
         elif "bf16" in ds_config:  # the reference scores in the policy's own precision, so KL measures training only
             self.reference.to(torch.bfloat16)
         self.settings = resolve(trainer, shape.response_budget)
@@ -255,13 +261,15 @@ class TrainerRank:
         temperature = self.temperature  # RL scores tokens as the engine sampled them
         engine_ids = routed_ids(micro, ids.shape[1], dev)  # trainer/routing_replay.py
         forced = engine_ids if self.cfg.routing_replay else None
-        with RouterRecorder(self.engine.module) as router:
+        want_ref = bool(self.settings.kl_coef and self.settings.kl_in == "loss") or self.cfg.log_kl
+        trunk = self.trunk if want_ref and forced is None else None  # forced routing: the reference routes freely
+        with RouterRecorder(self.engine.module) as router, capture(trunk):
             scores = forward_scores(self.engine, micro, layout, temperature, forced, device=dev, all_tokens=every,
                                     entropy=True if self.settings.entropy_coef else "metric",
                                     hidden=self.value_head is not None)
         ref = None  # no reference forward when KL neither weighs in the loss nor is logged (trainer.log_kl)
-        if (self.settings.kl_coef and self.settings.kl_in == "loss") or self.cfg.log_kl:
-            with torch.no_grad():
+        if want_ref:
+            with torch.no_grad(), resumed(trunk) if trunk else nullcontext():
                 ref = forward_scores(self.reference, micro, layout, temperature, device=dev,
                                      all_tokens=every).logprobs
         batch = MicroBatch(
@@ -301,13 +309,16 @@ class TrainerRank:
             layout = self.layout(micro)
             width = max(len(r.token_ids) for r in micro)
             forced = routed_ids(micro, width, self.device) if self.cfg.routing_replay else None
-            scores = forward_scores(self.engine, micro, layout, temperature, forced, device=self.device,
-                                    all_tokens=every,
-                                    hidden=self.value_head is not None)
+            want_ref = s.kl_in == "reward" and bool(s.kl_coef)
+            trunk = self.trunk if want_ref and forced is None else None
+            with capture(trunk):
+                scores = forward_scores(self.engine, micro, layout, temperature, forced, device=self.device,
+                                        all_tokens=every, hidden=self.value_head is not None)
             penalty = torch.zeros_like(scores.logprobs)
-            if s.kl_in == "reward" and s.kl_coef:
-                ref = forward_scores(self.reference, micro, layout, temperature, device=self.device,
-                                     all_tokens=every).logprobs
+            if want_ref:
+                with resumed(trunk) if trunk else nullcontext():
+                    ref = forward_scores(self.reference, micro, layout, temperature, device=self.device,
+                                         all_tokens=every).logprobs
                 penalty = s.kl_coef * kl_estimate(scores.logprobs, ref, s.kl_estimator)
             values = None if self.value_head is None else self.value_head(scores.hidden.float()).squeeze(-1)
             for i, r in enumerate(micro):
