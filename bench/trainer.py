@@ -36,6 +36,8 @@ Sections (each returns a dict of JSON keys; ``main`` merges them):
 - shared_trunk: train tokens/s of the quickstart's RL step with KL 0.05 in the loss when the reference's forward
   resumes from the policy's frozen layers below the adapters (``trainer.reference_forward: shared_trunk``) over the
   full reference forward; JSON ``shared_trunk_vs_full``.
+- padding_mask: train tokens/s of the same step when a right-padded micro-batch reaches the model without its
+  padding mask (``HFPolicy.causal_right_padding``: SDPA's causal kernel) over with it; JSON ``causal_vs_mask``.
 - loss_mask_scoring: train tokens/s of the same step when logits are computed only where a loss-mask token is
   predicted (the trainer's path) over scoring every token (the reference), on quickstart-shaped episodes
   (``--policy-share`` of the tokens the policy's); JSON ``loss_mask_vs_all_tokens``.
@@ -505,6 +507,47 @@ def shared_trunk_section(args, table: Table) -> dict:
             "shared_trunk_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
 
 
+def padding_mask_section(args, table: Table) -> dict:
+    """Train tokens/s of the quickstart's RL step (SmolLM2-135M, LoRA on the top ``--lora-top-layers`` layers, bf16,
+    KL 0.05 in the loss, micro-batches of 2 episodes) when a right-padded micro-batch reaches the model without its
+    padding mask (``HFPolicy.causal_right_padding``: SDPA's causal kernel) over with it (the reference), on
+    quickstart-shaped episodes. One TrainerRank; its steps alternate between the two, so machine noise hits both
+    alike."""
+    import os
+    import statistics
+    import time
+
+    from sandforge.config import LoraConfig, ModelConfig, TrainerConfig
+    from sandforge.job.fleet.lifecycle import free_port
+    from sandforge.models.sources import local_model_dir
+    from sandforge.trainer.rank import RolloutShape, TrainerRank
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    model = ModelConfig(path=str(local_model_dir(args.smollm2)), lora=LoraConfig(top_layers=args.lora_top_layers))
+    rank = TrainerRank(0, 1, "127.0.0.1", free_port(), model,
+                       TrainerConfig(grad_accum_steps=max(1, args.lora_rows // 2), kl_coef=0.05, bf16=True),
+                       RolloutShape(1.0, args.lora_len), seed=0, num_threads=args.lora_threads)
+    rows = [replace(r, logprobs=[0.0] * len(r.token_ids), advantages=[1.0 if i % 2 else -1.0] * len(r.token_ids))
+            for i, r in enumerate(_agentic_rows(len(rank.tokenizer), args.lora_rows, args.lora_len,
+                                                args.policy_share))]
+    total, tokens = sum(sum(r.loss_mask) for r in rows), sum(len(r.token_ids) for r in rows)
+    policy = rank.engine.module
+    timings: dict[str, list[float]] = {"mask": [], "causal": []}
+    for i in range(args.train_steps + 1):  # step 0 warms up
+        for name in timings:
+            policy.causal_right_padding = name == "causal"
+            t0 = time.perf_counter()
+            rank.train_step(rows, total)
+            if i:
+                timings[name].append(time.perf_counter() - t0)
+    tps = {name: tokens / statistics.median(v) for name, v in timings.items()}
+    for name in tps:
+        table.add_row(f"RL step, SmolLM2 LoRA top {args.lora_top_layers}, bf16, padding {name}",
+                      f"{tps[name]:.0f} tok/s", f"{tps[name] / tps['mask']:.2f}x the masked forward")
+    return {"causal_vs_mask": round(tps["causal"] / tps["mask"], 3),
+            "padding_train_tokens_per_s": {k: round(v, 1) for k, v in tps.items()}}
+
+
 def _agentic_rows(vocab: int, n: int, length: int, policy_share: float) -> list[TrainingRow]:
     """Episodes shaped as the quickstart's: a system prompt with the tool declarations, then policy turns between tool
     outputs, ``policy_share`` of the tokens the policy's own (the loss mask)."""
@@ -580,7 +623,7 @@ def loss_mask_scoring_section(args, table: Table) -> dict:
 # Sections run in order; each adds rows to the table and returns its JSON keys.
 SECTIONS = [async_vs_sync_section, weight_sync_section, deepspeed_vs_torch_section, packing_section,
             lora_vs_full_section, precision_section, loss_mask_scoring_section, fused_lora_section,
-            shared_trunk_section]
+            shared_trunk_section, padding_mask_section]
 
 
 def main() -> None:

@@ -148,6 +148,12 @@ class HFCache:
         return self.mask.nbytes + sum(k.nbytes + v.nbytes for k, v in self._kv())
 
 
+def _right_padded(mask: Tensor) -> bool:
+    """Whether every row's tokens are its first columns (all its padding after them)."""
+    real = mask != 0
+    return bool((real.to(torch.int8).cumprod(1).sum(1) == real.sum(1)).all())
+
+
 def _right_aligned(mask: Tensor) -> bool:
     """Whether every row's cached tokens are its last columns (all its padding before them)."""
     real = mask != 0
@@ -179,6 +185,12 @@ class HFPolicy(nn.Module):
         # they can; False: transformers' own DynamicLayer, which copies the whole cache every token, and compaction
         # by gather (the references, engine.kv_cache: reference)
         self.fast_cache = True
+        # a right-padded batch without a cache (the trainer's scoring) runs without its padding mask: a causal model's
+        # real tokens never attend to the pads after them, and transformers then takes SDPA's causal kernel, which
+        # skips the blocks above the diagonal (bench/trainer.py padding_mask); what comes out at pad positions is then
+        # unspecified. False: the mask always (the reference). Not for MoE configs: pads would route, and count in
+        # the balance loss
+        self.causal_right_padding = not self._moe
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> HFPolicy:
@@ -200,7 +212,8 @@ class HFPolicy(nn.Module):
         return_hidden: bool = False,
         logits_at: Tensor | None = None,
     ) -> HFOutput:
-        """input_ids [B, T] (left padding allowed) -> HFOutput(logits [B, T, V] fp32, cache, aux_loss, None).
+        """input_ids [B, T] (left padding allowed) -> HFOutput(logits [B, T, V] fp32, cache, aux_loss, None). Outputs
+        at pad positions are unspecified (``causal_right_padding``).
 
         Positions count real tokens only (cumsum of the mask), so a left-padded row sees the positions it would see
         alone and batched decoding equals unbatched. ``aux_loss`` is the router balance loss times
@@ -212,6 +225,11 @@ class HFPolicy(nn.Module):
         mask = attention_mask.long()
         if cache is not None:
             mask = torch.cat([cache.mask.to(mask.device), mask], dim=1)
+        model_mask = mask
+        if (self.causal_right_padding and cache is None and not use_cache and position_ids is None
+                and _right_padded(mask)):  # see __init__; a row's real tokens keep positions 0..n-1
+            model_mask = None
+            position_ids = torch.arange(mask.shape[1], device=mask.device)[None].expand(mask.shape[0], -1)
         if position_ids is None:
             position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
         want_aux = self._moe and cache is None and not use_cache
@@ -225,7 +243,7 @@ class HFPolicy(nn.Module):
             past = with_room_layers(past if past is not None else self._empty_cache())
         out = self.model(
             input_ids=input_ids,
-            attention_mask=mask,
+            attention_mask=model_mask,
             position_ids=position_ids,
             past_key_values=past,
             use_cache=use_cache,

@@ -123,14 +123,14 @@ def test_trainer_cpu_sections(tmp_path):
 
     llama = save_tiny_llama(tmp_path / "llama")
     out = last_json(bench("trainer.py", "--sections", "weight_sync", "deepspeed_vs_torch", "packing", "lora_vs_full",
-                          "precision", "shared_trunk", "--sync-preset", "k3-nano", "--sync-repeats", "1",
-                          "--train-rows", "2", "--train-len", "48", "--train-steps", "1", "--pack-rows", "4",
-                          "--pack-longest", "96",
-                          "--smollm2", str(llama), "--lora-rows", "2", "--lora-len", "32", "--lora-threads", "1",
+                          "precision", "shared_trunk", "padding_mask", "--sync-preset", "k3-nano",
+                          "--sync-repeats", "1", "--train-rows", "2", "--train-len", "48", "--train-steps", "1",
+                          "--pack-rows", "4", "--pack-longest", "96", "--smollm2", str(llama), "--lora-rows", "2", "--lora-len", "32", "--lora-threads", "1",
                           "--lora-top-layers", "1"),
                     "weight_sync_s_per_gb", "weight_sync_object_store_vs_collective", "deepspeed_vs_torch",
                     "train_tokens_per_s", "packed_vs_padded", "packing_slot_use", "lora_vs_full", "lora_top_vs_full",
-                    "lora_trainable_params", "no_kl_vs_kl", "bf16_vs_fp32", "shared_trunk_vs_full")
+                    "lora_trainable_params", "no_kl_vs_kl", "bf16_vs_fp32", "shared_trunk_vs_full",
+                    "causal_vs_mask")
     assert set(out["weight_sync_s_per_gb"]) == {"object_store", "collective", "colocated"}
     trainable = out["lora_trainable_params"]
     assert trainable["lora_top"] < trainable["lora"] < trainable["full"]

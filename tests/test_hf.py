@@ -162,6 +162,45 @@ def test_dense_model_from_config_has_zero_aux_loss():
     assert model.config.max_seq_len == 64 and out.router_ids is None
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_right_padded_batch_runs_causal_without_its_mask_and_scores_as_with_it(family):
+    """``causal_right_padding``: a right-padded batch without a cache reaches the model with no padding mask (so SDPA
+    takes its causal kernel); the logits at every real token, and the trainer's log-probs, are those of the masked
+    forward (the reference). A left-padded batch keeps its mask; an MoE config never drops it."""
+    from sandforge.models.sampling import token_logprobs
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    config = cls(vocab_size=60, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = HFPolicy(transformers.AutoModelForCausalLM.from_config(config)).eval()
+    seen = []
+    model.model.model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True)
+    ids = torch.randint(1, 60, (3, 12))
+    lengths = [12, 7, 3]
+    mask = torch.tensor([[1] * n + [0] * (12 - n) for n in lengths])
+    with torch.no_grad():
+        fast = model(ids, attention_mask=mask).logits
+        assert seen[-1] is None
+        lp_fast, _ = token_logprobs(model, ids, mask)
+        model.causal_right_padding = False
+        ref = model(ids, attention_mask=mask).logits
+        assert seen[-1] is not None
+        lp_ref, _ = token_logprobs(model, ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(fast[real], ref[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp_fast, lp_ref, atol=1e-5, rtol=1e-5)
+    model.causal_right_padding = True
+    with torch.no_grad():
+        model(ids, attention_mask=mask.flip(1))  # left-padded
+    assert seen[-1] is not None
+
+
+def test_an_moe_policy_keeps_its_padding_mask(policy):
+    assert policy[0].causal_right_padding is False
+
+
 def test_multi_turn_sequence_equals_a_full_render(policy):
     """Prompt + each turn's generated tokens + each rendered delta == rendering the whole history at once."""
     _, chat = policy
