@@ -54,6 +54,15 @@ def _tail(text: str, n: int = 160) -> str:
     return line[-n:]
 
 
+def malformed_note(which: str, reward) -> str | None:
+    """The note for a run (``which``: oracle, noop) whose test.sh wrote a reward that is not one (out of [0, 1],
+    ``nan``, not JSON): in training such an episode scores 0 (cause ``malformed``), and since the policy's answer can
+    drive a metric there, the row says so; None for a usable reward."""
+    if "malformed" not in reward.zero_causes:
+        return None
+    return f"{which}: test.sh wrote a reward that is not one, trained on as 0 ({_tail(reward.reason or '', 200)})"
+
+
 def upload_solution(sandbox, solution: Path) -> None:
     """``solution/`` into ``/solution`` as root, readable by every user, scripts executable."""
     sandbox.exec("rm -rf /solution && install -d -m 0755 /solution", timeout=30, user="root", session=False)
@@ -132,6 +141,8 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
             finally:
                 sandbox.close()
             setattr(row, which, reward.value)
+            if note := malformed_note(which, reward):
+                row.notes.append(note)
             if which == "oracle" and reward.value != 1.0:
                 why = reward.reason or ""
                 if "service_stopped" in reward.zero_causes:  # the one line that says why, in full

@@ -140,6 +140,20 @@ class Reward:
 ZERO_CAUSES = ("missing", "not_a_file", "link", "too_large", "malformed", "timeout", "state", "service_stopped")
 
 
+class ZeroScore(Exception):
+    """What the policy left makes a check unanswerable: a missing or malformed answer, a FIFO or a device where a
+    file should be, a link out of the workspace, a file too large, a read or command that ran out of the check's time,
+    a reward file the task's tests wrote from the policy's answer that is not a reward. A verifier (or any grader: an
+    environment's own, Harbor's) raises it or returns 0 itself; the check scores 0 with ``reason``, never fails the
+    episode, and ``cause`` (one of ``ZERO_CAUSES``) is counted in ``reward/zero_<cause>``."""
+
+    def __init__(self, cause: str, reason: str):
+        if cause not in ZERO_CAUSES:
+            raise ValueError(f"unknown zero cause {cause!r} (known: {', '.join(ZERO_CAUSES)})")
+        super().__init__(reason)
+        self.cause, self.reason = cause, reason
+
+
 @dataclass
 class Task:
     """One task instance, as plain data: what the policy is told, how the sandbox is prepared, how it is graded.

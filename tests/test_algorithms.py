@@ -433,7 +433,7 @@ def fake_rank(model, s, head=None, temperature=1.0):
     from sandforge.trainer.rank import TrainerRank
 
     rank = SimpleNamespace(engine=Engine(model), reference=copy.deepcopy(model), settings=s, value_head=head,
-                           cfg=TrainerConfig(), temperature=temperature, device=torch.device("cpu"))
+                           cfg=TrainerConfig(), temperature=temperature, device=torch.device("cpu"), trunk=None)
     rank.layout = TrainerRank.layout.__get__(rank)  # the tiny model has no pack_align: one row per sequence
     return rank
 

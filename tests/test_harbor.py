@@ -9,6 +9,7 @@ and env-vars (schema_version 1.1, an [environment.env] the agent, the oracle and
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 import sys
@@ -25,8 +26,8 @@ from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
 from sandforge.rollout.policy_client import scripted_policy
-from sandforge.types import ToolCall
-from sandforge.verifiers.checks import VerifierError, score_task
+from sandforge.types import ToolCall, ZeroScore
+from sandforge.verifiers.checks import score_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "data" / "harbor"
@@ -137,7 +138,9 @@ def test_the_policy_cannot_plant_the_reward_or_the_tests(harbor_images, run_id, 
 
 
 @pytest.mark.docker
-def test_bad_rewards_fail_the_episode_and_a_missing_one_scores_zero(harbor_images, run_id, docker_client):
+def test_bad_rewards_and_a_missing_one_score_zero(harbor_images, run_id, docker_client):
+    """test.sh writes from the policy's answer: a reward file that is not a reward scores 0 (cause malformed), never a
+    failed episode; no reward file scores 0 too."""
     task = load_task(TASKS / "hello-file")
     env = _env(task, harbor_images, run_id, docker_client)
     try:
@@ -145,8 +148,9 @@ def test_bad_rewards_fail_the_episode_and_a_missing_one_scores_zero(harbor_image
         for script, expect in [("echo 7 > /logs/verifier/reward.txt", "reward 7.0 .* sandforge rewards are in"),
                                ("echo yes > /logs/verifier/reward.txt", "without a number")]:
             task.checks[0]["files"] = {"test.sh": script}
-            with pytest.raises(VerifierError, match=expect):
-                score_task(env.sandbox, task)
+            reward = score_task(env.sandbox, task)
+            assert reward.value == 0.0 and reward.zero_causes == ["malformed"], reward
+            assert re.search(expect, reward.reason), reward.reason
         task.checks[0]["files"] = {"test.sh": "echo oops; exit 3"}
         reward = score_task(env.sandbox, task)
         assert reward.value == 0.0 and "wrote no reward" in reward.reason and "exit 3" in reward.reason
@@ -233,10 +237,11 @@ def test_named_rewards_are_combined_by_the_rule_and_each_kept_in_the_breakdown()
     assert (score, parts) == (0.25, {"reward": 0.25, "seconds": 12.5})
     assert _grade({"reward.json": '{"reward": 1}'})[:1] == (1.0,) and len(_grade({"reward.json": '{"reward": 1}'})) == 2
     assert _grade({"reward.txt": "1\n"}) == (1.0, "test.sh: reward 1 (exit 0)")  # a lone number: no parts
-    with pytest.raises(ValueError, match=r"reward rule 'speed' \(the job's reward_rule, or the check's reward\): "
-                                         r"reward.json has no key 'speed' \(it has correctness, performance\)"):
+    # test.sh writes from the policy's answer: what is not a reward is the policy's 0, with the cause "malformed"
+    with pytest.raises(ZeroScore, match=r"reward rule 'speed' \(the job's reward_rule, or the check's reward\): "
+                                        r"reward.json has no key 'speed' \(it has correctness, performance\)"):
         _grade(both, reward="speed")
-    with pytest.raises(ValueError, match=r"reward 3.0 as .performance.; sandforge rewards are in \[0, 1\]"):
+    with pytest.raises(ZeroScore, match=r"reward 3.0 as .performance.; sandforge rewards are in \[0, 1\]"):
         _grade({"reward.json": '{"correctness": 1, "performance": 3}'})  # the mean would use it
     with pytest.raises(ValueError, match="harbor_tests takes"):
         _grade(both, reward=3)
@@ -251,9 +256,25 @@ def test_reward_json_is_read_before_reward_txt():
     ("0.5", "not a JSON object"), ("[1, 0]", "not a JSON object"), ("{}", "no numeric reward"),
     ('{"correctness": "yes"}', r"correctness = 'yes' is not a number"), ('{"a": NaN}', "a = nan is not finite"),
     ("{oops", "not JSON"), ("", "not JSON")])
-def test_a_malformed_reward_json_fails_the_episode_with_the_reason(text, message):
-    with pytest.raises(ValueError, match=message):
+def test_a_malformed_reward_json_scores_zero_with_the_reason(text, message):
+    with pytest.raises(ZeroScore, match=message) as e:
         _grade({"reward.json": text})
+    assert e.value.cause == "malformed"
+
+
+@pytest.mark.parametrize("metric", ["-0.37", "nan", "1e308", "-inf", "7"])
+def test_a_metric_the_policys_answer_drives_out_of_range_scores_zero_not_failed(metric):
+    """#56: a test.sh writing an R² (or any metric the answer drives) made read_rewards/combine raise, and the episode
+    was dropped as failed: an answer made to break the metric turned its loss into a failure. Through the whole
+    grading path: graded, 0, cause malformed; an honest 1 still scores 1."""
+    from sandforge.types import Task
+
+    task = Task(id="t", env="harbor", family="f", seed=0, instruction="",
+                checks=[{"verifier": "harbor_tests", "files": {"test.sh": "true"}, "timeout": 5}])
+    for name, text in (("reward.txt", metric), ("reward.json", f'{{"r2": {metric}}}')):
+        reward = score_task(RewardSandbox({name: text}), task)
+        assert reward.value == 0.0 and reward.zero_causes == ["malformed"], (name, reward)
+    assert score_task(RewardSandbox({"reward.txt": "1"}), task).value == 1.0
 
 
 def test_named_rewards_reach_the_reward_breakdown():

@@ -105,6 +105,21 @@ def test_a_zero_with_a_stopped_service_says_why_and_counts_it(monkeypatch):
     assert checks.score_task(_StoppedService(()), task).reason == "reply: none"  # no service, no note
 
 
+def test_harbor_check_flags_a_reward_file_that_is_not_a_reward():
+    """#56: a test.sh whose metric the answer drives out of [0, 1] scores 0 in training; the check's row says which
+    run wrote it."""
+    from test_harbor import RewardSandbox
+
+    from sandforge.job.harbor_check import malformed_note
+    from sandforge.verifiers.checks import score_task
+
+    task = Task(id="t", env="harbor", family="f", seed=0, instruction="",
+                checks=[{"verifier": "harbor_tests", "files": {"test.sh": "true"}, "timeout": 5}])
+    note = malformed_note("noop", score_task(RewardSandbox({"reward.json": '{"r2": -0.4}'}), task))
+    assert note.startswith("noop: test.sh wrote a reward that is not one, trained on as 0") and "-0.4" in note
+    assert malformed_note("oracle", score_task(RewardSandbox({"reward.txt": "1"}), task)) is None
+
+
 def test_named_rewards_become_curves_of_their_own():
     from sandforge.job.rollout_metrics import rollout_metrics
     from sandforge.types import Trajectory

@@ -32,7 +32,7 @@ from typing import Callable, Union
 
 from sandforge.policy_text import bounded
 from sandforge.registry import BUILTIN_VERIFIERS, find_verifier
-from sandforge.types import ZERO_CAUSES, Reward, Sandbox, Task
+from sandforge.types import Reward, Sandbox, Task, ZeroScore
 
 DEFAULT_TIMEOUT = 60.0  # seconds per check
 # what of a check's reason and part names is kept (sandforge/policy_text.py bounded: head and tail), and of an episode's
@@ -62,19 +62,6 @@ class VerifierError(RuntimeError):
     """A check could not be run (unknown verifier, bad arguments, broken sandbox, timeout): the episode has failed."""
 
     located = False  # the message already says which check (set by this module), so callers add no prefix
-
-
-class ZeroScore(Exception):
-    """What the policy left makes the check unanswerable: a missing or malformed answer, a FIFO or a device where a
-    file should be, a link out of the workspace, a file too large, a read or command that ran out of the check's time.
-    A verifier raises it (or returns 0 itself); the check scores 0 with ``reason``, never fails the episode, and
-    ``cause`` (one of ``ZERO_CAUSES``) is counted in ``reward/zero_<cause>``."""
-
-    def __init__(self, cause: str, reason: str):
-        if cause not in ZERO_CAUSES:
-            raise ValueError(f"unknown zero cause {cause!r} (known: {', '.join(ZERO_CAUSES)})")
-        super().__init__(reason)
-        self.cause, self.reason = cause, reason
 
 
 def _located(message: str) -> VerifierError:

@@ -13,9 +13,11 @@ only from root's files, and its ``uv`` is an offline stand-in whose ``uv venv`` 
 
 Rewards, read as Harbor reads them: ``reward.json`` first (a JSON object of named numbers), else ``reward.txt`` (one
 number, the reward named "reward"). ``combine`` makes the training reward of them by the check's ``reward`` rule;
-each named reward is also kept in the episode's reward breakdown (``harbor_tests:0/<name>``). test.sh runs as root
-after every process of the policy is gone, so a malformed reward file is the task's fault and fails the episode
-(VerifierError); no reward file at all scores 0 (tests that crash on what the policy left often write nothing).
+each named reward is also kept in the episode's reward breakdown (``harbor_tests:0/<name>``). test.sh writes its
+rewards from the policy's answer (a metric such as R² goes negative, ``nan`` or huge on an answer made for it), so a
+reward file that is not a reward scores 0 with the cause ``malformed`` (``ZeroScore``), never fails the episode: a
+task whose oracle writes one is flagged by ``sandforge harbor check``. No reward file at all also scores 0 (tests
+that crash on what the policy left often write nothing).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import shlex
 
 from sandforge import harness, shadows
 from sandforge.environments.harbor.settings import shell_exports
-from sandforge.types import Sandbox
+from sandforge.types import Sandbox, ZeroScore
 
 TESTS_DIR = "/tests"
 LOGS_DIR = "/logs"
@@ -124,8 +126,11 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
     for name in REWARD_FILES:
         text = sandbox.read_file(f"{REWARD_DIR}/{name}", user="root")
         if text is not None:
-            rewards = read_rewards(text, name)
-            reward, how = combine(rewards, rule)
+            try:  # test.sh wrote it from the policy's answer: what is not a reward scores 0, never fails the episode
+                rewards = read_rewards(text, name)
+                reward, how = combine(rewards, rule)
+            except ValueError as e:
+                raise ZeroScore("malformed", f"{e} (exit {run.exit_code})" + shadows.note(moved)) from None
             reason = f"test.sh: {how} (exit {run.exit_code})" + shadows.note(moved)
             return (reward, reason, rewards) if len(rewards) > 1 else (reward, reason)
     # test.sh wrote nothing: a 0, not a failed episode (tests that crash on what the policy left often write nothing)
