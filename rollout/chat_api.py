@@ -119,10 +119,50 @@ def read_message(m: Any, i: int, names: dict[str, str]) -> Message:
 
 
 def _tool_schema(t: Any, i: int) -> dict:
+    """A tool of the request as the chat templates render it, its shape checked (``_json_schema``): a template reads
+    a schema's ``properties`` as a mapping of objects and ``required`` as a list of names, and one that is not would
+    raise inside the template."""
     fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise BadRequest(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    if "description" in fn and not isinstance(fn["description"], str):
+        raise BadRequest(f"tools[{i}].function.description must be a string")
+    if "parameters" in fn:
+        _json_schema(fn["parameters"], f"tools[{i}].function.parameters", 0)
     return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+
+
+MAX_SCHEMA_DEPTH = 16  # nested objects in a tool's parameters
+
+
+def _json_schema(schema: Any, where: str, depth: int) -> None:
+    """BadRequest unless ``schema`` is a JSON schema object as templates read one: ``properties`` a mapping of names
+    to schemas, ``items`` a schema, ``required`` and ``enum`` lists, ``type`` a name or a list of names,
+    ``description`` and ``title`` strings; nested at most ``MAX_SCHEMA_DEPTH`` deep. Other keys pass as they are."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise BadRequest(f"{where}: nested more than {MAX_SCHEMA_DEPTH} deep")
+    if not isinstance(schema, dict):
+        raise BadRequest(f"{where} must be a JSON schema object, got {type(schema).__name__}")
+    for key in ("description", "title"):
+        if key in schema and not isinstance(schema[key], str):
+            raise BadRequest(f"{where}.{key} must be a string")
+    kind = schema.get("type")
+    if kind is not None and not (isinstance(kind, str) or isinstance(kind, list)
+                                 and all(isinstance(k, str) for k in kind)):
+        raise BadRequest(f"{where}.type must be a type name or a list of them")
+    for key in ("required", "enum"):
+        if key in schema and not isinstance(schema[key], list):
+            raise BadRequest(f"{where}.{key} must be a list")
+    if "required" in schema and not all(isinstance(r, str) for r in schema["required"]):
+        raise BadRequest(f"{where}.required must list property names")
+    if "properties" in schema:
+        props = schema["properties"]
+        if not isinstance(props, dict):
+            raise BadRequest(f"{where}.properties must be an object of named schemas")
+        for name, sub in props.items():
+            _json_schema(sub, f"{where}.properties.{str(name)[:40]}", depth + 1)
+    if "items" in schema:
+        _json_schema(schema["items"], f"{where}.items", depth + 1)
 
 
 def read_request(body: Any) -> ChatRequest:

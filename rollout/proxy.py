@@ -11,7 +11,8 @@ runs in the rollout worker, on a port of the host's loopback (``socket_path`` No
 Budgets end the episode cleanly: once ``max_requests`` replies or ``max_tokens`` generated tokens are spent, or a
 prompt leaves no room in ``max_context``, the next request gets a 400 saying so and ``ended`` is set; the episode
 runner then stops the harness and grades the sandbox as it stands. A request the proxy cannot serve gets a 400 naming
-the reason; an engine that fails sets ``failure`` (the episode fails, excluded from the gradient).
+the reason, whatever in it failed (a request is the policy's doing: it never fails the episode); an engine that fails
+sets ``failure`` (the episode fails, excluded from the gradient).
 """
 
 from __future__ import annotations
@@ -154,10 +155,9 @@ class EpisodeProxy:
             return self._refuse(str(e))
         except (TemplateDeltaError, ValueError) as e:  # a template that cannot render what the harness sent
             return self._refuse(f"the conversation could not be rendered with the policy's chat template: {e}")
-        except Exception as e:  # noqa: BLE001 - sandforge's own bug: this episode fails, visibly, not the run
-            self.failure = f"error: rendering the harness's request: {type(e).__name__}: {e}"
-            self._end("engine")
-            return self._error(500, "the proxy failed; the episode is over", "server_error")
+        except Exception as e:  # noqa: BLE001 - the request is the policy's doing: never a failed episode
+            return self._refuse(f"the conversation could not be rendered with the policy's chat template "
+                                f"({type(e).__name__}: {e})")
         room = limits.max_context - len(pending.prompt_ids)
         if room <= 0:
             self._end("context")
