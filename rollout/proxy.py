@@ -6,13 +6,16 @@ sampling settings, and recorded: prompt ids, completion ids, logprobs, weight ve
 serves nothing else: no weights, no other episode, and only to a request that carries the episode's token
 (``Authorization: Bearer``, or ``X-Sandforge-Episode`` for a client whose bearer is not its own to set, as verifiers'
 relay). A harness's proxy listens on a Unix socket only its sandbox mounts; a verifiers environment's, whose client
-runs in the rollout worker, on a port of the host's loopback (``socket_path`` None). Requests are answered one at a time, since an episode's row is one sequence.
+runs in the rollout worker, on a port of the host's loopback (``socket_path`` None). Requests are read and answered one
+at a time, since an episode's row is one sequence.
 
 Budgets end the episode cleanly: once ``max_requests`` replies or ``max_tokens`` generated tokens are spent, or a
 prompt leaves no room in ``max_context``, the next request gets a 400 saying so and ``ended`` is set; the episode
 runner then stops the harness and grades the sandbox as it stands. A request the proxy cannot serve gets a 400 naming
-the reason, whatever in it failed (a request is the policy's doing: it never fails the episode); an engine that fails
-sets ``failure`` (the episode fails, excluded from the gradient).
+the reason, whatever in it failed (a request is the policy's doing: it never fails the episode), and counts as one of
+``max_requests``; a body past what the episode's context can take (``max_body``) is refused unread, and one that is
+read is parsed off the event loop, which the rollout worker's other episodes share. An engine that fails sets
+``failure`` (the episode fails, excluded from the gradient).
 """
 
 from __future__ import annotations
@@ -35,7 +38,15 @@ from sandforge.rollout.policy_client import Policy, PolicyError, check_sample
 from sandforge.rollout.rows import RowRecorder
 from sandforge.types import GenerateRequest, Message
 
-MAX_BODY = 8 << 20  # a long conversation's JSON
+MAX_BODY = 8 << 20  # the most any request body may be, whatever the context
+BODY_BYTES_PER_TOKEN = 64  # a body's allowance per token of the episode's context (JSON escapes, tool schemas)
+
+
+def max_body(max_context: int) -> int:
+    """The largest request body an episode of ``max_context`` tokens is read: what a conversation that fits the context
+    can take as JSON, between 256 KiB and ``MAX_BODY``. A bigger one could only be refused after parsing, and parsing
+    megabytes is time taken from every other episode of the rollout worker."""
+    return min(MAX_BODY, max(256 << 10, BODY_BYTES_PER_TOKEN * max_context))
 MODEL_NAME = "sandforge-policy"  # what /v1/models lists; any model name a harness sends is served by the policy
 EPISODE_HEADER = "X-Sandforge-Episode"  # the token, for a client that sends a bearer of its own
 
@@ -70,7 +81,7 @@ class EpisodeProxy:
 
     # ---------------------------------------------------------------- serving
     async def start(self) -> None:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=max_body(self.limits.max_context))
         app.router.add_post("/v1/chat/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
@@ -124,26 +135,37 @@ class EpisodeProxy:
     async def _completions(self, request: web.Request) -> web.Response:
         if not self._authorised(request):
             return self._error(401, "this episode's token is required", "authentication_error")
-        try:
-            body = await request.json(loads=json.loads)
-        except (ValueError, UnicodeDecodeError) as e:
-            return self._refuse(f"the body is not JSON: {e}")
-        try:
-            asked = read_request(body)
-        except BadRequest as e:
-            return self._refuse(str(e))
-        async with self._lock:
+        async with self._lock:  # one request at a time, from reading its body to its reply
+            if self.ended is not None:
+                return self._error(400, f"the episode is over ({self.ended}): no more completions")
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return self._refuse(f"the body is over {max_body(self.limits.max_context)} bytes, more than a "
+                                    f"conversation of max_context {self.limits.max_context} tokens takes", 413)
+            try:  # off the event loop: the rollout worker's other episodes are served meanwhile
+                body = await asyncio.to_thread(json.loads, raw)
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
+                return self._refuse(f"the body is not JSON: {e}")
+            try:
+                asked = read_request(body)
+            except BadRequest as e:
+                return self._refuse(str(e))
             return await self._complete(asked)
 
-    def _refuse(self, message: str) -> web.Response:
+    def _refuse(self, message: str, status: int = 400) -> web.Response:
+        """A request the proxy cannot serve: answered ``status``, recorded, and counted as one of the episode's
+        ``max_requests`` (a refused request costs the episode like any other: none comes free)."""
         self.refused.append(message[:200])
-        return self._error(400, message)
+        if len(self.recorder.turns) + len(self.refused) >= self.budget.max_requests:
+            self._end("max_turns")
+        return self._error(status, message)
 
     async def _complete(self, asked: ChatRequest) -> web.Response:
         if self.ended is not None:
             return self._error(400, f"the episode is over ({self.ended}): no more completions")
         limits, budget = self.limits, self.budget
-        if len(self.recorder.turns) >= budget.max_requests:
+        if len(self.recorder.turns) + len(self.refused) >= budget.max_requests:
             self._end("max_turns")
             return self._error(400, f"the episode's {budget.max_requests} requests are spent")
         if self.generated >= budget.max_tokens:

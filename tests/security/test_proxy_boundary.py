@@ -40,3 +40,46 @@ def test_an_honest_tool_schema_is_served(served):
         "command": {"type": "string", "description": "the command"}}, "required": ["command"]})
     assert _post(s, {"model": "m", "messages": HI, "tools": tools}).status_code == 200
     assert s.proxy.failure == "" and not s.proxy.refused
+
+
+def test_a_body_past_what_the_context_can_hold_is_refused_unparsed(served, monkeypatch):
+    """#56: 8 MiB bodies were parsed with json.loads on the rollout worker's shared loop before any budget check: one
+    sandbox's flood stalled every other episode's requests for seconds. A body is now sized to the episode's context
+    (``max_body``), a bigger one is refused unread, and a body that is parsed is parsed off the loop."""
+    from sandforge.rollout import proxy as proxy_module
+
+    import asyncio
+    import threading
+
+    s = served(ScriptedEngine([]), ctx=4096)
+    limit = proxy_module.max_body(4096)
+    assert limit < 8 << 20
+
+    async def ident():
+        return threading.get_ident()
+
+    loop_thread = asyncio.run_coroutine_threadsafe(ident(), s.loop).result(10)
+    parsed_on = []
+    real_loads = proxy_module.json.loads
+
+    def loads(text, *args, **kwargs):
+        parsed_on.append(threading.get_ident() == loop_thread)
+        return real_loads(text, *args, **kwargs)
+
+    monkeypatch.setattr(proxy_module.json, "loads", loads)
+    big = {"model": "m", "messages": [{"role": "user", "content": "x" * (limit + 10)}]}
+    assert _post(s, big).status_code == 413
+    assert parsed_on == []  # refused unread
+    assert _post(s, {"model": "m", "messages": [{"role": "user", "content": "y" * 3000}]}).status_code == 200
+    assert parsed_on and not any(parsed_on)  # parsed, and not on the proxy's event loop
+    assert _post(s, {"model": "m", "messages": HI}).status_code == 200
+
+
+def test_refused_requests_count_against_the_episodes_budget(served):
+    """#56: refused requests cost the episode nothing, so a sandbox could send them without end. Each refusal counts
+    as a request: past ``max_requests`` of them the episode ends."""
+    s = served(ScriptedEngine([]), max_requests=3)
+    for _ in range(3):
+        assert _post(s, {"model": "m", "messages": HI, "n": 2}).status_code == 400
+    assert s.proxy.ended == "max_turns"
+    assert _post(s, {"model": "m", "messages": HI}).status_code == 400
