@@ -191,3 +191,16 @@ def test_the_network_is_unreachable_from_the_sandbox(repo_spec, run_id, docker_c
     observations, reward = play([bash(probe)], repo_spec, run_id, docker_client)
     assert "Network is unreachable" in observations[0] and "no-dns" in observations[0]
     assert reward.value == 0.0
+
+
+def test_a_deep_tree_in_the_package_neither_fails_the_episode_nor_hides_a_fix(repo_spec, run_id, docker_client):
+    """#56: 1,200 nested folders in the package made the grader's listing (a recursive ``os.walk``) raise, so the
+    episode failed (out of the gradient), a correct fix beside the tree included. The fix still scores 1; the tree
+    alone scores 0, graded."""
+    deep = bash(f"cd {shlex.quote(PACKAGE)} && p=$(printf 'd/%.0s' $(seq 1200)) && mkdir -p \"$p\" && "
+                "echo 'x = 1' > \"$p/deep.py\" && echo made")
+    observations, reward = play([deep, FIX], repo_spec, run_id, docker_client)
+    assert "made" in observations[0], observations[0]
+    assert (reward.value, reward.success) == (1.0, True), reward.reason
+    _, reward = play([deep], repo_spec, run_id, docker_client)
+    assert reward.value == 0.0 and not reward.success, reward.reason

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 
 from sandforge.types import Sandbox
-from sandforge.verifiers.checks import VerifierError, time_left
+from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left
 
 PASSED, FAILED, ERROR, SKIPPED = "passed", "failed", "error", "skipped"
 MAX_CARRIED_FILES = 200
@@ -31,17 +31,31 @@ MAX_CARRIED_BYTES = 1 << 20  # per file; a larger "source file" is not a fix
 NEVER_CARRIED = {"conftest.py", "sitecustomize.py", "usercustomize.py"}
 _PYTEST = "python3 -I -m pytest -q -p no:cacheprovider -o addopts= --junitxml={xml} tests"
 # Lists the package's regular .py files (no symlinks) as JSON, run with -I so nothing in the workspace is imported.
+# Breadth first, without recursion, to MAX_DEPTH folders down, past entries it cannot read: whatever tree the policy
+# left (1,200 nested folders made a recursive os.walk raise), the listing ends, shallow files first.
+MAX_DEPTH = 32
 _LIST_FILES = r"""
-import json, os, sys
-root, out = sys.argv[1], []
-for folder, dirs, files in os.walk(root):
-    dirs[:] = sorted(d for d in dirs if not os.path.islink(os.path.join(folder, d)))
-    for f in sorted(files):
-        p = os.path.join(folder, f)
-        if f.endswith(".py") and not os.path.islink(p) and os.path.isfile(p):
-            out.append(os.path.relpath(p))
+import collections, json, os, sys
+out, queue = [], collections.deque([(sys.argv[1], 0)])
+while queue:
+    folder, depth = queue.popleft()
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except (OSError, ValueError):
+        continue
+    for e in entries:
+        try:
+            if e.is_symlink():
+                continue
+            if e.is_dir():
+                if depth < %d:
+                    queue.append((e.path, depth + 1))
+            elif e.name.endswith(".py") and e.is_file():
+                out.append(os.path.relpath(e.path))
+        except (OSError, ValueError):
+            continue
 print(json.dumps(out))
-"""
+""" % MAX_DEPTH
 
 
 @dataclass
@@ -112,8 +126,10 @@ def policy_package_files(sandbox: Sandbox, package: str) -> dict[str, str]:
     """The package's .py files (path relative to the workdir -> text) as the policy left them, read as root."""
     command = f"python3 -I -c {shlex.quote(_LIST_FILES)} {shlex.quote(package)}"
     result = sandbox.exec(command, timeout=min(30.0, time_left()), user="root", session=False)
-    if result.exit_code != 0 or result.timed_out:
-        raise VerifierError(f"cannot list the policy's files: {result.output[-300:]}")
+    if result.timed_out:  # the tree the policy left: its 0, never a failed episode
+        raise ZeroScore("timeout", "listing the policy's package files ran out of time")
+    if result.exit_code != 0:
+        raise ZeroScore("state", f"the policy's package files could not be listed: {result.output[-300:]}")
     try:
         paths = json.loads(result.output)
     except json.JSONDecodeError:
