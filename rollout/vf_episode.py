@@ -8,8 +8,10 @@ the episode's token in ``X-Sandforge-Episode``. So the rows are the proxy's (exa
 split where the conversation was rewritten), and the reward is what verifiers computed: the sum of the trace's
 weighted rewards. Success: every named reward scored 1.
 
-Like ``run_episode``, this never raises. A reply verifiers cannot use scores what its rubric gives it; an engine that
-fails, an environment that makes no request, or a rubric that raises fails this episode only.
+Like ``run_episode``, this never raises. A reply verifiers cannot use scores what its rubric gives it, and a rubric
+that raises or records nothing once the policy has replied scores 0 with the cause ``malformed``: what broke it is the
+policy's reply (#56). An engine that fails, or an environment that fails before the policy's first reply (no request
+made), fails this episode only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from sandforge.rollout.harness_episode import fill_rows, release
 from sandforge.rollout.policy_client import Policy, PolicyError
 from sandforge.rollout.proxy import EPISODE_HEADER, MODEL_NAME, EpisodeProxy, ProxyBudget
 from sandforge.types import Reward, Task, Trajectory
-from sandforge.verifiers.checks import VerifierError
 
 GRACE = 60.0  # seconds past rollout.episode_timeout for verifiers to stop its program and score
 
@@ -131,12 +132,14 @@ async def run_vf_episode(task: Task, envs: VerifiersEnvs, policy: Policy, chat, 
         try:
             traj.reward = reward_of(episode)
         except EnvironmentFault as e:
-            if budget_spent is None:  # the environment's own fault
-                raise VerifierError(str(e)) from e
-            # a budget of the proxy's refused a request before verifiers' own limit stopped the agent: the policy
-            # spent it, so the episode scores 0 rather than failing
-            traj.reward = Reward(0.0, False, reason=f"the episode's budget ran out ({proxy.ended}) before verifiers "
-                                                    f"scored it: {e}"[:2000])
+            # the policy has replied (above): a rubric that raised or recorded nothing was scoring what the policy
+            # said, so it is the policy's 0 with a cause, never a failed episode (a losing policy could otherwise
+            # make its losses vanish: a 5,000-digit guess broke guess_number's rubric)
+            if budget_spent is not None:  # a budget of the proxy's refused a request before verifiers' own limit
+                why, causes = f"the episode's budget ran out ({budget_spent}) before verifiers scored it", []
+            else:
+                why, causes = "verifiers' rubric gave the policy's replies no reward", ["malformed"]
+            traj.reward = Reward(0.0, False, reason=f"{why}: {e}"[:2000], zero_causes=causes)
         traj.finish_reason = budget_spent or ("timeout" if episode.is_timeout else "submit")
         if proxy.refused:
             traj.metadata["proxy_refused"] = proxy.refused[-10:]

@@ -126,6 +126,28 @@ def test_a_budget_that_runs_out_is_scored_and_a_dead_engine_fails_only_its_episo
     assert dead.failed and "engine" in dead.failure and dead.reward.value == 0.0
 
 
+class HugeGuess(ScriptedEngine):
+    """The policy's reply: a guess of 5,000 digits (Python refuses int() of more than 4,300 digits)."""
+
+    async def generate(self, request: GenerateRequest) -> Sample:
+        self.requests.append(request)
+        ids = CHAT.render_assistant(Message(role="assistant", content=f"<guess>{'7' * 5000}</guess>"))
+        return Sample(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop", version=3)
+
+
+def test_a_reply_that_breaks_the_rubric_scores_zero_not_failed():
+    """#56: a 5,000-digit guess made the shipped guess_number's rubric raise ("verifiers recorded no reward"), and
+    the episode failed, out of the gradient: a losing policy could make its losses vanish. After the policy's first
+    reply, whatever the rubric or the environment does with it is the policy's 0, with a cause; an honest search
+    still scores 1."""
+    tasks = load_tasks("guess_number", {"num_tasks": 12, "seed": 1, "high": 8, "turns": 2})
+    (broken,) = run(tasks[:1], HugeGuess(), max_context=20_000)
+    assert not broken.failed, broken.failure
+    assert broken.reward.value == 0.0 and broken.reward.zero_causes == ["malformed"], broken.reward
+    (honest,) = run([t for t in tasks if _secret(t) == 4][:1], ScriptedEngine())
+    assert not honest.failed and honest.reward.value == 1.0
+
+
 def test_an_unknown_module_or_argument_is_a_clear_error():
     with pytest.raises(TaskSourceError, match="no_such_env"):
         load_tasks("no_such_env", {})
