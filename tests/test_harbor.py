@@ -203,6 +203,7 @@ class RewardSandbox:
     keeps what ran (test.sh's line last)."""
 
     workdir = "/workspace"
+    policy_user = "sandbox"
 
     def __init__(self, files: dict[str, str]):
         self.files, self.commands = files, []
@@ -211,7 +212,7 @@ class RewardSandbox:
         from sandforge.types import ExecResult
 
         self.commands.append(command)
-        return ExecResult(0, "1000\n1000\n" if command == "id -u; id -G" else "", False, 0.0)  # harness.policy_ids
+        return ExecResult(0, "1000\n1000\n" if command.startswith("id -u") else "", False, 0.0)  # harness.policy_ids
 
     def put_file(self, path, data, user=None, mode=0o644):
         pass

@@ -136,6 +136,11 @@ class DockerSandbox:
         """The spec's working directory: where relative paths and one-off commands start."""
         return self.spec.workdir
 
+    @property
+    def policy_user(self) -> str:
+        """The user the policy's commands run as (the spec's: a name or "uid[:gid]"), as the host configured it."""
+        return self.spec.user
+
     # --- commands -------------------------------------------------------------------------------------------------
 
     def exec(

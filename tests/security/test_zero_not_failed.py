@@ -101,6 +101,20 @@ def test_a_fork_bomb_left_running_scores_zero(kind, terminal_spec, run_id, docke
     assert "missing" in zero(traj, "missing")
 
 
+def test_a_filled_output_spool_neither_fails_the_episode_nor_hides_an_honest_answer(terminal_spec, run_id,
+                                                                                     docker_client):
+    """#56: the policy filled its own output spool (/run/sandforge/<uid>, 64 MiB); the grader then asked the policy's
+    user for its ids through that spool, the OSError became a VerifierError, and the episode failed, an honest answer
+    included. The ids are asked as root now: the answer scores 1, the fill alone 0."""
+    check = {"verifier": "command", "command": f"grep -qx 42 {ANSWER}"}
+    fill = "cat /dev/zero > /run/sandforge/$(id -u)/fill; df -h /run/sandforge | tail -1"
+    right = episode([f"echo 42 > {ANSWER}", fill], [check], terminal_spec, run_id, docker_client)
+    assert not right.failed, right.failure
+    assert right.reward.value == 1.0, right.reward.reason
+    alone = episode([fill], [check], terminal_spec, run_id, docker_client)
+    assert not alone.failed and alone.reward.value == 0.0, alone.failure
+
+
 def test_zero_causes_are_counted_apart_from_failures(terminal_spec, run_id, docker_client):
     """`reward/zero_<cause>` counts graded episodes by what the policy left; `episodes/failed_<kind>` stays for
     infrastructure."""
