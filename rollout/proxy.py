@@ -65,12 +65,17 @@ class EpisodeProxy:
     ``close()``."""
 
     def __init__(self, socket_path: str | None, token: str, policy: Policy, chat, limits: EpisodeLimits,
-                 budget: ProxyBudget, session: str, version: int = 0, seed: int | None = None) -> None:
+                 budget: ProxyBudget, session: str, version: int = 0, seed: int | None = None,
+                 tools: bool = True) -> None:
         self.socket_path, self.token = socket_path, token
+        # False: a request that offers the policy tools ends the episode unanswered (``offered_tools`` names them): a
+        # verifiers environment has no sandbox, so a tool it offers would run the policy's calls on the host
+        self.tools = tools
+        self.offered_tools: list[str] = []
         self.policy, self.chat, self.limits, self.budget = policy, chat, limits, budget
         self.session, self.version, self.seed = session, version, seed
         self.recorder = RowRecorder(chat)
-        self.ended: str | None = None  # "max_turns" | "context" | "engine": why the episode must end
+        self.ended: str | None = None  # "max_turns" | "context" | "engine" | "tools": why the episode must end
         self.failure = ""  # the engine's fault: the episode fails
         self.refused: list[str] = []  # 400s given to the harness, for the record
         self.over = asyncio.Event()  # set with ``ended``
@@ -165,6 +170,10 @@ class EpisodeProxy:
         if self.ended is not None:
             return self._error(400, f"the episode is over ({self.ended}): no more completions")
         limits, budget = self.limits, self.budget
+        if asked.tools and not self.tools:
+            self.offered_tools = [str(t.get("name")) for t in asked.tools]
+            self._end("tools")
+            return self._error(400, "this episode offers the policy no tools; the episode is over")
         if len(self.recorder.turns) + len(self.refused) >= budget.max_requests:
             self._end("max_turns")
             return self._error(400, f"the episode's {budget.max_requests} requests are spent")

@@ -113,7 +113,7 @@ async def run_vf_episode(task: Task, envs: VerifiersEnvs, policy: Policy, chat, 
                                    f"{spec['id']!r} on this worker: its tasks differ from the driver's")
         api = vf()
         token = secrets.token_urlsafe(24)
-        proxy = EpisodeProxy(None, token, policy, chat, limits, budget, session, version, seed)
+        proxy = EpisodeProxy(None, token, policy, chat, limits, budget, session, version, seed, tools=False)
         await proxy.start()
         client = api.EvalClientConfig(base_url=proxy.url, api_key_var="SANDFORGE_VERIFIERS_NO_KEY",
                                       headers={EPISODE_HEADER: token})
@@ -125,6 +125,9 @@ async def run_vf_episode(task: Task, envs: VerifiersEnvs, policy: Policy, chat, 
         await proxy.close()
         if proxy.failure:
             raise PolicyError(proxy.failure)
+        if proxy.offered_tools:  # whatever the task declared: with no sandbox its tools would run on the host
+            raise EnvironmentFault(f"the environment offered the policy tools ({', '.join(proxy.offered_tools)}), "
+                                   "which would run its calls on the host: the episode was ended unanswered")
         if not proxy.recorder.turns:
             raise EnvironmentFault("the environment made no request to the policy: "
                                    f"{_errors([e for t in episode.traces for e in t.errors] + episode.errors)}")

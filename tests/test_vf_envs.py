@@ -280,3 +280,24 @@ def test_a_taskset_with_tool_servers_is_refused_since_they_would_run_on_the_host
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TaskSourceError, match="tool servers .*Shell.*on the host"):
         load_tasks("sf_tooled_env", {})
+
+
+SUBCLASSED = TOOLED.replace("class ShellTask(vf.Task[vf.TaskData]):", """class PlainTask(vf.Task[vf.TaskData]):
+    @vf.reward
+    async def done(self, trace: vf.Trace) -> float:
+        return 1.0
+
+
+class ShellTask(PlainTask):""").replace("class ShellTaskset(vf.Taskset[ShellTask, vf.TasksetConfig]):",
+                                        "class ShellTaskset(vf.Taskset[PlainTask, vf.TasksetConfig]):")
+
+
+def test_a_task_subclass_with_tool_servers_is_refused_whatever_the_declared_type(tmp_path, monkeypatch):
+    """#56: the taskset declared a tool-less task type but yielded a subclass declaring a tool server; the refusal
+    looked at the declared type only, so the tool was offered and the model's call ran on the host. Every loaded
+    task's own class is checked."""
+    assert "Taskset[PlainTask" in SUBCLASSED and "class ShellTask(PlainTask)" in SUBCLASSED
+    (tmp_path / "sf_subclassed_env.py").write_text(SUBCLASSED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskSourceError, match="tool servers .*Shell.*on the host"):
+        load_tasks("sf_subclassed_env", {})

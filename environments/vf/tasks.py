@@ -61,18 +61,27 @@ def load_env(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimit
     if getattr(task_cls, "NEEDS_CONTAINER", False):
         raise TaskSourceError(f"verifiers environment {module!r}: its tasks need a container runtime, which sandforge "
                               "does not run for verifiers environments yet (only tasks that need no container)")
-    tools = [*env.taskset.toolsets(env.taskset.config), *task_cls.toolsets(env.taskset.config.task)]
-    if tools:
-        raise TaskSourceError(f"verifiers environment {module!r} declares tool servers "
-                              f"({', '.join(type(t).__name__ for t in tools)}): with no sandbox they would run the "
-                              "policy's calls on the host, so sandforge does not run them yet")
+    _refuse_tool_servers(env, task_cls, f"verifiers environment {module!r}")
     return env
 
 
+def _refuse_tool_servers(env: Any, task_cls: type, where: str) -> None:
+    """TaskSourceError where the taskset or tasks of class ``task_cls`` declare tool servers: with no sandbox they
+    would run the policy's calls on the host."""
+    tools = [*env.taskset.toolsets(env.taskset.config), *task_cls.toolsets(env.taskset.config.task)]
+    if tools:
+        raise TaskSourceError(f"{where} declares tool servers ({', '.join(type(t).__name__ for t in tools)}): with "
+                              "no sandbox they would run the policy's calls on the host, so sandforge does not run "
+                              "them yet")
+
+
 def task_list(env: Any) -> list[Any]:
-    """The environment's tasks in ``load()`` order (an endless taskset's first ``MAX_TASKS``)."""
-    taskset = env.taskset
-    return list(itertools.islice(iter(taskset), MAX_TASKS))
+    """The environment's tasks in ``load()`` order (an endless taskset's first ``MAX_TASKS``). Each task's own class
+    is checked for tool servers, not only the type the taskset declares: a subclass may declare them (#56)."""
+    tasks = list(itertools.islice(iter(env.taskset), MAX_TASKS))
+    for cls in {type(t) for t in tasks}:
+        _refuse_tool_servers(env, cls, f"verifiers task class {cls.__name__!r}")
+    return tasks
 
 
 def load_tasks(module: str, args: dict[str, Any], heldout: float = 0.0) -> list[Task]:

@@ -83,3 +83,20 @@ def test_refused_requests_count_against_the_episodes_budget(served):
         assert _post(s, {"model": "m", "messages": HI, "n": 2}).status_code == 400
     assert s.proxy.ended == "max_turns"
     assert _post(s, {"model": "m", "messages": HI}).status_code == 400
+
+
+def test_a_proxy_without_tools_ends_the_episode_on_a_request_that_offers_some(tmp_path):
+    """#56: a verifiers environment has no sandbox, so a tool it offers the model would run the model's calls on the
+    host. Its proxy (``tools=False``) answers such a request with nothing and ends the episode, whatever the task
+    declared; a tool-less request is served."""
+    from test_proxy import Served
+
+    s = Served(tmp_path, ScriptedEngine([]))
+    s.proxy.tools = False
+    try:
+        assert _post(s, {"model": "m", "messages": HI}).status_code == 200
+        r = _post(s, {"model": "m", "messages": HI, "tools": tool(parameters={"type": "object"})})
+        assert r.status_code == 400 and s.proxy.ended == "tools" and s.proxy.offered_tools == ["bash"]
+        assert len(s.proxy.recorder.turns) == 1
+    finally:
+        s.close()
