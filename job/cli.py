@@ -28,7 +28,10 @@ app.add_typer(harbor_app, name="harbor")
 
 
 def fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
+    """The command's one error line, control characters made visible (it may quote what a policy wrote), then exit."""
+    from sandforge.policy_text import visible
+
+    typer.echo(f"error: {visible(str(message))}", err=True)
     raise typer.Exit(code)
 
 

@@ -53,7 +53,14 @@ _phase: list[tuple[str, float]] = []  # what the run is doing, innermost last, w
 
 
 class JobError(RuntimeError):
-    """The job cannot go on for a reason the user can act on (no verified demonstrations, ...): one line, no traceback."""
+    """The job cannot go on for a reason the user can act on (no verified demonstrations, ...): one line, no traceback.
+    Its message often quotes an episode's failure, which the policy's output can carry: every control character in it
+    is made visible (``policy_text.visible``), whoever built the message."""
+
+    def __init__(self, message: str = "") -> None:
+        from sandforge.policy_text import visible
+
+        super().__init__(visible(str(message)))
 
 
 def make_run_id(name: str) -> str:

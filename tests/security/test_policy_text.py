@@ -85,3 +85,27 @@ def test_a_verifier_cannot_put_unbounded_text_in_a_reward(monkeypatch):
     assert len(reward.reason) <= MAX_TASK_REASON_CHARS
     assert all(len(k) <= MAX_PART_CHARS + len("quoter:0#8/") for k in reward.breakdown)
     assert MAX_REASON_CHARS < MAX_TASK_REASON_CHARS
+
+
+def test_a_job_error_that_quotes_the_policy_reaches_the_terminal_as_text(capsys):
+    """#56: every episode of a batch failed alike and the job stopped with one line quoting the failure, which the
+    policy's output carried: its escape codes reached the user's terminal. JobError and the command line's error line
+    make every control character visible, whoever built the message."""
+    import typer
+
+    from sandforge.job.cli import fail
+    from sandforge.job.console import JobError
+    from sandforge.job.fleet.rollout_workers import stop_if_all_failed
+    from sandforge.types import Trajectory
+
+    hostile = "worker: harness exited 97: \x1b]0;pwned\x07\x1b[2J"
+    trajs = [Trajectory(task=Task(id=f"t{i}", env="harbor", family="f", seed=i, instruction=""), group="g",
+                        failed=True, failure=hostile) for i in range(2)]
+    with pytest.raises(JobError) as e:
+        stop_if_all_failed(trajs, "rl step 0")
+    assert "\x1b" not in str(e.value) and "\\x1b]0;pwned\\x07\\x1b[2J" in str(e.value)
+    assert "\x1b" not in str(JobError(hostile))
+    with pytest.raises(typer.Exit):
+        fail(hostile)
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err and "\\x1b[2J" in err
