@@ -47,8 +47,17 @@ def harness_command(harness: Harness, token: str, workdir: str) -> str:
 
 
 def _install(sandbox, harness: Harness, instruction: str) -> None:
-    files = {**runtime_files(), **harness.files, "instruction.md": instruction.encode()}
-    for path, data in files.items():
+    """The harness's files into HARNESS_DIR. The folder is root's and sticky (1777): the harness may add files there
+    (its logs, a trajectory), but sandforge's runtime files (start.sh, the forwarder) and the instruction are root's
+    and read-only to the policy, so nothing it writes changes how the episode starts or what start.sh reports. The
+    harness's own files stay the policy's user's: they run as it anyway."""
+    made = sandbox.exec(f"install -d -m 1777 -o root -g root {HARNESS_DIR}", timeout=10, user="root", session=False)
+    if made.exit_code != 0:
+        raise SandboxError(f"cannot make {HARNESS_DIR} in the sandbox: {made.output.strip()[-200:]}")
+    own = {**runtime_files(), "instruction.md": instruction.encode()}
+    for path, data in own.items():
+        sandbox.put_file(f"{HARNESS_DIR}/{path}", data, user="root", mode=0o755 if path.endswith(".sh") else 0o644)
+    for path, data in harness.files.items():
         sandbox.put_file(f"{HARNESS_DIR}/{path}", data, mode=0o755 if path.endswith(".sh") else 0o644)
     for need in harness.needs:
         found = sandbox.exec(f"command -v {shlex.quote(need)}", timeout=10, session=False)
@@ -129,7 +138,9 @@ async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: Episode
         except asyncio.TimeoutError as e:
             raise ToolHang(f"the harness's exec did not return {STOP_GRACE:.0f} s after its processes were stopped") \
                 from e
-    if result.exit_code == FORWARDER_DOWN:
+    if result.exit_code == FORWARDER_DOWN and not proxy.recorder.turns:
+        # no request reached the proxy, so the policy never acted: the forwarder's fault, a host-side fact. Once the
+        # policy has made a request the forwarder demonstrably worked, and any exit status is graded as it stands
         raise SandboxError("the proxy's loopback forwarder did not start in the sandbox: "
                            f"{result.output[-300:]}")
     traj.metadata["harness_exit_code"] = result.exit_code

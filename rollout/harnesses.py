@@ -23,7 +23,7 @@ from typing import Any
 from sandforge.environments.sandbox.spec import PROXY_MOUNT  # noqa: F401 - in the sandbox: the proxy socket's folder
 from sandforge.registry import harness_factory
 
-HARNESS_DIR = "/tmp/.sandforge-harness"  # in the sandbox: the policy's to read (and to break: it is the policy)
+HARNESS_DIR = "/tmp/.sandforge-harness"  # in the sandbox: root's and sticky; sandforge's files in it read-only to the policy
 SOCKET_NAME = "proxy.sock"
 PROXY_PORT = 8391  # the forwarder's port on the sandbox's own loopback
 

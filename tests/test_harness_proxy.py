@@ -209,3 +209,20 @@ def test_a_harness_trains_smollm2_for_a_step_on_its_recorded_rows(tmp_path, conf
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [m for m in metrics if m["phase"] == "rl"]
     assert [m["step"] for m in rl] == [0] and rl[0]["policy/version"] == 1
+
+
+def test_a_harness_that_exits_97_is_graded_not_failed(run_id, docker_client):
+    """#56: start.sh's status 97 meant "the forwarder never started" and failed the episode (out of the gradient);
+    the policy could append `exit 97` to start.sh (its user's file, read by bash as it runs) or end its harness so, on
+    any task, and two such episodes stopped the job. The runtime files are root's and read-only to the policy now, and
+    once the policy has made a request (the forwarder demonstrably worked), whatever the harness exits with is graded:
+    the fix plus an `exit 97` still scores 1, the attack alone 0."""
+    task = repo_task("wrong_operator", 3)
+    append = "echo 'exit 97' >> /tmp/.sandforge-harness/start.sh; echo appended"
+    kill = "kill -9 $PPID; exit 97"
+    fixed, = run(ReplayBackend([*fix_commands(task)[:2], append, kill]), [task], run_id, docker_client)
+    assert not fixed.failed, fixed.failure
+    assert (fixed.reward.value, fixed.reward.success) == (1.0, True), fixed.reward.reason
+    alone, = run(ReplayBackend([append, kill]), [task], run_id, docker_client)
+    assert not alone.failed, alone.failure
+    assert alone.reward.value == 0.0
