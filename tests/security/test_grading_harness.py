@@ -201,3 +201,28 @@ def test_a_root_check_reads_the_policys_repository_and_runs_nothing_it_configure
     assert honest.reward.value == 1.0, honest.reward.reason
     planted = run(repo + hook + " && rm -f /tmp/ran-as-root")
     assert planted.reward.value == 1.0, planted.reward.reason
+
+
+def test_a_submodules_config_runs_nothing_as_root(repo_spec, run_id, docker_client):
+    """#56: the grader's git read the top repository on a root-owned view, but `git status` checks submodules with a
+    child git that inherited `safe.directory=*` and read the submodule's own .git/config as root: its core.fsmonitor
+    ran, reward 1.0 without the answer. The child gets no trust and no submodule is entered: the command never runs,
+    and an honest answer in the top repository still scores."""
+    check = {"verifier": "command", "command": "git -C /workspace/proj status --porcelain; "
+             "git -C /workspace/proj diff HEAD -- a.txt | grep -qx '+answer 42' && ! test -e /tmp/ran-as-root"}
+    repo = ("git init -q /workspace/sub && cd /workspace/sub && git config user.email p@x.invalid && "
+            "git config user.name p && echo s > s.txt && git add s.txt && git commit -qm s && "
+            "git init -q /workspace/proj && cd /workspace/proj && git config user.email p@x.invalid && "
+            "git config user.name p && echo start > a.txt && git add a.txt && "
+            "git -c protocol.file.allow=always submodule -q add /workspace/sub sub && git commit -qm start && "
+            "cd sub && git config core.fsmonitor 'touch /tmp/ran-as-root; false' && echo dirty > s.txt && cd .. && ")
+
+    def run(command):
+        return command_check_episode(check, command, repo_spec, run_id, docker_client)
+
+    honest = run(repo + "echo 'answer 42' >> a.txt")
+    assert honest.reward.value == 1.0, honest.reward.reason
+    planted = run(repo + "true")  # no answer: only a root fsmonitor run could make the check pass... or fail it
+    assert planted.reward.value == 0.0, planted.reward.reason
+    marker = run(repo + "echo 'answer 42' >> a.txt && rm -f /tmp/ran-as-root")
+    assert marker.reward.value == 1.0, marker.reward.reason  # the fsmonitor never ran as root (its marker is absent)
