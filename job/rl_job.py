@@ -28,6 +28,7 @@ from sandforge.job.rollout_metrics import rollout_metrics
 from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed, worker_gone
 from sandforge.job.runlog import RunLogger
 from sandforge.job.tasks import TaskSampler
+from sandforge.job.no_signal import silent_in, silent_metrics, silent_note
 from sandforge.trainer.algorithms import (TieBreak, informative_groups, overlong_penalty, resolve, signal_rewards,
                                           token_advantages, trained_successes)
 from sandforge.trainer.rank import RolloutShape
@@ -63,10 +64,12 @@ def per_row(per_ep: list[list], trajs: list[Trajectory]) -> list[list]:
 
 
 def step_line(step: int, total: int, m: dict[str, float]) -> str:
+    """One RL step in a line; the environments it had nothing to learn from are named at its end (job/no_signal.py)."""
     return (f"step {step + 1}/{total}  reward {m['reward/mean']:.3f}  success {m['success/rate']:.2f}  "
             f"turns {m.get('turns/mean', 0):.1f}  failed {int(m['episodes/failed'])}  "
             f"timeouts {int(m.get('episodes/timeouts', 0))}  tool errors/ep {m.get('tools/errors_per_episode', 0):.1f}  "
-            f"loss {m.get('loss', 0):.4f}  kl {m.get('kl', 0):.4f}  {m['time/step']:.1f}s")
+            f"loss {m.get('loss', 0):.4f}  kl {m.get('kl', 0):.4f}  {m['time/step']:.1f}s"
+            + silent_note(silent_in(m)[0]))
 
 
 class RLJob:
@@ -186,6 +189,13 @@ class RLJob:
                 break
         return trajs, keep, {"dapo/filtered_groups": filtered, "dapo/rounds": n + 1}
 
+    def flat_signal(self, ok: list[Trajectory]) -> list[float]:
+        """What tells a group's episodes apart for the advantages: the verifier's value (``reward``, and
+        ``tiebreak``'s partial-credit order), or success as RL trains on it (``success``)."""
+        if self.settings.reward_signal == "success":
+            return [float(x) for x in self.successes(ok)]
+        return [t.reward.value for t in ok]
+
     def successes(self, ok: list[Trajectory]) -> list[bool]:
         """Each episode's success as RL trains on it (``trainer.unended_fails``)."""
         return trained_successes([t.reward.success for t in ok], [t.finish_reason for t in ok],
@@ -225,6 +235,7 @@ class RLJob:
         t1 = time.perf_counter()
         metrics = rollout_metrics(trajs) | self.sandbox_metrics() | sampling
         if ok:
+            metrics |= silent_metrics(ok, self.flat_signal(ok))
             self.fleet.before_update()  # an engine sharing the trainer's GPU frees its caches
             rows, shaping = self.rl_rows(ok)
             metrics |= shaping | self.update(rows)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from rich.markup import escape
+
 from sandforge.config import JobConfig, dump_config
 from sandforge.job import cold_start
 from sandforge.job.checkpoint import checkpoint_dir, restore_checkpoint, resume_point, save_checkpoint, truncate_jsonl
@@ -15,6 +17,7 @@ from sandforge.job.console import JobError, console, make_run_id, progress
 from sandforge.job.eta import RunClock, RunPlan
 from sandforge.job.evaluation import EvalRecord, eval_summary, run_record
 from sandforge.job.fleet.lifecycle import open_fleet
+from sandforge.job.no_signal import SilentStreak, silent_in
 from sandforge.job.rl_job import RLJob, rl_steps, step_line
 from sandforge.job.runlog import RunLogger
 
@@ -127,10 +130,13 @@ def rl_phase(job: RLJob, bar, record: EvalRecord | None, start: int) -> Path:
         record.add(job.evaluate(start))  # before RL: the SFT checkpoint
         bar.console.print(job.clock.line(), soft_wrap=True)
     steps = bar.add_task("RL steps", total=total, completed=start)
+    streak = SilentStreak()
     for step, metrics in rl_steps(job, start):
         job.logger.log("rl", metrics)
         bar.update(steps, advance=1, description=f"RL steps (reward {metrics['reward/mean']:.2f})")
         bar.console.print(f"{step_line(step, total, metrics)}  ({job.clock.line()})", soft_wrap=True)
+        for warning in streak.update(*silent_in(metrics)):
+            bar.console.print(f"[yellow]{escape(warning)}[/]", soft_wrap=True)
         every = cfg.trainer.checkpoint_every
         if every and (step + 1) % every == 0 and step + 1 < total:
             save_checkpoint(job, step + 1)

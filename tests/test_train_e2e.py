@@ -133,7 +133,8 @@ def test_reward_logged_to_wandb_and_metrics_for_each_step(quickstart_run):
     rl = [r for r in rows if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [0, 1]
     for key in ("reward/mean", "success/rate", "response/length_mean", "turns/mean", "loss", "kl", "grad_norm",
-                "time/rollout", "time/train"):
+                "time/rollout", "time/train", "signal/silent/terminal", "signal/success/terminal",
+                "signal/flat_groups"):
         assert all(key in r for r in rl), key
     wandb_rows = [r for r in history_rows(find_run_file(out)) if "reward/mean" in r]
     assert [r["step"] for r in wandb_rows] == [0, 1]
