@@ -68,9 +68,15 @@ def won(t: Trajectory) -> bool:
     return not t.failed and t.reward is not None and t.reward.success
 
 
+def reward_of(t: Trajectory) -> float:
+    """The episode's reward as its verifiers gave it (a continuous one included); a failed episode's is 0."""
+    return 0.0 if t.failed or t.reward is None else float(t.reward.value)
+
+
 def summarize(trajs: list[Trajectory], k: int) -> dict:
-    """{"success", "pass@k", "episodes", "failed", "per_env": {env: {...same...}}, "per_task": {task id: {"env",
-    "wins", "episodes"}}} over the episodes of held-out tasks (grouped by task id; each task should have the same
+    """{"success", "pass@k", "reward" (the mean reward, continuous ones included, with "reward_stderr"), "episodes",
+    "failed", "per_env": {env: {...same...}}, "per_task": {task id: {"env", "wins", "episodes", "reward_sum"}}} over
+    the episodes of held-out tasks (grouped by task id; each task should have the same
     number of samples n >= k). ``per_task`` is what ``paired`` compares between two evaluations."""
     by_task: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
@@ -79,16 +85,19 @@ def summarize(trajs: list[Trajectory], k: int) -> dict:
     def block(tasks: dict[str, list[Trajectory]]) -> dict:
         episodes = [t for ts in tasks.values() for t in ts]
         wins = [float(won(t)) for t in episodes]
+        rewards = [reward_of(t) for t in episodes]
         passes = [pass_at_k(len(ts), sum(not t.failed and t.reward.success for t in ts), min(k, len(ts)))
                   for ts in tasks.values()]
         return {"success": fmean(wins) if wins else 0.0, "pass@k": fmean(passes) if passes else 0.0,
-                "stderr": stderr(wins), "tasks": len(tasks), "episodes": len(episodes),
-                "failed": sum(t.failed for t in episodes)}
+                "stderr": stderr(wins), "reward": fmean(rewards) if rewards else 0.0,
+                "reward_stderr": stdev(rewards) / sqrt(len(rewards)) if len(rewards) >= 2 else 0.0,
+                "tasks": len(tasks), "episodes": len(episodes), "failed": sum(t.failed for t in episodes)}
 
     envs: dict[str, dict[str, list[Trajectory]]] = defaultdict(dict)
     for task_id, ts in by_task.items():
         envs[ts[0].task.env][task_id] = ts
-    per_task = {task_id: {"env": ts[0].task.env, "wins": sum(map(won, ts)), "episodes": len(ts)}
+    per_task = {task_id: {"env": ts[0].task.env, "wins": sum(map(won, ts)), "episodes": len(ts),
+                          "reward_sum": round(sum(map(reward_of, ts)), 6)}
                 for task_id, ts in sorted(by_task.items())}
     return {"k": k, **block(by_task), "per_env": {env: block(tasks) for env, tasks in sorted(envs.items())},
             "per_task": per_task}
@@ -99,9 +108,13 @@ def metric_row(summary: dict) -> dict[str, float]:
     greedy evaluation ``eval/greedy/success`` and ``eval/greedy/success/<env>``)."""
     row = {"eval/success": summary["success"], "eval/pass@k": summary["pass@k"], "eval/k": summary["k"],
            "eval/failed": summary["failed"], "eval/stderr": summary["stderr"]}
+    if "reward" in summary:
+        row["eval/reward"] = summary["reward"]
     for env, s in summary["per_env"].items():
         row[f"eval/success/{env}"] = s["success"]
         row[f"eval/pass@k/{env}"] = s["pass@k"]
+        if "reward" in s:
+            row[f"eval/reward/{env}"] = s["reward"]
     if "greedy" in summary:
         row["eval/greedy/success"] = summary["greedy"]["success"]
         for env, s in summary["greedy"]["per_env"].items():
@@ -252,7 +265,7 @@ def summary_table(summary: dict) -> Table:
     at = f" at temperature {summary['temperature']:g}" if "temperature" in summary else ""
     table = Table(title=f"held-out success{at}: {summary['tasks']} tasks x "
                         f"{summary['episodes'] // max(summary['tasks'], 1)} episodes")
-    for column in ("environment", "tasks", "success (pass@1)", f"pass@{k}", "failed episodes"):
+    for column in ("environment", "tasks", "success (pass@1)", f"pass@{k}", "mean reward", "failed episodes"):
         table.add_column(column)
     greedy = summary.get("greedy")
     if greedy:
@@ -260,8 +273,10 @@ def summary_table(summary: dict) -> Table:
     rows = [*summary["per_env"].items(), ("all", summary)]
     for env, s in rows:
         g = greedy if env == "all" else (greedy or {}).get("per_env", {}).get(env)
+        reward = f"{s['reward']:.3f} ± {s['reward_stderr']:.3f}" if "reward" in s else "—"
         table.add_row(env, str(s["tasks"]), f"{100 * s['success']:.1f}% ± {100 * s['stderr']:.1f}",
-                      f"{100 * s['pass@k']:.1f}%", str(s["failed"]), *([f"{100 * g['success']:.1f}%"] if g else []))
+                      f"{100 * s['pass@k']:.1f}%", reward, str(s["failed"]),
+                      *([f"{100 * g['success']:.1f}%"] if g else []))
     return table
 
 
@@ -272,7 +287,8 @@ def eval_line(summary: dict) -> str:
     if "temperature" in summary:
         when += f" (T={summary['temperature']:g})"
     greedy = f"  greedy {summary['greedy']['success']:.2f}" if "greedy" in summary else ""
-    return (f"held-out eval {when}: success {summary['success']:.2f} ± {summary['stderr']:.2f}{greedy}  "
+    reward = f"  reward {summary['reward']:.3f}" if "reward" in summary else ""
+    return (f"held-out eval {when}: success {summary['success']:.2f} ± {summary['stderr']:.2f}{greedy}{reward}  "
             f"pass@{summary['k']} {summary['pass@k']:.2f}  ({envs})")
 
 
@@ -293,6 +309,9 @@ def eval_summary(result: dict) -> str:
              f"{a['step']} ({result['delta_points']['success']:+.1f} points over RL)"]
     if pair:
         lines.append(f"  RL's share: {share(pair['success'])}")
+    if "reward" in a and "reward" in b:  # a continuous reward reads here where success stays at 0
+        paired_reward = f"; RL's share {share(pair['reward'])} (reward x 100)" if "reward" in pair else ""
+        lines.append(f"  mean reward: {b['reward']:.3f} -> {a['reward']:.3f}{paired_reward}")
     if "greedy" in a and "greedy" in b:
         paired_greedy = f"; RL's share {share(pair['greedy']['success'])}" if "greedy" in pair else ""
         lines.append(f"  greedy: {pct(b['greedy'])} -> {pct(a['greedy'])} "
@@ -349,6 +368,13 @@ def task_rates(summary: dict, env: str | None = None, envs: frozenset[str] | Non
             if s["episodes"] and env in (None, s["env"]) and (envs is None or s["env"] in envs)}
 
 
+def task_rewards(summary: dict, env: str | None = None) -> dict[str, float]:
+    """Task id -> mean reward in one evaluation, of ``env``'s tasks alone if given (tasks an older eval.json kept
+    without rewards are left out)."""
+    return {task: s["reward_sum"] / s["episodes"] for task, s in summary["per_task"].items()
+            if s["episodes"] and "reward_sum" in s and env in (None, s["env"])}
+
+
 def success_over(summary: dict, envs: frozenset[str]) -> float:
     """Success over the episodes of the environments in ``envs`` (an evaluation's summary)."""
     blocks = [s for env, s in summary["per_env"].items() if env in envs]
@@ -385,7 +411,11 @@ def paired(after: dict, before: dict) -> dict | None:
         return None
     envs = sorted({s["env"] for s in [*after["per_task"].values(), *before["per_task"].values()]})
     out = {"success": paired_difference(task_rates(after), task_rates(before)),
-           "per_env": {env: paired_difference(task_rates(after, env), task_rates(before, env)) for env in envs}}
+           "per_env": {env: paired_difference(task_rates(after, env), task_rates(before, env)) for env in envs},
+           # the mean reward (continuous ones as they are), in points of reward x 100
+           "reward": paired_difference(task_rewards(after), task_rewards(before)),
+           "reward_per_env": {env: paired_difference(task_rewards(after, env), task_rewards(before, env))
+                              for env in envs}}
     greedy = paired(after["greedy"], before["greedy"]) if "greedy" in after and "greedy" in before else None
     if greedy is not None:
         out["greedy"] = greedy

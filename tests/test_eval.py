@@ -36,11 +36,40 @@ def test_summary_per_environment_counts_failed_episodes_as_failures():
                 _traj("repo", "c", True)])
     s = summarize(trajs, k=4)
     assert s["per_env"]["terminal"] == {"success": 0.125, "pass@k": 0.5, "tasks": 2, "episodes": 8, "failed": 0,
-                                        "stderr": pytest.approx((0.125 * 0.875 / 7) ** 0.5)}
+                                        "stderr": pytest.approx((0.125 * 0.875 / 7) ** 0.5), "reward": 0.125,
+                                        "reward_stderr": pytest.approx(0.125)}
     assert s["per_env"]["repo"]["success"] == 0.5 and s["per_env"]["repo"]["failed"] == 1
+    assert s["per_env"]["repo"]["reward"] == 0.5  # the failed episode's 1.0 counts 0, as its success does
     assert s["success"] == pytest.approx(3 / 12) and s["tasks"] == 3
     row = metric_row(s)
     assert row["eval/success/repo"] == 0.5 and row["eval/pass@k/terminal"] == 0.5 and row["eval/k"] == 4
+
+
+def test_a_continuous_reward_is_reported_beside_success_and_paired(tmp_path):
+    """#55: an environment whose reward is continuous read 0% -> 0% everywhere; the mean reward (with its standard
+    error), its paired change over RL and the end-of-run summary carry it beside success."""
+    def run(values):
+        trajs = []
+        for task, vs in values.items():
+            for v in vs:
+                t = Trajectory(task=Task(id=task, env="vf", family="f", seed=0, instruction="", split="heldout"),
+                               group="g")
+                t.reward = Reward(value=v, success=v >= 1.0)
+                trajs.append(t)
+        return summarize(trajs, k=2)
+
+    before = run({"a": [0.1, 0.2], "b": [0.0, 0.1], "c": [0.3, 0.3]})
+    after = run({"a": [0.5, 0.6], "b": [0.2, 0.2], "c": [0.4, 0.6]})
+    assert before["success"] == after["success"] == 0.0
+    assert after["reward"] == pytest.approx((0.5 + 0.6 + 0.2 + 0.2 + 0.4 + 0.6) / 6)
+    assert after["per_env"]["vf"]["reward_stderr"] > 0 and metric_row(after)["eval/reward/vf"] == after["reward"]
+    pair = paired(after, before)["reward"]
+    assert pair["tasks"] == 3 and pair["mean_points"] == pytest.approx(100 * (0.4 + 0.15 + 0.2) / 3, abs=0.01)
+    record = EvalRecord(tmp_path / "eval.json", k=2, per_family=3)
+    record.add({"step": 0, **before})
+    record.add({"step": 5, **after})
+    text = eval_summary(record.as_dict())
+    assert f"mean reward: {before['reward']:.3f} -> {after['reward']:.3f}; RL's share +25.0" in text, text
 
 
 def test_heldout_tasks_are_fixed_and_held_out():
@@ -263,7 +292,7 @@ def test_eval_json_pairs_before_and_after_task_by_task(tmp_path):
                                        "t/2": ("terminal", [True, False]), "r/0": ("repo", [False, True])})}
     before["greedy"] = _evaluated({"t/0": ("terminal", [False]), "t/1": ("terminal", [True])})
     after["greedy"] = _evaluated({"t/0": ("terminal", [True]), "t/1": ("terminal", [True])})
-    assert before["per_task"]["t/1"] == {"env": "terminal", "wins": 1, "episodes": 2}
+    assert before["per_task"]["t/1"] == {"env": "terminal", "wins": 1, "episodes": 2, "reward_sum": 1.0}
     record = EvalRecord(tmp_path / "eval.json", k=2, per_family=3)
     record.add(before)
     record.add(after)
