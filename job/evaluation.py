@@ -24,7 +24,7 @@ from rich.table import Table
 from sandforge.config import EnvironmentConfig, JobConfig
 from sandforge.job.console import JobError
 from sandforge.environments.task_sources import FiniteSource
-from sandforge.job.tasks import env_source, with_reward_rule
+from sandforge.job.tasks import env_source, with_reward_rule, with_success_at
 from sandforge.types import Task, Trajectory
 
 
@@ -41,7 +41,8 @@ def heldout_tasks(envs: list[EnvironmentConfig], per_family: int) -> list[Task]:
                 found = [t for t in source.tasks if t.family == family and t.split == "heldout"][:n]
             else:
                 found = [source.task(family, seed, "heldout") for seed in range(n)]
-            tasks += [with_reward_rule(t, env.reward_rule) for t in found]  # success is the same reward as training's
+            # success is the same reward as training's, at the same threshold
+            tasks += [with_success_at(with_reward_rule(t, env.reward_rule), env.success_at) for t in found]
     return tasks
 
 

@@ -45,7 +45,7 @@ class TaskSampler:
             i = self.rng.choices(range(len(self.envs)), weights=weights)[0]
             family = self.rng.choice(self.families[i])
             task = self.sources[i].task(family, self.rng.randrange(2**31), split)
-            task = with_reward_rule(task, self.envs[i].reward_rule)
+            task = with_success_at(with_reward_rule(task, self.envs[i].reward_rule), self.envs[i].success_at)
             tasks.append(with_partial_credit(task) if self.envs[i].partial_credit else task)
         return tasks
 
@@ -72,6 +72,12 @@ def with_reward_rule(task: Task, rule: str) -> Task:
         return task
     return replace(task, checks=[{"reward": rule, **c} if takes_reward_rule(c.get("verifier")) else c
                                  for c in task.checks])
+
+
+def with_success_at(task: Task, success_at: float | None) -> Task:
+    """``task`` whose episodes succeed at a reward of ``success_at`` or more (an environment's ``success_at``); None
+    leaves the verifiers' own verdict."""
+    return task if success_at is None else replace(task, success_at=float(success_at))
 
 
 def with_partial_credit(task: Task) -> Task:

@@ -54,6 +54,12 @@ class WorkerSetup:
     agent: AgentConfig = field(default_factory=AgentConfig)  # agent.harness: an unmodified harness drives episodes, behind the proxy
 
 
+def at_threshold(traj: Trajectory) -> None:
+    """A graded episode of a task with ``success_at`` succeeds when its reward reaches it (a continuous reward)."""
+    if traj.task.success_at is not None and not traj.failed and traj.reward is not None:
+        traj.reward.success = traj.reward.value >= traj.task.success_at - 1e-9
+
+
 class RolloutWorker:
     """``engine``: the engine actor's name as in ``setup`` (the driver's way), or any object with ``async
     generate(request)`` (tests, benchmarks). With ``setup.remote`` the worker talks to that server itself."""
@@ -187,8 +193,10 @@ class RolloutWorker:
         return self._finished(traj, limits, scripted)
 
     def _finished(self, traj: Trajectory, limits: EpisodeLimits, scripted: bool) -> dict:
-        """The episode as it travels to the driver: which worker ran it, and the temperature its policy sampled at."""
+        """The episode as it travels to the driver: which worker ran it, the temperature its policy sampled at, and
+        its success at the task's ``success_at`` where the environment sets one."""
         traj.metadata["worker"] = self.worker_id
+        at_threshold(traj)
         if not scripted:
             traj.temperature = limits.temperature
         return traj.to_dict()

@@ -109,6 +109,9 @@ class EnvironmentConfig(Section):
     # task files and folders: the fraction of tasks without a split of their own held out, by a stable hash of the name
     # (for a verifiers environment, of each task's key)
     heldout: float = Field(0.0, ge=0, le=1)
+    # the reward at or above which an episode counts as a success (held-out success, success-based advantages,
+    # pass@k), for an environment whose reward is continuous; null: the verifiers' own verdict (every check scored 1)
+    success_at: float | None = Field(None, gt=0, le=1)
     # name: verifiers only (docs/verifiers-envs.md): the installed verifiers environment module to run, and its
     # taskset's arguments
     id: str | None = None

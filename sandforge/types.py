@@ -172,6 +172,9 @@ class Task:
     checks: list[dict[str, Any]] = field(default_factory=list)
     solution: list[ToolCall] = field(default_factory=list)
     split: Literal["train", "heldout"] = "train"
+    # the reward at or above which the episode counts as a success (an environment's ``success_at``, for a continuous
+    # reward); None: the verifiers' own verdict (every check scored 1)
+    success_at: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> Task:
