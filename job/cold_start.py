@@ -130,25 +130,52 @@ def warmup(job: RLJob) -> None:
     import ray
 
     w = job.cfg.warmup
-    demos, tried = verified_demonstrations(job)
+    demos, tried = verified_demonstrations(job) if w.episodes else ([], 0)
+    items = [training_rows([d]) for d in demos] + [[row] for row in conversation_rows(job)]
     trainer_ranks.set_lr(job.ranks, w.lr)
-    bar = job.bar.add_task(f"warm start: SFT on {len(demos)} verified episodes", total=w.steps)
+    what = " and ".join(x for x in (f"{len(demos)} verified episodes" * bool(w.episodes),
+                                    f"{len(items) - len(demos)} conversations" * bool(w.data)) if x)
+    bar = job.bar.add_task(f"warm start: SFT on {what}", total=w.steps)
     losses = []
     copies = copy_source(job, "warmup") if w.copy_rows else None
-    for step, picks in enumerate(epoch_batches(len(demos), w.batch_size, w.steps, job.rng)):
-        batch = [demos[i] for i in picks]
+    for step, picks in enumerate(epoch_batches(len(items), w.batch_size, w.steps, job.rng)):
+        batch = [row for i in picks for row in items[i]]
         t0 = time.monotonic()
-        m = trainer_ranks.train(job.ranks, training_rows(batch) + (copies(w.copy_rows) if copies else []), mode="sft")
+        m = trainer_ranks.train(job.ranks, batch + (copies(w.copy_rows) if copies else []), mode="sft")
         job.tick("sft", 1, time.monotonic() - t0)
         losses.append(m["loss"])
         job.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
         job.bar.update(bar, advance=1, description=f"warm start: SFT loss {m['loss']:.3f}")
-    job.bar.console.print(f"warm start: {len(demos)}/{tried} reference episodes verified; SFT loss {losses[0]:.3f} -> "
+    verified = f"{len(demos)}/{tried} reference episodes verified" if w.episodes else ""
+    data = f"{len(items) - len(demos)} conversations from {w.data}" if w.data else ""
+    job.bar.console.print(f"warm start: {'; '.join(x for x in (verified, data) if x)}; SFT loss {losses[0]:.3f} -> "
                           f"{losses[-1]:.3f} in {w.steps} steps", soft_wrap=True)
     trainer_ranks.set_lr(job.ranks, job.cfg.trainer.lr)
     ray.get([rank.reset_reference.remote() for rank in job.ranks])
     job.version += 1
     job.push_weights()
+
+
+def conversation_rows(job: RLJob) -> list[TrainingRow]:
+    """``warmup.data``'s conversations as training rows (job/sft_data.py); those past ``rollout.max_context`` are
+    left out, and the run says how many. JobError naming the file and line for one that cannot be read."""
+    from sandforge.job.sft_data import DataError, data_rows
+    from sandforge.models.build import load_chat
+
+    path = job.cfg.warmup.data
+    if path is None:
+        return []
+    try:
+        rows, long = data_rows(load_chat(job.cfg.model), path, job.cfg.rollout.max_context)
+    except DataError as e:
+        raise JobError(f"warmup.data: {e}") from None
+    if long:
+        job.bar.console.print(f"warm start: {long} conversation(s) of {path} are longer than rollout.max_context "
+                              f"({job.cfg.rollout.max_context} tokens) and are left out", soft_wrap=True,
+                              style="yellow", markup=False)
+    if not rows:
+        raise JobError(f"warmup.data: every conversation of {path} is longer than rollout.max_context")
+    return rows
 
 
 def before_rl(job: RLJob, rl_follows: bool = True) -> None:

@@ -132,6 +132,13 @@ def _tool_schema(t: Any, i: int) -> dict:
     return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
 
 
+def read_tools(tools: Any) -> list[dict]:
+    """A request's (or a conversation's) ``tools``, each checked as the chat templates read it; BadRequest if not."""
+    if not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    return [_tool_schema(t, i) for i, t in enumerate(tools)]
+
+
 MAX_SCHEMA_DEPTH = 16  # nested objects in a tool's parameters
 
 

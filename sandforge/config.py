@@ -333,9 +333,13 @@ class WarmupConfig(Section):
     """Supervised warm start on verified reference-solution episodes, so RL starts from a policy that calls tools."""
 
     steps: int = Field(0, ge=0)
-    episodes: int = Field(16, ge=1)
+    episodes: int = Field(16, ge=0)  # reference-solution episodes replayed (0: none, with ``data``)
     batch_size: int = Field(8, ge=1)
     lr: float = Field(3e-3, gt=0)
+    # chat conversations to learn from beside the reference episodes (job/sft_data.py): JSONL with ``messages`` (and
+    # optionally ``tools``), as TRL's and prime-rl's SFT take them, or a Hugging Face dataset saved with save_to_disk;
+    # rendered with the policy's own template, trained on the assistant tokens only
+    data: Path | None = None
     # generated copy exchanges (as in pretrain) mixed into each step: reference episodes drawn from small word pools
     # otherwise teach a small policy to recite the pools' words instead of copying the task's
     copy_rows: int = Field(0, ge=0)

@@ -17,6 +17,11 @@ def combination_problems(cfg, source: str) -> Iterator[str]:
         yield (f"{source}: 'model.lora' with 'trainer.zero_stage' 3 is not supported (the KL reference runs "
                "the policy under other adapters, which ZeRO-3's partitioned parameters do not allow): use "
                "zero_stage 2, which with LoRA already keeps only the adapters' optimizer state")
+    if cfg.warmup.steps > 0 and cfg.warmup.episodes == 0 and cfg.warmup.data is None:
+        yield (f"{source}: 'warmup.steps' is {cfg.warmup.steps} with 'warmup.episodes' 0 and no 'warmup.data': the "
+               "warm start has nothing to learn from; give it reference episodes or a file of conversations")
+    if cfg.warmup.data is not None and not cfg.warmup.data.exists():
+        yield f"{source}: 'warmup.data' {cfg.warmup.data}: no such file or folder"
     if cfg.agent.harness is not None and cfg.warmup.steps > 0:
         yield (f"{source}: 'warmup.steps' with 'agent.harness' is not supported: the warm start replays reference "
                "solutions through sandforge's own agent loop, whose format the harness does not speak; set "

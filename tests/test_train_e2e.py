@@ -214,3 +214,25 @@ def test_a_local_hugging_face_model_trains_end_to_end(tmp_path, terminal_image):
     assert len(rl) == 2 and not any(t.failed for t in rl), [t.failure for t in rl]
     saved = out / "checkpoints" / "step_1" / "policy"
     assert (saved / "config.json").is_file() and (saved / "tokenizer.json").is_file()
+
+
+def test_the_warm_start_learns_from_a_file_of_conversations(tmp_path):
+    """``warmup.data`` with no reference episodes (#55): `sandforge sft` trains on a JSONL file of chat conversations
+    and writes the policy RL would start from."""
+    conversation = {"messages": [
+        {"role": "user", "content": "Create /workspace/a.txt holding hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "bash", "arguments": json.dumps({"command": "echo hi > /workspace/a.txt"})}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "[exit code 0]"},
+        {"role": "assistant", "content": "done"}]}
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(conversation) for _ in range(6)) + "\n")
+    out = tmp_path / "run"
+    proc = subprocess.run(sandforge("sft", "configs/terminal.yaml", "warmup.steps=2", "warmup.episodes=0",
+                                    f"warmup.data={data}", "pretrain.steps=0", f"run.output_dir={out}",
+                                    "logging.wandb.mode=disabled"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = proc.stdout + proc.stderr  # the console writes to stderr
+    assert f"warm start: 6 conversations from {data}" in said, said[-2000:]
+    assert (out / "checkpoints" / "step_0" / "policy" / "config.json").is_file()
