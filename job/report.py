@@ -24,7 +24,7 @@ class Series:
     x: list[float]
     y: list[float]
     env: str = ""  # colours match across panels by environment
-    style: str = "line"  # "line" | "dotted" | "base" | "before" | "after" (eval.json markers)
+    style: str = "line"  # "line" | "dotted" | "reward" | "base" | "before" | "after" (eval.json markers)
     err: list[float] | None = None  # eval.json markers: each point's standard error, drawn as an error bar
 
 
@@ -91,6 +91,10 @@ def panels(metrics: dict[str, list[dict]], summary: dict) -> list[Panel]:
     for s in curve(ev, "eval/greedy/success", "all envs, greedy", "all"):
         s.style = "dotted"
         held.series.append(s)
+    # the mean reward: a continuous one moves where success does not
+    for s in curve(ev, "eval/reward", "all envs, mean reward", "all"):
+        s.style = "reward"
+        held.series.append(s)
 
     def single(title: str, key: str, rows: list[dict], phase: str, x_key: str = "step") -> Panel:
         return Panel(title, f"no {phase} rows with {key} in metrics.jsonl", curve(rows, key, key, x_key=x_key))
@@ -146,6 +150,8 @@ def plot_curves(panel_list: list[Panel]):
             color = colors.get(s.env, "C0")
             if s.style == "dotted":
                 ax.plot(s.x, s.y, color=color, label=s.label, linestyle=":", marker=".")
+            elif s.style == "reward":
+                ax.plot(s.x, s.y, color=color, label=s.label, linestyle="-.", marker="x", alpha=0.7)
             elif s.style == "line":
                 y = s.y
                 if len(s.x) >= SMOOTH_FROM:  # the raw values faint, their rolling mean on top
@@ -195,6 +201,8 @@ def summary_rows(run_dir: Path, metrics: dict[str, list[dict]], summary: dict, e
     if isinstance(before.get("greedy"), dict) and isinstance(after.get("greedy"), dict):
         rows.append(("held-out success, greedy", f"{fmt(before['greedy'].get('success'))} → "
                                                  f"{fmt(after['greedy'].get('success'))}"))
+    if "reward" in before and "reward" in after:
+        rows.append(("held-out mean reward", f"{fmt(before['reward'])} → {fmt(after['reward'])}"))
     for env in ["all"] + sorted(set(before.get("per_env") or {}) | set(after.get("per_env") or {})):
         b = before if env == "all" else (before.get("per_env") or {}).get(env, {})
         a = after if env == "all" else (after.get("per_env") or {}).get(env, {})

@@ -88,7 +88,7 @@ def test_curves_follow_the_metrics_rows():
     held = panel(p, "held-out success: base, warm start, RL").series
     lines = {s.label: (s.x, s.y) for s in held if s.style == "line"}
     assert lines["terminal"] == ([0, 5, 10], [0.3, 0.55, 0.8])  # eval rows
-    markers = {s.label: (s.x, s.y) for s in held if s.style != "line"}
+    markers = {s.label: (s.x, s.y) for s in held if s.style not in ("line", "reward")}
     assert markers["terminal before"] == ([0], [0.3]) and markers["all after"] == ([10], [0.7])
     with_base = {**summary, "base": {**summary["before"], "success": 0.05, "stderr": 0.02,
                                      "per_env": {"terminal": {"success": 0.1, "stderr": 0.04}}}}
@@ -201,3 +201,20 @@ def test_browser_screenshots_land_in_the_run_directory_the_report_and_show(tmp_p
     console = Console(file=io.StringIO(), width=160, color_system=None)
     console.print(render_episode(last))
     assert "screenshots/eval-7/0000-1.png" in console.file.getvalue()
+
+
+def test_the_held_out_mean_reward_is_drawn_and_listed():
+    """#55: a continuous reward reads in the report where success stays at 0: its mean is a line of the held-out
+    panel and a row of the summary."""
+    from sandforge.job.report import summary_rows
+
+    metrics, summary = read_metrics(SAMPLE), read_eval(SAMPLE)
+    ev = [{**r, "eval/reward": 0.1 * (i + 1)} for i, r in enumerate(metrics["eval"])]
+    held = panel(panels({**metrics, "eval": ev}, summary), "held-out success: base, warm start, RL").series
+    (reward,) = [s for s in held if s.style == "reward"]
+    assert reward.label == "all envs, mean reward" and reward.y == pytest.approx([0.1, 0.2, 0.3])
+    plot_curves(panels({**metrics, "eval": ev}, summary))
+    with_reward = {**summary, "before": {**summary["before"], "reward": 0.12},
+                   "after": {**summary["after"], "reward": 0.34}}
+    rows = dict(summary_rows(SAMPLE, metrics, with_reward, []))
+    assert rows["held-out mean reward"] == "0.120 → 0.340"
