@@ -301,3 +301,23 @@ def test_a_task_subclass_with_tool_servers_is_refused_whatever_the_declared_type
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(TaskSourceError, match="tool servers .*Shell.*on the host"):
         load_tasks("sf_subclassed_env", {})
+
+
+def test_the_held_out_split_does_not_move_when_only_the_system_prompt_changes(monkeypatch):
+    """#55: verifiers' task key hashes the task's whole data, its system prompt included, so editing the prompt
+    silently changed which tasks were held out. The split is keyed on the task without its system prompt (or on the
+    durable key a task class defines)."""
+    from sandforge.environments.vf import tasks as vf_tasks
+
+    plain = load_tasks("reverse_words", {"num_tasks": 60, "seed": 3}, heldout=0.3)
+    real_list = vf_tasks.task_list
+
+    def prompted(env):
+        return [t.with_data(system_prompt="You are a careful assistant. Answer in tags.") for t in real_list(env)]
+
+    monkeypatch.setattr(vf_tasks, "task_list", prompted)
+    edited = load_tasks("reverse_words", {"num_tasks": 60, "seed": 3}, heldout=0.3)
+    assert [t.setup["verifiers"]["key"] for t in edited] != [t.setup["verifiers"]["key"] for t in plain]
+    assert [t.split for t in edited] == [t.split for t in plain]
+    assert 0 < sum(t.split == "heldout" for t in plain) < len(plain)
+    assert isinstance(vf().Task.key, property)

@@ -5,7 +5,7 @@
 its tasks becomes a sandforge ``Task`` that points back at it by position (``setup["verifiers"]``): the rollout worker
 loads the same environment and runs that task (rollout/vf_episode.py), so the verifiers task itself never crosses a
 process boundary. Family: the module; held-out split: the job's ``heldout`` fraction, by a stable hash of the task's
-key. An endless taskset is read up to ``MAX_TASKS``.
+key without its system prompt (``split_key``). An endless taskset is read up to ``MAX_TASKS``.
 
 The episode is verifiers' own: its ``null`` harness (a chat loop that runs no code) in its ``subprocess`` runtime, so
 nothing the policy writes executes on the host. A taskset whose tasks need a container, or that declares tool servers
@@ -97,5 +97,17 @@ def load_tasks(module: str, args: dict[str, Any], heldout: float = 0.0) -> list[
         out.append(Task(id=f"{module}/{position}-{name}", env="verifiers", family=module, seed=position,
                         instruction=d.prompt_text or "(the environment's user opens the conversation)",
                         setup={"verifiers": {"id": module, "args": dict(args), "position": position, "key": key}},
-                        split="heldout" if heldout_by_hash(key, heldout) else "train"))
+                        split="heldout" if heldout_by_hash(split_key(t), heldout) else "train"))
     return out
+
+
+def split_key(task: Any) -> str:
+    """What the held-out split hashes: the key a task class defines for itself (a dataset's durable id), else the
+    hash verifiers' default key takes of the task's data, without its system prompt: editing an environment's prompt
+    must not move tasks between training and held-out (verifiers' own key changes with it)."""
+    api = vf()
+    if type(task).key is not api.Task.key:  # a durable key of the task class's own
+        return task.key
+    from verifiers.v1.task import task_key
+
+    return task_key(task.data.model_dump(mode="json", exclude_none=True, exclude={"system_prompt", "idx"}))
