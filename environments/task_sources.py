@@ -19,7 +19,7 @@ from sandforge.types import Task
 
 SPLITS = ("train", "heldout")
 _TASK_FIELDS = {"id": str, "env": str, "family": str, "seed": int, "instruction": str, "setup": dict, "checks": list,
-                "solution": list, "split": str}
+                "solution": list, "split": str, "success_at": (int, float, type(None))}
 _REQUIRED = ("id", "env", "family", "instruction", "checks")
 
 
@@ -90,8 +90,12 @@ def task_from_dict(d: Any, where: str) -> Task:
     if missing:
         raise TaskSourceError(f"{where}: missing task field(s) {', '.join(missing)}")
     for key, kind in _TASK_FIELDS.items():
-        if key in d and (not isinstance(d[key], kind) or (kind is int and isinstance(d[key], bool))):
-            raise TaskSourceError(f"{where}: '{key}' must be {kind.__name__}, got {json.dumps(d[key])[:60]}")
+        if key in d and (not isinstance(d[key], kind) or (kind in (int, (int, float, type(None)))
+                                                          and isinstance(d[key], bool))):
+            name = "a number or null" if isinstance(kind, tuple) else kind.__name__
+            raise TaskSourceError(f"{where}: '{key}' must be {name}, got {json.dumps(d[key])[:60]}")
+    if d.get("success_at") is not None and not 0 < d["success_at"] <= 1:
+        raise TaskSourceError(f"{where}: 'success_at' must be in (0, 1], got {d['success_at']}")
     if d.get("split", "train") not in SPLITS:
         raise TaskSourceError(f"{where}: 'split' must be one of {', '.join(SPLITS)}, got {d['split']!r}")
     if not d["checks"]:

@@ -31,3 +31,25 @@ def test_a_graded_episode_succeeds_at_the_threshold():
     assert graded(0.6, 0.5) and graded(0.5, 0.5) and not graded(0.49, 0.5)
     assert not graded(0.9, None)  # no threshold: the verifiers' verdict stands
     assert not graded(0.9, 0.5, failed=True)  # a failed episode never succeeds
+
+
+def test_task_files_carry_the_threshold_and_refuse_a_bad_one(tmp_path):
+    """A task written with ``write_jsonl`` (success_at included) reads back; a threshold out of (0, 1] or not a number
+    is an error naming the file and line."""
+    import json
+    from dataclasses import asdict
+
+    import pytest
+
+    from sandforge.environments.task_sources import TaskSourceError, load_jsonl
+
+    task = Task(id="t", env="terminal", family="f", seed=0, instruction="do", checks=[{"verifier": "file_exists",
+                                                                                        "path": "/a"}])
+    path = tmp_path / "tasks.jsonl"
+    for value, ok in ((None, True), (0.5, True), (1, True), (1.5, False), ("high", False), (True, False)):
+        path.write_text(json.dumps({**asdict(task), "success_at": value}) + "\n")
+        if ok:
+            assert load_jsonl(path)[0].success_at == value
+        else:
+            with pytest.raises(TaskSourceError, match="tasks.jsonl.* 'success_at' must"):
+                load_jsonl(path)
