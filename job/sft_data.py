@@ -6,7 +6,7 @@ OpenAI chat shape: ``system``, ``user``, ``assistant`` and ``tool`` messages; an
 ``reasoning_content`` or ``reasoning``; text content parts) and optionally ``tools`` (OpenAI function schemas the
 conversation was held with). A folder is a Hugging Face dataset saved with ``save_to_disk`` (the ``datasets``
 package), whose rows have the same columns. Each conversation is rendered with the policy's own chat template, as
-the agent loop renders an episode (rollout/rows.py ``render_conversation``), and trained on its assistant tokens only
+the agent loop renders an episode (rollout/rows.py ``conversation_tokens``), and trained on its assistant tokens only
 (the loss mask). A line that cannot be read is a ``DataError`` naming the file and line; nothing is dropped silently.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sandforge.rollout.chat_api import BadRequest, read_message, read_tools
+from sandforge.rollout.rows import conversation_tokens
 from sandforge.types import Message, TrainingRow
 
 
@@ -86,34 +87,17 @@ def read_conversations(path: str | Path) -> list[Conversation]:
 
 
 def conversation_row(chat, conv: Conversation) -> TrainingRow:
-    """``conv`` rendered with the policy's chat format, as an episode is (the leading system and user messages as the
-    prompt, each assistant message as the policy's reply, the user and tool messages after one as its observations),
-    the loss on the assistant replies' tokens only."""
-    messages = conv.messages
-    lead = 0
-    while lead < len(messages) and messages[lead].role in ("system", "user"):
-        lead += 1
-    ids = chat.render_prompt(conv.tools, messages[:lead])
-    mask = [0] * len(ids)
-    i = lead
-    while i < len(messages):
-        m = messages[i]
-        if m.role == "assistant":
-            if i + 1 < len(messages) and messages[i + 1].role == "assistant":
-                raise DataError(f"{conv.where}: messages[{i + 1}]: two assistant messages in a row")
-            reply = chat.render_assistant(m)
-            ids, mask = ids + reply, mask + [1] * len(reply)
-            i += 1
-            continue
-        run = i
-        while i < len(messages) and messages[i].role in ("user", "tool"):
-            i += 1
-        if i < len(messages) and messages[i].role == "system":
-            raise DataError(f"{conv.where}: messages[{i}]: a system message after the conversation started")
-        if i == len(messages):  # trailing user or tool messages answer nothing the policy learns: left out
-            break
-        observed = chat.render_observations(messages[run:i], closed=True)
-        ids, mask = ids + observed, mask + [0] * len(observed)
+    """``conv`` rendered with the policy's chat format, as an episode is (rollout/rows.py ``conversation_tokens``: the
+    leading system and user messages as the prompt, each assistant message as the policy's reply, the user and tool
+    messages after one as its observations), the loss on the assistant replies' tokens only. Trailing user or tool
+    messages answer nothing the policy learns and are left out."""
+    messages = list(conv.messages)
+    while messages and messages[-1].role != "assistant":
+        messages.pop()
+    try:
+        ids, mask = conversation_tokens(chat, conv.tools, messages)
+    except BadRequest as e:
+        raise DataError(f"{conv.where}: {e}") from None
     return TrainingRow(token_ids=ids, loss_mask=mask)
 
 

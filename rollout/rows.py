@@ -20,17 +20,26 @@ from sandforge.types import Message, Sample, TokenRow, Turn
 def render_conversation(chat, tools: list[dict], messages: list[Message]) -> list[int]:
     """The prompt of a fresh row: ``messages`` (system and user first, then assistant turns each followed by the user
     or tool messages that answer it) through the chat format, ending with the assistant header."""
+    return conversation_tokens(chat, tools, messages)[0]
+
+
+def conversation_tokens(chat, tools: list[dict], messages: list[Message]) -> tuple[list[int], list[int]]:
+    """``render_conversation``'s ids and, beside them, 1 on each assistant message's tokens (the policy's own) and 0
+    on the rest: what an SFT row of the conversation learns (job/sft_data.py). BadRequest for two assistant messages
+    in a row or a system message after the start."""
     lead = 0
     while lead < len(messages) and messages[lead].role in ("system", "user"):
         lead += 1
     ids = chat.render_prompt(tools, messages[:lead])
+    mask = [0] * len(ids)
     i = lead
     while i < len(messages):
         m = messages[i]
         if m.role == "assistant":
             if i + 1 < len(messages) and messages[i + 1].role == "assistant":
                 raise BadRequest(f"messages[{i + 1}]: two assistant messages in a row")
-            ids += chat.render_assistant(m)
+            reply = chat.render_assistant(m)
+            ids, mask = ids + reply, mask + [1] * len(reply)
             i += 1
             continue
         run = i
@@ -38,8 +47,9 @@ def render_conversation(chat, tools: list[dict], messages: list[Message]) -> lis
             i += 1
         if i < len(messages) and messages[i].role == "system":
             raise BadRequest(f"messages[{i}]: a system message after the conversation started is not supported")
-        ids += chat.render_observations(messages[run:i], closed=True)
-    return ids
+        observed = chat.render_observations(messages[run:i], closed=True)
+        ids, mask = ids + observed, mask + [0] * len(observed)
+    return ids, mask
 
 
 @dataclass(frozen=True)
