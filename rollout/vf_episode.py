@@ -1,8 +1,8 @@
 """One episode of a ``verifiers`` environment, its model calls served and recorded by sandforge.
 
-verifiers runs the episode as it would anywhere (``Env.run_episode``): its chat program in its subprocess runtime,
-its interception server in the rollout worker, the environment's own ``run`` (a scripted user for a multi-turn env)
-and, at the end, the task's own ``@vf.reward`` functions. The one thing sandforge changes is the endpoint: verifiers'
+verifiers runs the episode as it would anywhere (``Env.run_episode``): its chat program (in this worker:
+environments/vf/chat_harness.py), its interception server in the rollout worker, the environment's own ``run`` (a
+scripted user for a multi-turn env) and, at the end, the task's own ``@vf.reward`` functions. The one thing sandforge changes is the endpoint: verifiers'
 eval client relays every completion to this episode's recording proxy (rollout/proxy.py) on the host's loopback, with
 the episode's token in ``X-Sandforge-Episode``. So the rows are the proxy's (exactly the tokens the engine produced,
 split where the conversation was rewritten), and the reward is what verifiers computed: the sum of the trace's
@@ -26,7 +26,7 @@ from typing import Any
 
 from sandforge.environments.task_sources import TaskSourceError
 from sandforge.environments.vf.library import uv_on_path, vf
-from sandforge.environments.vf.tasks import AgentLimits, load_env, task_list
+from sandforge.environments.vf.tasks import HARNESS, AgentLimits, load_env, task_list
 from sandforge.rollout.agent import EpisodeLimits, ended, fail
 from sandforge.rollout.harness_episode import fill_rows, release
 from sandforge.rollout.policy_client import Policy, PolicyError
@@ -44,8 +44,9 @@ class VerifiersEnvs:
     """The verifiers environments a rollout worker runs: each loaded once, on first use, and held in its
     ``serving()`` context (interception server, shared tools) until ``close()``."""
 
-    def __init__(self, limits: AgentLimits = AgentLimits()) -> None:
+    def __init__(self, limits: AgentLimits = AgentLimits(), harness: str = HARNESS) -> None:
         self.limits = limits  # where verifiers stops the agent, and scores
+        self.harness = harness  # environments/vf/tasks.py's HARNESS (in the worker) or REFERENCE_HARNESS
         self._envs: dict[str, tuple[Any, list[Any]]] = {}
         self._stack = contextlib.AsyncExitStack()
         self._lock = asyncio.Lock()
@@ -56,7 +57,7 @@ class VerifiersEnvs:
         async with self._lock:
             if key not in self._envs:
                 uv_on_path()
-                env = await asyncio.to_thread(load_env, module, args, self.limits)
+                env = await asyncio.to_thread(load_env, module, args, self.limits, self.harness)
                 tasks = await asyncio.to_thread(task_list, env)
                 await self._stack.enter_async_context(env.serving())
                 self._envs[key] = (env, tasks)

@@ -20,7 +20,8 @@ from agent_fakes import CHAT, limits
 
 from sandforge.environments.task_sources import TaskSourceError
 from sandforge.environments.vf.library import vf
-from sandforge.environments.vf.tasks import load_env, load_tasks, task_list
+from sandforge.environments.vf import chat_harness
+from sandforge.environments.vf.tasks import HARNESS, REFERENCE_HARNESS, load_env, load_tasks, task_list
 from sandforge.rollout.policy_client import PolicyError
 from sandforge.rollout.proxy import ProxyBudget
 from sandforge.rollout.vf_episode import VerifiersEnvs, agent_limits, run_vf_episode
@@ -75,9 +76,9 @@ class ScriptedEngine:
         pass
 
 
-def run(tasks, engine, budget=ProxyBudget(10, 10_000), **limit):
+def run(tasks, engine, budget=ProxyBudget(10, 10_000), harness=HARNESS, **limit):
     async def main():
-        envs = VerifiersEnvs(agent_limits(limits(**limit), budget))
+        envs = VerifiersEnvs(agent_limits(limits(**limit), budget), harness=harness)
         try:
             return [await run_vf_episode(t, envs, engine, CHAT, limits(**limit), budget, f"g{i}", version=3)
                     for i, t in enumerate(tasks)]
@@ -115,6 +116,58 @@ def test_a_multi_turn_environment_keeps_one_row_over_its_users_turns():
     for before, after in zip(engine.requests, engine.requests[1:]):  # append-only: no token re-rendered
         assert after.prompt_ids[: len(before.prompt_ids)] == before.prompt_ids
     assert "Higher" in CHAT.tokenizer.decode(traj.token_ids) or "Lower" in CHAT.tokenizer.decode(traj.token_ids)
+
+
+def _far_guesses():
+    tasks = load_tasks("guess_number", {"num_tasks": 12, "seed": 1, "high": 8, "turns": 4})
+    return [t for t in tasks if _secret(t) in (1, 8)][:1]
+
+
+@pytest.mark.parametrize("module, args", [("reverse_words", {"num_tasks": 40, "seed": 3}), ("guess_number", None)])
+def test_the_chat_loop_in_the_worker_records_what_verifiers_own_process_per_episode_does(module, args, monkeypatch):
+    """#54: verifiers' null harness starts a process per episode (its chat program as a uv script, ~1 CPU-s of
+    imports); sandforge runs the same program in the rollout worker. Same episodes, same engine: the same prompts,
+    rows, masks and rewards as the reference, and no process started."""
+    if args:
+        tasks = load_tasks(module, args)
+        tasks = tasks[:3] + [next(t for t in tasks if t.instruction.startswith("k"))]  # and a near miss
+    else:
+        tasks = _far_guesses()
+    reference_engine, engine = ScriptedEngine(), ScriptedEngine()
+    reference = run(tasks, reference_engine, harness=REFERENCE_HARNESS)
+
+    async def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args[:3]}")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", no_process)
+    ours = run(tasks, engine, harness=HARNESS)
+    assert [r.prompt_ids for r in engine.requests] == [r.prompt_ids for r in reference_engine.requests]
+    for a, b in zip(ours, reference):
+        assert not a.failed and not b.failed, (a.failure, b.failure)
+        assert (a.token_ids, a.loss_mask, a.logprobs) == (b.token_ids, b.loss_mask, b.logprobs)
+        assert (a.reward.value, a.reward.success, a.finish_reason) == (b.reward.value, b.reward.success,
+                                                                      b.finish_reason)
+    assert len({t.reward.value for t in ours}) > 1 or module == "guess_number"  # near misses and exact answers
+
+
+def test_the_chat_loop_in_the_worker_closes_its_clients_and_reports_a_dead_engine_as_the_process_would(monkeypatch):
+    """Each episode's OpenAI client (a process would have closed it by exiting) is closed when its loop ends; a
+    dead engine fails the episode under both harnesses alike."""
+    module = chat_harness.program()
+    opened = []
+    real = module.AsyncOpenAI
+
+    def recording(*args, **kwargs):
+        client = real(*args, **kwargs)
+        opened.append(client)
+        return client
+
+    monkeypatch.setattr(module, "AsyncOpenAI", recording)
+    tasks = load_tasks("reverse_words", {"num_tasks": 40, "seed": 3})[:2]
+    assert all(not t.failed for t in run(tasks, ScriptedEngine()))
+    assert len(opened) == 2 and all(c.is_closed() for c in opened)
+    dead = [run(tasks[:1], ScriptedEngine(fail=True), harness=h)[0] for h in (HARNESS, REFERENCE_HARNESS)]
+    assert all(d.failed and "engine" in d.failure for d in dead), [d.failure for d in dead]
 
 
 def test_a_budget_that_runs_out_is_scored_and_a_dead_engine_fails_only_its_episode():
@@ -321,3 +374,14 @@ def test_the_held_out_split_does_not_move_when_only_the_system_prompt_changes(mo
     assert [t.split for t in edited] == [t.split for t in plain]
     assert 0 < sum(t.split == "heldout" for t in plain) < len(plain)
     assert isinstance(vf().Task.key, property)
+
+
+def test_a_warm_start_replaying_references_is_refused_for_a_verifiers_environment_before_anything_runs():
+    """#55: a warm start with a verifiers environment ran a minute of episodes before "no reference episode passed
+    its verifier": its tasks have a rubric and no reference solution. The job check refuses it and says what works."""
+    from sandforge.config import ConfigError, load_config
+    from sandforge.job.preflight import validate_job
+
+    with pytest.raises(ConfigError, match=r"verifiers.yaml: 'warmup.episodes' is 4, but environments\[0\] "
+                                          r"\(verifiers reverse_words\) brings no reference solution"):
+        validate_job(load_config("configs/verifiers.yaml", ["warmup.steps=2", "warmup.episodes=4"]), "verifiers.yaml")

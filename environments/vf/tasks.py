@@ -7,8 +7,9 @@ loads the same environment and runs that task (rollout/vf_episode.py), so the ve
 process boundary. Family: the module; held-out split: the job's ``heldout`` fraction, by a stable hash of the task's
 key without its system prompt (``split_key``). An endless taskset is read up to ``MAX_TASKS``.
 
-The episode is verifiers' own: its ``null`` harness (a chat loop that runs no code) in its ``subprocess`` runtime, so
-nothing the policy writes executes on the host. A taskset whose tasks need a container, or that declares tool servers
+The episode is verifiers' own: its ``null`` harness's chat loop (which runs no code), so nothing the policy writes
+executes on the host. sandforge runs that loop in the rollout worker (chat_harness.py, one process for every
+episode); ``null`` itself, a process per episode in verifiers' ``subprocess`` runtime, is the reference. A taskset whose tasks need a container, or that declares tool servers
 (they would run the policy's calls on the host), is refused here with the reason.
 """
 
@@ -19,12 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
+from sandforge.environments.vf import chat_harness
 from sandforge.environments.vf.library import vf
 from sandforge.types import Task
 
 FAMILIES: dict = {}  # no seeded tasks: each job's `id` names the environment (one family per module)
 MAX_TASKS = 10_000
-HARNESS = "null"  # verifiers' tool-less chat loop: the model's replies go nowhere but the conversation
+HARNESS = "in_process"  # verifiers' tool-less chat loop, run in the worker (chat_harness.py)
+REFERENCE_HARNESS = "null"  # the same loop as a process per episode: verifiers' own harness
 RUNTIME = "subprocess"  # the chat loop runs as a local process of the rollout worker
 
 
@@ -38,21 +41,25 @@ class AgentLimits:
     timeout: float | None = None
 
 
-def env_config(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimits()) -> Any:
-    """The verifiers ``EnvConfig`` sandforge runs ``module`` with: its taskset with ``args``, the null harness in
-    the subprocess runtime, stopped (then scored as it stands) at ``limits``."""
+def env_config(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimits(),
+               harness: str = HARNESS) -> Any:
+    """The verifiers ``EnvConfig`` sandforge runs ``module`` with: its taskset with ``args``, the chat loop
+    (``harness``: ``in_process`` or verifiers' ``null``) in the subprocess runtime, stopped (then scored as it
+    stands) at ``limits``."""
     api = vf()
-    agent: dict[str, Any] = {"harness": {"id": HARNESS}, "runtime": {"type": RUNTIME},
+    harness_id = chat_harness.register() if harness == HARNESS else harness
+    agent: dict[str, Any] = {"harness": {"id": harness_id}, "runtime": {"type": RUNTIME},
                              "max_turns": limits.max_turns, "max_output_tokens": limits.max_output_tokens}
     if limits.timeout is not None:
         agent["timeout"] = {"rollout": limits.timeout}
     return api.resolve_env_config({"taskset": {**args, "id": module}, "agent": agent})
 
 
-def load_env(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimits()) -> Any:
-    """The verifiers ``Env`` for ``module`` and ``args``; TaskSourceError saying what is wrong otherwise."""
+def load_env(module: str, args: dict[str, Any], limits: AgentLimits = AgentLimits(), harness: str = HARNESS) -> Any:
+    """The verifiers ``Env`` for ``module`` and ``args`` (``harness``: see ``env_config``); TaskSourceError saying
+    what is wrong otherwise."""
     try:
-        env = vf().load_environment(env_config(module, args, limits))
+        env = vf().load_environment(env_config(module, args, limits, harness))
     except TaskSourceError:
         raise
     except Exception as e:  # the library's own errors name the field or module; keep them whole
