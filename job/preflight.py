@@ -15,9 +15,17 @@ def validate_job(cfg: JobConfig, source: str = "config") -> None:
     from sandforge.registry import PluginError
 
     try:
-        TaskSampler(cfg.environments, cfg.run.seed)
+        sampler = TaskSampler(cfg.environments, cfg.run.seed)
     except (KeyError, ValueError, PluginError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
+    if cfg.warmup.steps > 0 and cfg.warmup.episodes > 0:
+        for i in sampler.without_references("warmup"):
+            env = cfg.environments[i]
+            raise ConfigError(
+                f"{source}: 'warmup.episodes' is {cfg.warmup.episodes}, but environments[{i}] ({env.name}"
+                f"{'' if env.id is None else ' ' + env.id}) brings no reference solution for the warm start to "
+                "replay (none of its tasks has one); draw it in RL only (its 'weight' 0 and an 'rl_weight'), or "
+                "learn from conversations instead ('warmup.episodes' 0 and 'warmup.data'), or 'warmup.steps' 0")
     n_experts = 0
     if cfg.model.arch == "k3":
         from sandforge.models.k3.config import preset_config  # plain dataclasses, no torch

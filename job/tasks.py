@@ -49,6 +49,19 @@ class TaskSampler:
             tasks.append(with_partial_credit(task) if self.envs[i].partial_credit else task)
         return tasks
 
+    def without_references(self, phase: DrawPhase = "warmup", seeds: int = 8) -> list[int]:
+        """The configured environments (indices) drawn in ``phase`` whose tasks bring no reference solution for the
+        warm start to replay: none of ``seeds`` training tasks of any of their families has one (a verifiers
+        environment has only its rubric; a Harbor folder may have no ``solution/``)."""
+        def has_reference(source, families: list[str]) -> bool:
+            listed = getattr(source, "tasks", None)
+            if isinstance(listed, list):  # a file, a folder, a library environment: every task is there to look at
+                return any(t.solution for t in listed if t.family in families and t.split == "train")
+            return any(source.task(family, seed, "train").solution for family in families for seed in range(seeds))
+
+        return [i for i, (env, source, families) in enumerate(zip(self.envs, self.sources, self.families))
+                if env.draw_weight(phase) > 0 and not has_reference(source, families)]
+
     def images(self) -> dict[str, Path]:
         """Images the tasks it can draw need beyond their environments' own: image name -> folder with its
         Dockerfile (a Harbor task's; tasks of families the job leaves out are not built)."""

@@ -79,7 +79,9 @@ DrawPhase = Literal["warmup", "rl"]  # which weight draws an environment's tasks
 class EnvironmentConfig(Section):
     name: str = "terminal"
     families: list[str] = Field(default_factory=list)  # empty: every family the environment has
-    weight: float = Field(1.0, gt=0)
+    # how often the warm start draws its tasks (and RL, where ``rl_weight`` is unset); 0: the warm start replays none of
+    # them (an environment whose tasks bring no reference solution: a verifiers environment's only have a rubric)
+    weight: float = Field(1.0, ge=0)
     # how often RL draws its tasks, when it differs from the warm start's ``weight``; 0: the environment is
     # warm-started and evaluated but RL trains on none of its tasks (a family at the floor gives RL groups that all
     # fail: rollouts that cost a step's time and carry no signal)

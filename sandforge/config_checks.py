@@ -11,8 +11,13 @@ from typing import Iterator
 def combination_problems(cfg, source: str) -> Iterator[str]:
     """Keys of different sections that cannot go together."""
     if cfg.trainer.steps > 0 and not any(e.draw_weight("rl") for e in cfg.environments):
-        yield (f"{source}: every environment has 'rl_weight' 0, so RL has no tasks to draw for its "
-               f"{cfg.trainer.steps} 'trainer.steps': give one environment an rl_weight above 0, or trainer.steps=0")
+        yield (f"{source}: every environment has 'rl_weight' 0 (or 'weight' 0 and no rl_weight), so RL has no tasks "
+               f"to draw for its {cfg.trainer.steps} 'trainer.steps': give one environment an rl_weight above 0, or "
+               "trainer.steps=0")
+    if cfg.warmup.steps > 0 and cfg.warmup.episodes > 0 and not any(e.draw_weight("warmup") for e in cfg.environments):
+        yield (f"{source}: every environment has 'weight' 0, so the warm start has no tasks to draw its "
+               f"{cfg.warmup.episodes} 'warmup.episodes' from: give one environment a weight above 0, or "
+               "warmup.episodes=0 (with 'warmup.data'), or warmup.steps=0")
     if cfg.model.lora is not None and cfg.trainer.zero_stage == 3:
         yield (f"{source}: 'model.lora' with 'trainer.zero_stage' 3 is not supported (the KL reference runs "
                "the policy under other adapters, which ZeRO-3's partitioned parameters do not allow): use "

@@ -110,3 +110,29 @@ def test_the_warm_start_takes_data_with_or_without_reference_episodes(tmp_path):
     with pytest.raises(ConfigError, match="warmup.data.*no such file"):
         validate_job(load_config("configs/terminal.yaml", ["warmup.steps=2", f"warmup.data={tmp_path}/none.jsonl"]),
                      "x.yaml")
+
+
+def test_a_warm_start_that_has_no_reference_to_replay_for_an_environment_is_refused_before_anything_runs(tmp_path):
+    """#55: a warm start drawing from an environment whose tasks bring no reference solution (a verifiers
+    environment, a Harbor folder without solution/) ran its episodes for a minute before failing with "no reference
+    episode passed its verifier". It is refused when the job is checked, naming the environment and the ways out;
+    drawn in RL only, or learning from data instead, it passes."""
+    import shutil
+
+    from sandforge.config import ConfigError, load_config
+    from sandforge.job.preflight import validate_job
+
+    folder = tmp_path / "tasks"
+    shutil.copytree("tests/data/harbor/hello-file", folder / "hello-file")
+    harbor = [f"environments=[{{name: harbor, tasks: {folder}}}]", "warmup.steps=2", "warmup.episodes=4"]
+    validate_job(load_config("configs/harbor.yaml", harbor), "harbor.yaml")  # its solution/ is a reference
+    shutil.rmtree(folder / "hello-file" / "solution")
+    with pytest.raises(ConfigError, match=r"harbor.yaml: 'warmup.episodes' is 4, but environments\[0\] \(harbor\) "
+                                          "brings no reference solution.*'rl_weight'.*'warmup.data'"):
+        validate_job(load_config("configs/harbor.yaml", harbor), "harbor.yaml")
+    rl_only = [f"environments=[{{name: harbor, tasks: {folder}}}, {{name: terminal, weight: 1}}]",
+               "environments.0.weight=0", "environments.0.rl_weight=1", "warmup.steps=2", "warmup.episodes=4"]
+    validate_job(load_config("configs/harbor.yaml", rl_only), "harbor.yaml")
+    data = write(tmp_path, AGENTIC)
+    validate_job(load_config("configs/harbor.yaml", [*harbor[:2], "warmup.episodes=0", f"warmup.data={data}"]),
+                 "harbor.yaml")
