@@ -64,7 +64,7 @@ def test_from_images_are_kept_mapped_or_refused_in_one_line():
     with pytest.raises(BaseImageError):  # an empty map maps nothing
         rewrite("FROM debian:bookworm\n", "harbor/t", "b", present=lambda ref: False, base_map={})
     hardened = rewrite("FROM debian:bookworm\nWORKDIR /app\n", "harbor/t", "b", lambda ref: True, mode="hardened")
-    assert "/usr/sbin/useradd --uid 1000" in hardened.dockerfile and 'chown -R sandbox: "$PWD"' in hardened.dockerfile
+    assert "/usr/sbin/useradd --uid 1000" in hardened.dockerfile and 'chown -R sandbox: "$w"' in hardened.dockerfile
 
 
 def test_pinned_pip_installs_of_run_lines_are_found():
@@ -164,6 +164,70 @@ def test_a_training_episode_runs_as_the_tasks_user_in_its_workdir(mode, uid, doc
     assert not traj.failed, traj.failure
     assert traj.turns[0].observations[0].startswith(f"/app\n{uid}\n"), traj.turns[0].observations[0]
     assert (traj.reward.value, traj.reward.success) == (1.0, True), traj.reward.reason
+
+
+VENV_TASK = """FROM debian:bookworm-slim
+WORKDIR /app
+RUN mkdir -p /app/src /app/.venv/bin /app/tools/env/bin && echo 'x = 1' > /app/src/main.py \\
+ && printf 'home = /usr/bin\\n' > /app/.venv/pyvenv.cfg && printf '#!/bin/sh\\necho real\\n' > /app/.venv/bin/python \\
+ && printf 'home = /usr/bin\\n' > /app/tools/env/pyvenv.cfg && echo tool > /app/tools/notes.txt \\
+ && chmod +x /app/.venv/bin/python
+"""
+
+
+@pytest.mark.docker
+def test_a_hardened_agent_owns_its_workdir_but_cannot_replace_the_venvs_in_it_or_own_the_system(tmp_path, docker_client,
+                                                                                             run_id):
+    """#56/#58: hardened mode's `chown -R` of the WORKDIR handed the agent the image's venv there (test.sh runs its
+    python as root: plant code, score 1), and with no WORKDIR of the image's own it ran on "/" (the build failed on
+    /sys; had it not, the agent would own /usr and /etc). In the episode's own sandbox (the WORKDIR a tmpfs filled
+    from the image), the agent still edits and adds files in its workdir."""
+    from dataclasses import replace
+
+    from agent_fakes import CHAT, limits
+
+    from sandforge.config import SandboxConfig
+    from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.sandbox.images import build_images
+    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.rollout.agent import run_episode
+    from sandforge.rollout.policy_client import scripted_policy
+
+    def task(name: str, dockerfile: str) -> Path:
+        folder = tmp_path / name
+        (folder / "environment").mkdir(parents=True)
+        (folder / "tests").mkdir()
+        (folder / "instruction.md").write_text("Do the thing.\n")
+        (folder / "task.toml").write_text('version = "1.0"\n')
+        (folder / "environment" / "Dockerfile").write_text(dockerfile)
+        (folder / "tests" / "test.sh").write_text("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+        return folder
+
+    def as_agent(folder: Path, script: str) -> str:
+        [t], images = load_tasks(folder, "hardened")
+        tags = build_images([], client=docker_client, show_progress=False, contexts=images)
+        spec = sandbox_spec(SandboxConfig(), tags[t.setup["image"]], HarborEnv, t.setup["sandbox"], docker_client)
+        env = HarborEnv(t, spec, run_id, exec_timeout=20, client=docker_client)
+        scripted = replace(t, solution=[ToolCall("bash", {"command": script}), ToolCall("submit")])
+        traj = asyncio.run(run_episode(t, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3), "g"))
+        assert not traj.failed, traj.failure
+        return traj.turns[0].observations[0]
+
+    system = as_agent(task("no-workdir", "FROM debian:bookworm-slim\n"),
+                      "id -u; stat -c %U /usr /etc /; touch /usr/x 2>/dev/null || echo refused")
+    assert system.split()[:5] == ["1000", "root", "root", "root", "refused"], system
+    tried = as_agent(task("venv-in-workdir", VENV_TASK), """cd /app; id -u
+        echo 'x = 2' > src/main.py && touch new.txt && mkdir made && echo edited
+        echo 'echo planted' > .venv/bin/python 2>/dev/null || echo no-write
+        mv .venv .venv-old 2>/dev/null || echo no-rename
+        rm -rf .venv 2>/dev/null; [ -f .venv/bin/python ] && echo kept
+        mv tools tools-old 2>/dev/null || echo no-rename-parent
+        echo x > tools/env/evil 2>/dev/null || echo no-add-in-venv
+        echo y > tools/notes.txt && echo notes-edited
+        .venv/bin/python""")
+    said = [line for line in tried.splitlines() if not line.startswith("bash:")]  # the shell's own refusals
+    assert said[:9] == ["1000", "edited", "no-write", "no-rename", "kept", "no-rename-parent",
+                                 "no-add-in-venv", "notes-edited", "real"], tried
 
 
 @pytest.mark.docker

@@ -15,7 +15,8 @@ Modes (``harbor.mode`` in the job's environment entry):
 - ``root`` (Harbor's contract): the agent runs as the task's user, root unless ``[agent] user`` says otherwise, in the
   image's WORKDIR. It can rewrite what test.sh later runs; an audit found 16% of terminal tasks gameable that way.
 - ``hardened`` (for RL): a non-root ``sandbox`` user is added (uid 1000, with useradd's full path, so an ``ENV PATH``
-  without /usr/sbin does not matter) and given the WORKDIR; the agent runs as it. Tasks that need root break: the
+  without /usr/sbin does not matter) and given the WORKDIR but not the Python environments in it (``GIVE_WORKDIR``);
+  the agent runs as it. Tasks that need root break: the
   check command reports them.
 """
 
@@ -94,6 +95,17 @@ def final_workdir(lines: list[str]) -> str:
     return workdir
 
 
+# Hardened mode gives the agent the image's WORKDIR (run from it: RUN starts there), except the Python environments in it
+# (a folder with a pyvenv.cfg: test.sh runs their interpreters as root). Those stay root's, and so does every folder
+# from one up to the WORKDIR, made sticky and world-writable: the agent can still add files anywhere, and change or
+# remove its own, but cannot rename, replace or write into a venv. An image without a WORKDIR of its own ("/") gives
+# the agent nothing: it would otherwise own /usr and /etc.
+GIVE_WORKDIR = (
+    f'w=$(pwd -P); [ "$w" = / ] && exit 0; chown -R {AGENT_USER}: "$w" && '
+    'find "$w" -xdev -type f -name pyvenv.cfg | while IFS= read -r f; do v=${f%/pyvenv.cfg}; chown -R root: "$v"; '
+    'd=$v; while [ "$d" != "$w" ]; do d=${d%/*}; chown root: "$d" && chmod 1777 "$d"; done; done')
+
+
 def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, str] | None = None,
             mode: str = "root", wheels: bool = False) -> Rewrite:
     """``text`` with every FROM image that is not ``present(ref)`` mapped to ``base_tag``, and in ``hardened`` mode the
@@ -138,7 +150,7 @@ def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, st
         out += ["USER root",
                 f"RUN (id -u {AGENT_USER} >/dev/null 2>&1 || /usr/sbin/useradd --uid 1000 --create-home --shell "
                 f"/bin/bash {AGENT_USER} || /usr/sbin/useradd --create-home --shell /bin/bash {AGENT_USER}) && "
-                f'chown -R {AGENT_USER}: "$PWD"']
+                f"sh -c {shlex.quote(GIVE_WORKDIR)}"]
     return Rewrite("\n".join(out) + "\n", notes, final_workdir(out))
 
 
