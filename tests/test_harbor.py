@@ -248,6 +248,26 @@ def test_named_rewards_are_combined_by_the_rule_and_each_kept_in_the_breakdown()
         _grade(both, reward=3)
 
 
+class FailingTestsSandbox(RewardSandbox):
+    """test.sh exits 1 after printing pytest's failures, having written its reward."""
+
+    def exec(self, command, timeout=10.0, user=None, workdir=None, session=True):
+        from sandforge.types import ExecResult
+
+        done = super().exec(command, timeout, user, workdir, session)
+        return ExecResult(1, "collected 2 items\nFAILED test_outputs.py::test_x - assert 1 == 2\n", False, 0.0) \
+            if "test.sh" in command else done
+
+
+def test_a_reward_short_of_one_quotes_what_test_sh_printed():
+    """#58: a row said only "reward 0 (exit 127)" once a reward file existed, never why (there: uvx's lost options)."""
+    from sandforge.environments.harbor.grading import harbor_tests_verifier
+
+    score, reason = harbor_tests_verifier(FailingTestsSandbox({"reward.txt": "0"}), {"files": {"test.sh": "true"}})
+    assert score == 0.0 and reason.startswith("test.sh: reward 0 (exit 1): collected 2 items"), reason
+    assert "FAILED test_outputs.py::test_x - assert 1 == 2" in reason
+
+
 def test_reward_json_is_read_before_reward_txt():
     assert _grade({"reward.json": '{"reward": 1}', "reward.txt": "0"})[0] == 1.0
     assert _grade({"reward.txt": "0"})[0] == 0.0

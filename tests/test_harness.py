@@ -8,6 +8,7 @@ without the harness first, where it can be, so the test can fail."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -280,8 +281,8 @@ def test_a_repository_root_owns_gets_gits_own_behaviour(git_site, tmp_path):
 
 
 def uv(site, script, cwd):
-    """``script`` run by bash with the harness's uv function, as a test.sh would; (exit code, its output)."""
-    prelude = f"uv() {{ bash {site / 'uv.sh'} uv \"$@\"; }}\n"
+    """``script`` run by bash with the harness's uv and uvx functions, as a test.sh would; (exit code, its output)."""
+    prelude = f"uv() {{ bash {site / 'uv.sh'} uv \"$@\"; }}\nuvx() {{ bash {site / 'uv.sh'} uvx \"$@\"; }}\n"
     done = subprocess.run(["bash", "-c", prelude + script], cwd=cwd, capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout + done.stderr
 
@@ -298,6 +299,21 @@ def test_uv_venv_replaces_what_stands_there_and_refuses_what_it_does_not_know(fo
                    "echo went on", work)
     assert code != 0 and "PLANTED" not in out and "went on" not in out, out
     assert "does not know" in out
+
+
+def test_uvx_keeps_its_options_as_harbors_own_test_sh_template_writes_them(folders):
+    """#58: `uvx --with pytest==8.4.1 --with pytest-json-ctrf==0.3.5 pytest ...` (Harbor's `harbor tasks init` template)
+    lost its options to the stand-in's global-option skip: it ran `pytest==8.4.1 ...` and exited 127, so such a task
+    scored 0 even with pytest in its image. Its options are `uv tool run`'s; `uvx name@version` checks the version."""
+    site, work = folders
+    code, out = uv(site, "uvx --with pytest==8.4.1 -p 3.13 pytest --version", work)
+    assert code == 0 and re.search(r"pytest \S+ is installed", out), out
+    code, out = uv(site, "uvx --with no-such-package-anywhere pytest --version", work)
+    assert code == 1 and "no-such-package-anywhere" in out, out
+    code, out = uv(site, "uvx pytest@8 --version", work)
+    assert code == 0 and re.search(r"pytest \S+ is installed \(asked for ==8\)", out), out
+    code, out = uv(site, "uvx --from pytest pytest --version; uvx --frobnicate pytest", work)
+    assert "does not know" in out and code != 0, out
 
 
 def test_uv_run_and_pip_install_offline(folders):

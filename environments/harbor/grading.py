@@ -131,7 +131,10 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
                 reward, how = combine(rewards, rule)
             except ValueError as e:
                 raise ZeroScore("malformed", f"{e} (exit {run.exit_code})" + shadows.note(moved)) from None
-            reason = f"test.sh: {how} (exit {run.exit_code})" + shadows.note(moved)
+            reason = f"test.sh: {how} (exit {run.exit_code})"
+            if run.exit_code != 0 or reward < 1.0:  # why it fell short: the end of what test.sh printed
+                reason += f": {tail}" if tail else ""
+            reason += shadows.note(moved)
             return (reward, reason, rewards) if len(rewards) > 1 else (reward, reason)
     # test.sh wrote nothing: a 0, not a failed episode (tests that crash on what the policy left often write nothing)
     if run.timed_out:

@@ -65,9 +65,12 @@ skip_global() {
 }
 
 tool=${1:?}; shift
-mapfile -d '' args < <(skip_global "$@")
-set -- "${args[@]}"
-if [[ $tool == uvx ]]; then set -- tool run "$@"; fi
+if [[ $tool == uvx ]]; then  # uvx is `uv tool run`: every option it takes is that command's
+  set -- tool run "$@"
+else
+  mapfile -d '' args < <(skip_global "$@")
+  set -- "${args[@]}"
+fi
 command=${1:-}; shift || true
 
 case $command in
@@ -117,8 +120,10 @@ case $command in
         *) break ;;
       esac
     done
-    ((${#with[@]})) && { check_installed "${with[@]}" || exit 1; }
     (($#)) || die "uv run: no command"
+    # `uvx name@version`: the tool at that version (checked like a --with), run by its name
+    if [[ $command == tool && $1 == ?*@?* && $1 != */* ]]; then with+=("${1%%@*}==${1#*@}"); set -- "${1%%@*}" "${@:2}"; fi
+    ((${#with[@]})) && { check_installed "${with[@]}" || exit 1; }
     if [[ -n $module ]]; then set -- python3 -m "$@"; elif [[ $1 == *.py ]]; then set -- python3 "$@"; fi
     exec "$@" ;;
   *) say "uv $command needs the network or a project resolver; not available in a sandbox"; exit 2 ;;
