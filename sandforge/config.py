@@ -62,7 +62,8 @@ class SandboxConfig(Section):
     max_live: int = Field(32, ge=1)  # containers one rollout worker may hold at once (ready + in use + starting)
     creates_per_second: float = Field(8.0, gt=0)  # per rollout worker, so the daemon is never flooded
     # a Harbor task's FROM image that is neither here nor pullable -> the local base: {"debian:bookworm*": "base",
-    # "python:*": "base+python", ...}; null: environments/harbor/dockerfile.py DEFAULT_BASE_MAP, {}: map nothing
+    # "python:*": "base+python", ...}, added to environments/harbor/dockerfile.py DEFAULT_BASE_MAP (its own patterns
+    # are tried first)
     base_map: dict[str, Literal["base", "base+python"]] | None = None
 
 

@@ -59,10 +59,14 @@ def test_from_images_are_kept_mapped_or_refused_in_one_line():
                                              r"pulled, and sandbox.base_map maps nothing to it \(map it in the "
                                              r"job's sandbox section, or `sandforge harbor check --set "
                                              r"'sandbox.base_map=\{\"x/y:\*\": base\}'`; base\+python adds "
-                                             r"Debian's python3\)$"):
+                                             r"Debian's python3; the map adds to the default one\)$"):
         rewrite("FROM quay.io/x/y:1\n", "harbor/t", "b", present=lambda ref: False)
-    with pytest.raises(BaseImageError):  # an empty map maps nothing
-        rewrite("FROM debian:bookworm\n", "harbor/t", "b", present=lambda ref: False, base_map={})
+    # #58: a map adds to the defaults (copying the hint's one pattern broke every other task), its own tried first
+    kept = rewrite("FROM debian:bookworm\nFROM ubuntu:24.04\nFROM team/x:1\n", "harbor/t", "b", present=lambda ref: False,
+                   base_map={"team/x:*": "base+python", "ubuntu:*": "base+python"}).dockerfile
+    assert kept.count("FROM b") == 3 and kept.count("python3-pip") == 2, kept
+    with pytest.raises(BaseImageError, match=r"base_map=\{\"acme/python-tools:\*\": base\+python\}"):
+        rewrite("FROM acme/python-tools:3\n", "harbor/t", "b", present=lambda ref: False)  # python: base+python
     hardened = rewrite("FROM debian:bookworm\nWORKDIR /app\n", "harbor/t", "b", lambda ref: True, mode="hardened")
     assert "/usr/sbin/useradd --uid 1000" in hardened.dockerfile and 'chown -R sandbox: "$w"' in hardened.dockerfile
 

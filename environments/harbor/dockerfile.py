@@ -1,7 +1,7 @@
 """A Harbor task's ``environment/Dockerfile`` made buildable here, unmodified on disk.
 
-Each ``FROM`` image is used as it is when the daemon has it (or can pull it). Otherwise ``sandbox.base_map`` may map it
-to the locally bootstrapped Debian base: by default Debian bookworm and trixie, Ubuntu, and the python-on-Debian images
+Each ``FROM`` image is used as it is when the daemon has it (or can pull it). Otherwise ``sandbox.base_map`` (added to
+the defaults) may map it to the locally bootstrapped Debian base: by default Debian bookworm and trixie, Ubuntu, and the python-on-Debian images
 (which also get Debian's python3, pip and venv, with pip allowed to install system-wide as in those images). Each
 mapping is said in one line; an image that is neither here nor mapped fails in one line naming the task and the image.
 ``FROM ${BASE}`` (sandforge's own task images) takes the base directly.
@@ -63,6 +63,12 @@ def short_name(ref: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
+def with_defaults(base_map: dict[str, str] | None) -> dict[str, str]:
+    """The job's ``sandbox.base_map`` added to ``DEFAULT_BASE_MAP``: its own patterns first (the first that matches
+    wins), so mapping one more image keeps every default mapping."""
+    return {**(base_map or {}), **{k: v for k, v in DEFAULT_BASE_MAP.items() if k not in (base_map or {})}}
+
+
 def mapped(ref: str, base_map: dict[str, str]) -> str | None:
     name = short_name(ref)
     return next((target for pattern, target in base_map.items() if fnmatch.fnmatchcase(name, pattern)), None)
@@ -113,7 +119,7 @@ def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, st
     BaseImageError for an image neither present nor mapped."""
     if mode not in MODES:
         raise ValueError(f"harbor mode {mode!r}: expected one of {', '.join(MODES)}")
-    base_map = DEFAULT_BASE_MAP if base_map is None else base_map
+    base_map = with_defaults(base_map)
     out, notes, stages, continuing = [], [], set(), False
     for line in text.splitlines():
         m = None if continuing else _FROM.match(line)  # a continued RUN line is never a FROM
@@ -130,10 +136,12 @@ def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, st
         else:
             target = mapped(ref, base_map)
             if target is None:
+                name = short_name(ref).split(":")[0]
+                guess = "base+python" if "python" in name.lower() else "base"
                 raise BaseImageError(f"{task}: base image {ref} is not on this host, cannot be pulled, and "
                                      f"sandbox.base_map maps nothing to it (map it in the job's sandbox section, "
-                                     f"or `sandforge harbor check --set 'sandbox.base_map={{\"{short_name(ref).split(':')[0]}:*"
-                                     f"\": base}}'`; base+python adds Debian's python3)")
+                                     f"or `sandforge harbor check --set 'sandbox.base_map={{\"{name}:*\": {guess}}}'`; "
+                                     "base+python adds Debian's python3; the map adds to the default one)")
             notes.append(f"{task}: FROM {ref} is not here; built on {base_tag} instead (sandbox.base_map: "
                          f"{short_name(ref)} -> {target})")
             out.append(f"{head}{base_tag}{rest}")
