@@ -385,3 +385,24 @@ def test_a_warm_start_replaying_references_is_refused_for_a_verifiers_environmen
     with pytest.raises(ConfigError, match=r"verifiers.yaml: 'warmup.episodes' is 4, but environments\[0\] "
                                           r"\(verifiers reverse_words\) brings no reference solution"):
         validate_job(load_config("configs/verifiers.yaml", ["warmup.steps=2", "warmup.episodes=4"]), "verifiers.yaml")
+
+
+def test_the_shipped_sft_dataset_is_its_generators_and_holds_no_held_out_word(tmp_path):
+    """configs/verifiers_sft.yaml's warm start data (examples/verifiers_envs/reverse_words/sft.jsonl) is what
+    make_sft_data.py writes for the config's environment, and none of its words is a held-out task's: the held-out
+    reward after SFT measures reversing words the data never showed."""
+    from sandforge.config import load_config
+    from sandforge.job.sft_data import read_conversations
+
+    cfg = load_config("configs/verifiers_sft.yaml")
+    (env,) = cfg.environments
+    example = ROOT / "examples" / "verifiers_envs" / "reverse_words"
+    out = tmp_path / "sft.jsonl"
+    subprocess.run([sys.executable, str(example / "make_sft_data.py"), "--out", str(out),
+                    "--num-tasks", str(env.args["num_tasks"]), "--syllables", str(env.args["syllables"]),
+                    "--task-seed", str(env.args["seed"]), "--heldout", str(env.heldout)],
+                   check=True, capture_output=True, timeout=300)
+    assert out.read_bytes() == (ROOT / cfg.warmup.data).read_bytes()
+    heldout = {t.instruction for t in load_tasks(env.id, env.args, heldout=env.heldout) if t.split == "heldout"}
+    said = {m.content for c in read_conversations(out) for m in c.messages if m.role == "user"}
+    assert heldout and len(said) > 500 and not heldout & said
