@@ -1,1 +1,3 @@
-"""Rollout: the inference engine, the multi-turn agent loop and rollout workers (Ray actors)."""
+"""Rollout: the episode. The multi-turn agent loop, the policy client, tool calls, the rollout worker (a Ray actor),
+the recording proxy and the episodes of agent harnesses and verifiers environments behind it. The inference engine is
+its own package (engine/)."""
