@@ -17,7 +17,8 @@ Every check runs within a timeout: its ``timeout`` argument (seconds; default: w
 argument still reaches the verifier, and ``time_left()`` says what remains: verifiers pass it to their sandbox execs and
 HTTP calls, so a command the policy made hang is killed inside the container in time and scores 0 for itself. The check
 runs in a worker thread; one that has not reported ``REPORT_GRACE`` seconds after its deadline (a verifier stuck in
-Python, a dead connection) is abandoned and the episode fails with a ``VerifierError`` naming the check. Python cannot
+Python, a dead connection) is abandoned with a ``VerifierError`` naming the check. Whether such an error fails the
+episode or scores 0 is decided once, in ``failure_rule``, from host-side facts only. Python cannot
 kill a thread, so such a thread lives on as a daemon until whatever it waits for ends (the sandbox it reads is removed
 with the episode, which ends most waits).
 """
@@ -59,14 +60,16 @@ VERIFIERS: dict[str, Verifier] = {}  # added by ``register``; built-ins and plug
 
 
 class VerifierError(RuntimeError):
-    """A check could not be run (unknown verifier, bad arguments, broken sandbox, timeout): the episode has failed."""
+    """A check could not be run (unknown verifier, bad arguments, broken sandbox, timeout): the episode fails, unless
+    ``failure_rule`` shows that what the policy left broke it."""
 
     located = False  # the message already says which check (set by this module), so callers add no prefix
+    ran = False  # the verifier was running (it raised, hung or returned no verdict), not refused before it started
 
 
-def _located(message: str) -> VerifierError:
+def _located(message: str, ran: bool = False) -> VerifierError:
     error = VerifierError(message)
-    error.located = True
+    error.located, error.ran = True, ran
     return error
 
 
@@ -199,7 +202,7 @@ def run_check(sandbox: Sandbox, check: dict, where: str) -> CheckResult:
     worker.join(max(0.0, deadline - time.monotonic()) + REPORT_GRACE)
     if not box:
         raise _located(f"{where} did not finish within its {timeout:g} s timeout (set the check's `timeout` if it "
-                       "needs longer)")
+                       "needs longer)", ran=True)
     outcome = box[0]
     if isinstance(outcome, BaseException) and not isinstance(outcome, ZeroScore):
         raise outcome
@@ -223,10 +226,11 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
         return e
     except VerifierError as e:
         if e.located:
+            e.ran = True
             raise
-        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}") from e  # not "(command): command: ..."
-    except Exception as e:  # a bad argument, a dead sandbox: the episode cannot be scored
-        raise _located(f"{where} failed: {type(e).__name__}: {e}") from e
+        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}", ran=True) from e  # not "(command): command: ..."
+    except Exception as e:  # a bad argument, a dead sandbox, or what the policy left: score_task's rule decides
+        raise _located(f"{where} failed: {type(e).__name__}: {e}", ran=True) from e
     finally:
         _local.deadline, _local.where = saved
 
@@ -238,10 +242,11 @@ def _validated(outcome, where: str) -> CheckResult:
         return CheckResult(0.0, bounded(str(outcome.reason), MAX_REASON_CHARS), cause=outcome.cause)
     shape_ok = isinstance(outcome, tuple) and (len(outcome) == 2 or len(outcome) == 3 and isinstance(outcome[2], dict))
     if not shape_ok:
-        raise _located(f"{where} returned {outcome!r}, expected (score, reason) or (score, reason, parts)")
+        raise _located(f"{where} returned {bounded(repr(outcome), MAX_REASON_CHARS)}, expected (score, reason) or "
+                       "(score, reason, parts)", ran=True)
     score, reason, *parts = outcome
     if isinstance(score, bool) or not isinstance(score, (int, float)) or not 0.0 <= score <= 1.0:
-        raise _located(f"{where} returned score {score!r}, expected [0, 1]")
+        raise _located(f"{where} returned score {bounded(repr(score), MAX_PART_CHARS)}, expected [0, 1]", ran=True)
     named = {bounded(str(k), MAX_PART_CHARS): float(v) for k, v in (parts[0] if parts else {}).items()}
     return CheckResult(float(score), bounded(str(reason), MAX_REASON_CHARS), named)
 
@@ -256,6 +261,38 @@ def service_stopped_note(ports: tuple[int, ...]) -> str:
     return (f"{SERVICE_STOPPED} {shown} was stopped before grading (every process of a non-root policy is: "
             "a check cannot reach it); a task graded on a service the agent leaves running cannot score in this "
             "mode: run it as root (Harbor's harbor_mode: root), or start the service from the image's ENTRYPOINT")
+
+
+def failure_rule(sandbox: Sandbox, check: dict, where: str, error: VerifierError) -> CheckResult:
+    """What a check that raised (or hung, or returned no verdict) means, decided from host-side facts only (#56): under
+    RL a policy that cannot win learns to make its losses vanish, and a failed episode leaves the gradient, so nothing
+    the policy could cause may fail one. The episode fails (``error`` is raised) only when something outside the
+    policy's reach is shown broken:
+
+    - the check was refused before its verifier ran (an unknown verifier, a bad argument: the task's own fault);
+    - the sandbox is no longer running (the host asks Docker, reading nothing the policy wrote);
+    - no pristine sandbox can be had to test the check on (the Docker daemon, the pool), or the sandbox has none;
+    - the check's pristine self-test fails: the same check, run on a fresh sandbox from the same image with nothing
+      of the policy's in it, raises or hangs too, so the check is broken by itself.
+
+    Otherwise the check works on a clean sandbox and only what the policy left broke it: it scores 0 with the cause
+    ``broke_check`` (``reward/zero_broke_check``) and the error as its reason."""
+    alive = getattr(sandbox, "alive", None)
+    fresh = getattr(sandbox, "fresh", None)
+    if not error.ran or fresh is None or (alive is not None and not alive()):
+        raise error
+    try:
+        pristine = fresh()
+    except Exception:  # no clean sandbox to test the check on: the host's fault, not decidable here
+        raise error from None
+    try:
+        run_check(pristine, check, f"{where}, its pristine self-test")
+    except VerifierError:
+        raise error from None  # the check fails on a sandbox the policy never touched: it is broken by itself
+    finally:
+        pristine.close()
+    return CheckResult(0.0, bounded(f"{error} (the same check runs on a fresh sandbox: what the policy left broke "
+                                    "it)", MAX_REASON_CHARS), cause="broke_check")
 
 
 def score_task(sandbox: Sandbox, task: Task) -> Reward:
@@ -278,7 +315,11 @@ def score_task(sandbox: Sandbox, task: Task) -> Reward:
     reasons: list[str] = []
     causes: set[str] = set()
     for i, check in enumerate(task.checks):
-        result = run_check(sandbox, check, f"task {task.id}, check {i}")
+        where = f"task {task.id}, check {i}"
+        try:
+            result = run_check(sandbox, check, where)
+        except VerifierError as e:
+            result = failure_rule(sandbox, check, where, e)
         key = f"{check.get('verifier')}:{check.get('path', i)}"
         key = key if key not in scores else f"{key}#{i}"
         scores[key] = result.score

@@ -135,13 +135,13 @@ def test_abuse_stays_inside_its_sandbox(live_job, tmp_path):
     assert live_job.containers() == []
 
 
+@pytest.mark.timeout(600)  # the hung check is abandoned twice: on the episode's sandbox, then on a pristine one
 def test_a_broken_verifier_fails_its_episode_with_the_reason_and_others_are_graded(live_job):
-    """Case 6: one verifier raises, one hangs past its timeout; the episodes beside them are graded as usual."""
+    """Case 6: one verifier raises, one hangs past its timeout, on the policy's sandbox and on a pristine one alike
+    (verifiers/checks.py failure_rule: broken by themselves); the episodes beside them are graded as usual."""
     raises = scripted("verifier_raises", checks=[{"verifier": "chaos_raise"}])
     hangs = scripted("verifier_hangs", checks=[{"verifier": "chaos_hang", "timeout": 2}])
-    started = time.monotonic()
     got = by_id(live_job.collect([raises, FINE, hangs, FINE]))
-    assert time.monotonic() - started < 120
     r, h = got["chaos/verifier_raises"], got["chaos/verifier_hangs"]
     assert r.failed and r.failure.startswith("verifier:") and "RuntimeError: the verifier's own bug" in r.failure
     assert h.failed and h.failure.startswith("verifier:") and "did not finish within its 2 s timeout" in h.failure
