@@ -13,8 +13,10 @@ So ``prepare`` writes sandforge's own start-up into the root-only spool (``grade
 the shell lines a root check runs first:
 
 - every Python the check starts runs ``grader_files/_sandforge_harness.py`` first: from a ``.pth`` in the user site
-  ``PYTHONUSERBASE`` names (before ``site`` imports ``sitecustomize``, whatever ``PYTHONPATH`` says), else from the
-  ``sitecustomize`` on ``PYTHONPATH`` (a venv without the user site). Imports search the folders the policy cannot
+  ``PYTHONUSERBASE`` names (before ``site`` imports ``sitecustomize``, whatever ``PYTHONPATH`` says), from a
+  root-owned ``.pth`` in every site-packages folder of the image the policy cannot write (``SITE_PTH``: the image's
+  venvs, and a check that turns the user site off or sets ``PYTHONPATH`` itself), else from the ``sitecustomize`` on
+  ``PYTHONPATH``. Imports search the folders the policy cannot
   write first, a library's own import statement never reaches the others, and packages' metadata (plugin entry
   points) comes from those folders only; the Python files the task's instruction names (``statistics.py``: the code
   under test) keep Python's own order (``SANDFORGE_ANSWERS``). What the policy can write is judged by its ids
@@ -28,9 +30,9 @@ the shell lines a root check runs first:
 
 Isolating the check's Python outright (``-I``, ``PYTHONSAFEPATH``) would also drop the working directory that the
 tests import the answer from. The shadow set-aside (sandforge/shadows.py) still runs first, as a second line.
-Not covered: a check running as another user than root (the spool is root's); a command that drops the environment
-(``python3 -E`` or ``-I``, ``env -i``); a venv without the system's packages whose ``PYTHONPATH`` the check puts a
-policy folder in front of; ``uv`` or ``git`` started by another program than bash (the functions are bash's: a
+Not covered: a check running as another user than root (the spool is root's); a command that empties the
+environment (``env -i``: the harness reads the policy's ids from it) or skips ``site`` (``python3 -S``); a venv the
+policy made itself (its site-packages are the policy's); ``uv`` or ``git`` started by another program than bash (the functions are bash's: a
 Python test's ``subprocess.run(["git", ...])`` gets the image's git, which refuses the policy's repository).
 """
 
@@ -48,6 +50,7 @@ FILES = Path(__file__).with_name("grader_files")
 PYTHON = ("_sandforge_harness.py", "sitecustomize.py")  # into DIR/py: PYTHONPATH's folder
 SCRIPTS = ("uv.sh", "git.sh", "path.sh")  # into DIR, run by bash (the spool is noexec)
 VERSIONS = tuple(f"3.{minor}" for minor in range(6, 16))  # the Pythons whose user site gets the .pth
+SITE_PTH = "00-sandforge-harness.pth"  # in the image's own site-packages folders: first of their .pth files
 
 
 def answer_modules(answers: list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -69,8 +72,31 @@ def pth_line(start: str) -> str:
     return f"import sys; exec({source}, {{'__name__': '_sandforge_harness'}})\n"
 
 
-def install_script(folder: str = DIR) -> str:
-    """The bash that writes the harness's files under ``folder``, and a user site per Python version."""
+def site_pth_line(start: str) -> str:
+    """The line of the ``.pth`` put in the image's own site-packages folders: ``pth_line``, for a process that can
+    read the root-only spool (a root check's); any other Python starts as it would without it."""
+    source = f"compile(open({start!r}, 'rb').read(), {start!r}, 'exec')"
+    return (f"import os, sys; os.access({start!r}, os.R_OK) and "
+            f"exec({source}, {{'__name__': '_sandforge_harness'}})\n")
+
+
+def site_folders_script(pth: str, policy_ids: tuple[int, ...]) -> str:
+    """The bash that puts ``pth`` (``SITE_PTH``) in every site-packages (or Debian dist-packages) folder of the
+    sandbox that the policy cannot write: every Python of the image, its venvs' too, starts the harness, whatever a
+    check does to its environment (``-E``, ``-I``, ``PYTHONNOUSERSITE``, a ``PYTHONPATH`` of its own, a venv without
+    the user site). A folder the policy can write (not owned by its uid, nor writable by others or a group of its) is
+    left alone: it is the policy's, and root writes nothing there."""
+    uid, gids = policy_ids[0], policy_ids[1:]
+    groups = "".join(f" ! \\( -perm -0020 -group {g} \\)" for g in gids)
+    return (f"find / \\( -path /proc -o -path /sys -o -path /dev -o -path {DIR.rsplit('/', 1)[0]} \\) -prune -o "
+            f"-type d \\( -name site-packages -o -name dist-packages \\) ! -user {uid} ! -perm -0002{groups} "
+            f"-print -prune 2>/dev/null | while IFS= read -r d; do printf '%s' {shlex.quote(pth)} > \"$d/{SITE_PTH}\" "
+            "|| true; done")
+
+
+def install_script(folder: str = DIR, policy_ids: tuple[int, ...] = ()) -> str:
+    """The bash that writes the harness's files under ``folder``, a user site per Python version, and (for a
+    non-root policy of ``policy_ids``) the ``.pth`` in the image's own site-packages folders."""
     lines = ["set -e", f"mkdir -p {folder}/py"]
     files = [(f"py/{name}", FILES / name) for name in PYTHON] + [(name, FILES / name) for name in SCRIPTS]
     for rel, source in files:
@@ -79,6 +105,8 @@ def install_script(folder: str = DIR) -> str:
     pth = shlex.quote(pth_line(f"{folder}/py/{PYTHON[0]}"))
     lines.append(f"for v in {' '.join(VERSIONS)}; do d={folder}/base/lib/python$v/site-packages; mkdir -p \"$d\"; "
                  f"printf '%s' {pth} > \"$d/sandforge.pth\"; done")
+    if policy_ids and policy_ids[0] != 0:  # a root policy can write anything: the harness does nothing for it
+        lines.append(site_folders_script(site_pth_line(f"{folder}/py/{PYTHON[0]}"), policy_ids))
     return "\n".join(lines) + "\n"
 
 
@@ -117,7 +145,8 @@ def prepare(sandbox: Sandbox, user: str, answers: list[str] | tuple[str, ...] = 
     is the sandbox's fault, never the policy's)."""
     if user not in ("root", "0", "0:0"):
         return ""
-    made = sandbox.exec(install_script(), timeout=30, user="root", session=False, workdir="/")
+    ids = policy_ids(sandbox)
+    made = sandbox.exec(install_script(policy_ids=ids), timeout=30, user="root", session=False, workdir="/")
     if made.exit_code != 0:
         raise OSError(f"cannot write the grading harness into the sandbox: {made.output.strip()[-200:]}")
-    return exports(answers, policy_ids(sandbox))
+    return exports(answers, ids)

@@ -226,3 +226,38 @@ def test_a_submodules_config_runs_nothing_as_root(repo_spec, run_id, docker_clie
     assert planted.reward.value == 0.0, planted.reward.reason
     marker = run(repo + "echo 'answer 42' >> a.txt && rm -f /tmp/ran-as-root")
     assert marker.reward.value == 1.0, marker.reward.reason  # the fsmonitor never ran as root (its marker is absent)
+
+
+# test.sh asks the image's Python whether the answer is there, from /workspace, with the policy's src/ on the path
+ASKS = ("if {env} {python} -c \"import json, sys; sys.exit(0 if open('/workspace/done.txt').read().strip() == 'done' "
+        "else 1)\"; then r=1; else r=0; fi\n")
+
+
+@pytest.fixture(scope="module")
+def venv_image(repo_spec, docker_client):
+    """The repo image with a venv of the image's own (root's) at /opt/venv, without the system's packages."""
+    import io
+
+    tag = "sandforge-test/venv-image:latest"
+    dockerfile = f"FROM {repo_spec.image}\nUSER root\nRUN python3 -m venv --without-pip /opt/venv\n"
+    docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True)
+    return tag
+
+
+@pytest.mark.parametrize("env, python", [
+    # the image's venv (no user site: PYTHONUSERBASE is never read) with test.sh's own PYTHONPATH (sandforge's gone)
+    ("PYTHONPATH=/workspace/src", "/opt/venv/bin/python"),
+    # the system's Python, its user site turned off and test.sh's own PYTHONPATH
+    ("PYTHONNOUSERSITE=1 PYTHONPATH=/workspace/src", "python3"),
+], ids=["image-venv", "no-user-site"])
+def test_every_python_of_the_image_starts_the_harness_whatever_test_sh_does_to_the_environment(
+        env, python, venv_image, run_id, docker_client, tmp_path):
+    """#56: the harness reached a check's Python only through PYTHONUSERBASE's user site or the sitecustomize on
+    PYTHONPATH, so a test.sh that ran the image's venv, or set PYTHONPATH and PYTHONNOUSERSITE, got none of it: the
+    policy's json.py on that path ran as root and wrote reward 1. A root-owned .pth in every site-packages folder of
+    the image that the policy cannot write starts it in every Python there."""
+    task, images = harbor_task(tmp_path, venv_image, ASKS.format(env=env, python=python) + REWARD)
+    run = grader(task, images, run_id, docker_client)
+    cheat = run(write("/workspace/src/json.py", FORGE + "\n"))
+    assert cheat.reward.value == 0.0, cheat.reward.reason
+    assert run(DONE).reward.value == 1.0
