@@ -120,9 +120,7 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         [task], images = load_tasks(task_dir, mode)
         row.task = task.id
         row.notes += [f"not honoured: {x}" for x in task.setup.get("not_honoured", [])]
-        net = needs_network(task_dir)
-        if net:
-            row.notes.append(f"test.sh needs the network ({net}); sandboxes have none")
+        net = needs_network(task_dir)  # said only where the oracle falls short: apt-get and uv's installer run offline
         (name, ctx), = images.items()
         ctx = with_base_map(ctx, base_map)
         tag = build_images([], client=client, show_progress=False, contexts={name: ctx})[name]
@@ -148,6 +146,8 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
                 if "service_stopped" in reward.zero_causes:  # the one line that says why, in full
                     why = why[why.find(SERVICE_STOPPED):]
                 row.reason = failure or f"oracle scored {reward.value:g}: {_tail(why, 400)}"
+                if net:
+                    row.notes.append(f"test.sh may need the network ({net}); sandboxes have none")
             elif which == "noop" and reward.value != 0.0 and not row.reason:
                 row.reason = f"doing nothing scores {reward.value:g}: the tests do not check the work"
     except (HarborTaskError, BaseImageError, ImageError, SandboxError) as e:

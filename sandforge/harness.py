@@ -26,7 +26,11 @@ the shell lines a root check runs first:
   and makes a venv that sees the image's packages, ``uv pip install`` succeeds only for what the image has, ``uv
   run`` runs the command, and an option it does not know is refused;
 - ``git`` is a bash function running ``grader_files/git.sh``: a repository root does not own is read through a
-  root-owned view of it (its objects, refs and index; a config of the settings that run nothing).
+  root-owned view of it (its objects, refs and index; a config of the settings that run nothing);
+- ``apt-get``/``apt`` and ``curl``/``wget`` are bash functions running ``grader_files/apt.sh`` and ``curl.sh``, so
+  Harbor's own test.sh template runs offline: ``apt-get update`` keeps the image's lists, ``apt-get install``
+  succeeds for what the image has and names what it lacks, and uv's installer is not fetched (uv is the stand-in
+  above); any other URL goes to the image's own curl.
 
 Isolating the check's Python outright (``-I``, ``PYTHONSAFEPATH``) would also drop the working directory that the
 tests import the answer from. The shadow set-aside (sandforge/shadows.py) still runs first, as a second line.
@@ -48,7 +52,7 @@ from sandforge.types import Sandbox
 DIR = "/run/sandforge-root/harness"  # on the verifiers' root-only (0700) spool: the policy cannot read or write it
 FILES = Path(__file__).with_name("grader_files")
 PYTHON = ("_sandforge_harness.py", "sitecustomize.py")  # into DIR/py: PYTHONPATH's folder
-SCRIPTS = ("uv.sh", "git.sh", "path.sh")  # into DIR, run by bash (the spool is noexec)
+SCRIPTS = ("uv.sh", "git.sh", "path.sh", "apt.sh", "curl.sh")  # into DIR, run by bash (the spool is noexec)
 VERSIONS = tuple(f"3.{minor}" for minor in range(6, 16))  # the Pythons whose user site gets the .pth
 SITE_PTH = "00-sandforge-harness.pth"  # in the image's own site-packages folders: first of their .pth files
 
@@ -112,13 +116,15 @@ def install_script(folder: str = DIR, policy_ids: tuple[int, ...] = ()) -> str:
 
 def exports(answers: list[str] | tuple[str, ...] = (), policy_ids: tuple[int, ...] = ()) -> str:
     """The shell lines that put the harness in front of a root check's command (``prepare`` writes its files)."""
-    uv, git, path = (shlex.quote(f"{DIR}/{name}") for name in SCRIPTS)
+    uv, git, path, apt, curl = (shlex.quote(f"{DIR}/{name}") for name in SCRIPTS)
     return (f"export PYTHONPATH={DIR}/py${{PYTHONPATH:+:$PYTHONPATH}} PYTHONUSERBASE={DIR}/base "
             f"SANDFORGE_ANSWERS={shlex.quote(' '.join(answer_modules(answers)))} "
             f"SANDFORGE_POLICY_IDS={shlex.quote(' '.join(map(str, policy_ids)))}\n"
             f"unset PYTHONNOUSERSITE; PATH=$(bash {path})\n"
             f"uv() {{ bash {uv} uv \"$@\"; }}; uvx() {{ bash {uv} uvx \"$@\"; }}; git() {{ bash {git} \"$@\"; }}\n"
-            "export -f uv uvx git\n")
+            f"apt-get() {{ bash {apt} apt-get \"$@\"; }}; apt() {{ bash {apt} apt \"$@\"; }}\n"
+            f"curl() {{ bash {curl} curl \"$@\"; }}; wget() {{ bash {curl} wget \"$@\"; }}\n"
+            "export -f uv uvx git apt-get apt curl wget\n")
 
 
 def policy_ids(sandbox: Sandbox) -> tuple[int, ...]:

@@ -165,6 +165,16 @@ def test_the_oracle_runs_as_harbor_runs_it(mode):
 
 
 @pytest.mark.docker
+@pytest.mark.parametrize("mode", ["root", "hardened"])
+def test_harbors_own_template_grades_offline_unmodified(mode):
+    """#58: Harbor's `harbor tasks init` test.sh stopped offline at `apt-get update` (set -e), and had it gone on,
+    `uvx --with pytest==8.4.1 ... pytest` ran `pytest==8.4.1` and exited 127: every such task scored 0 even with
+    pytest in its image. The oracle scores 1 and the no-op 0, the task as Harbor's template writes it."""
+    [row] = check([SHAPES / "harbor-template"], mode=mode)
+    assert (row.oracle, row.noop) == (1.0, 0.0), row
+
+
+@pytest.mark.docker
 def test_harbor_check_set_maps_a_base_it_does_not_know():
     """Without a mapping the row says how to add one; `--set sandbox.base_map=...` on the command line builds the
     task on the local base, and its oracle scores 1 and the no-op 0."""

@@ -280,10 +280,14 @@ def test_a_repository_root_owns_gets_gits_own_behaviour(git_site, tmp_path):
     assert done.returncode == 0 and (ran / "fsmonitor").exists()  # root's own repository: its config is root's
 
 
-def uv(site, script, cwd):
-    """``script`` run by bash with the harness's uv and uvx functions, as a test.sh would; (exit code, its output)."""
-    prelude = f"uv() {{ bash {site / 'uv.sh'} uv \"$@\"; }}\nuvx() {{ bash {site / 'uv.sh'} uvx \"$@\"; }}\n"
-    done = subprocess.run(["bash", "-c", prelude + script], cwd=cwd, capture_output=True, text=True, timeout=120)
+def uv(site, script, cwd, env=None):
+    """``script`` run by bash with the harness's uv, uvx, apt-get and curl functions, as a test.sh would; (exit code,
+    its output)."""
+    prelude = (f"uv() {{ bash {site / 'uv.sh'} uv \"$@\"; }}\nuvx() {{ bash {site / 'uv.sh'} uvx \"$@\"; }}\n"
+               f"apt-get() {{ bash {site / 'apt.sh'} apt-get \"$@\"; }}\ncurl() {{ bash {site / 'curl.sh'} curl \"$@\"; }}\n"
+               "export -f uv uvx apt-get curl\n")
+    done = subprocess.run(["bash", "-c", prelude + script], cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env=env)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -314,6 +318,26 @@ def test_uvx_keeps_its_options_as_harbors_own_test_sh_template_writes_them(folde
     assert code == 0 and re.search(r"pytest \S+ is installed \(asked for ==8\)", out), out
     code, out = uv(site, "uvx --from pytest pytest --version; uvx --frobnicate pytest", work)
     assert "does not know" in out and code != 0, out
+
+
+def test_harbors_own_template_lines_run_offline(folders, tmp_path):
+    """#58: Harbor's `harbor tasks init` test.sh starts `set -euo pipefail; apt-get update; apt-get install -y curl;
+    curl -LsSf https://astral.sh/uv/0.9.7/install.sh | sh; source "$HOME/.local/bin/env"`: offline every line failed
+    and the script stopped before its tests. apt-get keeps the image's lists and installs what the image has (and
+    names what it lacks); uv's installer is not fetched (uv is the stand-in); any other URL is the real curl's."""
+    site, work = folders
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    template = ("set -euo pipefail\napt-get update\napt-get install -y --no-install-recommends bash coreutils\n"
+                "curl -LsSf https://astral.sh/uv/0.9.7/install.sh | sh\nsource \"$HOME/.local/bin/env\"\n"
+                "uvx --with pytest pytest --version\necho reached the tests\n")
+    code, out = uv(site, template, work, env)
+    assert code == 0 and "reached the tests" in out and (tmp_path / "home" / ".local" / "bin" / "env").exists(), out
+    code, out = uv(site, "set -e; apt-get install -y no-such-package-anywhere; echo went on", work, env)
+    assert code == 100 and "not installed" in out and "no-such-package-anywhere" in out and "went on" not in out, out
+    code, out = uv(site, "apt-get dist-upgrade", work, env)
+    assert code == 100 and "not available in a sandbox" in out, out
+    code, out = uv(site, "curl --version", work, env)
+    assert code == 0 and out.startswith("curl "), out  # the image's own curl
 
 
 def test_uv_run_and_pip_install_offline(folders):
