@@ -55,6 +55,8 @@ def test_from_images_are_kept_mapped_or_refused_in_one_line():
     assert lines[0] == "FROM sandforge/base:bookworm AS build" and "python3-pip" in out.dockerfile
     assert " FROM not-a-stage" in lines and "FROM build" in lines and "FROM ubuntu:24.04" in lines
     assert "FROM ${BASE}" in lines and len(out.notes) == 1 and "python:3.12-slim -> base+python" in out.notes[0]
+    # #58: the note says what the task gets instead: a minimal userland, Debian's Python for the one it named
+    assert "no procps" in out.notes[0] and "Python 3.11, not the 3.12 the image names" in out.notes[0], out.notes
     with pytest.raises(BaseImageError, match=r"^harbor/t: base image quay.io/x/y:1 is not on this host, cannot be "
                                              r"pulled, and sandbox.base_map maps nothing to it \(map it in the "
                                              r"job's sandbox section, or `sandforge harbor check --set "

@@ -63,6 +63,20 @@ def short_name(ref: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
+BASE_PYTHON = "3.11"  # the python3 Debian bookworm gives a base+python mapping
+
+
+def what_differs(ref: str, target: str) -> str:
+    """The clause a mapping's note ends with: what the task gets that differs from the image it named (a minimal
+    Debian userland; Debian's Python where another version was named)."""
+    name = short_name(ref)
+    said = "; Debian bookworm's minimal userland (no procps, curl or ca-certificates unless the Dockerfile installs them)"
+    version = re.match(r"(?:.*/)?python:(3\.\d+)", name)
+    if target == "base+python" and version and version.group(1) != BASE_PYTHON:
+        said += f", and Python {BASE_PYTHON}, not the {version.group(1)} the image names"
+    return said
+
+
 def with_defaults(base_map: dict[str, str] | None) -> dict[str, str]:
     """The job's ``sandbox.base_map`` added to ``DEFAULT_BASE_MAP``: its own patterns first (the first that matches
     wins), so mapping one more image keeps every default mapping."""
@@ -143,7 +157,7 @@ def rewrite(text: str, task: str, base_tag: str, present, base_map: dict[str, st
                                      f"or `sandforge harbor check --set 'sandbox.base_map={{\"{name}:*\": {guess}}}'`; "
                                      "base+python adds Debian's python3; the map adds to the default one)")
             notes.append(f"{task}: FROM {ref} is not here; built on {base_tag} instead (sandbox.base_map: "
-                         f"{short_name(ref)} -> {target})")
+                         f"{short_name(ref)} -> {target}){what_differs(ref, target)}")
             out.append(f"{head}{base_tag}{rest}")
             if wheels:
                 out.append(f"COPY {WHEELS_DIR}/ /opt/{WHEELS_DIR}/")
