@@ -359,8 +359,11 @@ def test_a_sidecar_compose_file_and_a_non_docker_environment_are_named(tmp_path)
     shutil.copytree(TASKS / "hello-file", task)
     (task / "environment" / "docker-compose.yaml").write_text("services:\n  api-server:\n    build: ./api\n")
     assert load_task(task).setup["not_honoured"][0] == (
-        "environment/docker-compose.yaml (its other services are not started: the task runs in "
+        "environment/docker-compose.yaml (its other services are not started: api-server; the task runs in "
         "environment/Dockerfile's container alone)")
+    # #58: a compose file that only restates `main` (the agent's container) leaves nothing out
+    (task / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
+    assert "not_honoured" not in load_task(task).setup
     remote = tmp_path / "remote-cluster"
     shutil.copytree(TASKS / "hello-file", remote)
     (remote / "environment" / "Dockerfile").unlink()

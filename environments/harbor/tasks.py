@@ -54,6 +54,23 @@ def image_name(task_dir: Path) -> str:
     return f"harbor/{slug}"
 
 
+def compose_note(path: Path, shown: str) -> str | None:
+    """The not-honoured line for a Harbor multi-container task's compose file: the services beside ``main`` (the
+    agent's container, built from environment/Dockerfile) that are not started, by name; None for a file that only
+    restates ``main``."""
+    import yaml
+
+    try:
+        services = (yaml.safe_load(path.read_text(errors="replace")) or {}).get("services") or {}
+    except (yaml.YAMLError, AttributeError) as e:
+        return f"{shown} (not read: {type(e).__name__}; no service of it is started)"
+    others = sorted(str(name) for name in services if name != "main") if isinstance(services, dict) else []
+    if not others:
+        return None
+    return (f"{shown} (its other services are not started: {', '.join(others)}; the task runs in "
+            "environment/Dockerfile's container alone)")
+
+
 def _test_files(tests: Path) -> dict[str, str | dict]:
     """tests/ as plain data: relative path -> text, or {"base64": ...} for a file that is not UTF-8."""
     files: dict[str, str | dict] = {}
@@ -144,9 +161,8 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     if settings.agent_timeout:
         setup["agent_timeout"] = settings.agent_timeout
     compose = [f"environment/{n}" for n in COMPOSE_FILES if (task_dir / "environment" / n).is_file()]
-    if compose:  # Harbor's multi-container tasks: sidecar services beside the agent's container
-        settings.not_honoured.insert(0, f"{compose[0]} (its other services are not started: the task runs in "
-                                        "environment/Dockerfile's container alone)")
+    if compose and (note := compose_note(task_dir / compose[0], compose[0])):
+        settings.not_honoured.insert(0, note)
     if settings.not_honoured:
         setup["not_honoured"] = settings.not_honoured
     if settings.solution_env:
