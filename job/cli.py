@@ -109,7 +109,7 @@ def evaluate(
             raise ConfigError(f"--checkpoint {checkpoint}: no config.json there; give a policy directory such as "
                               "runs/<run>/checkpoints/step_N/policy")
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": checkpoint})})
-        validate_job(cfg, str(config))
+        validate_job(cfg, str(config), warm_start=False)  # an evaluation runs no warm start
         cfg = local_model(cfg, str(config))
     except ConfigError as e:
         fail(str(e))

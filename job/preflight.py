@@ -9,8 +9,9 @@ from pathlib import Path
 from sandforge.config import ConfigError, JobConfig
 
 
-def validate_job(cfg: JobConfig, source: str = "config") -> None:
-    """Checks that need the registry (environment names, task families); still no heavy imports."""
+def validate_job(cfg: JobConfig, source: str = "config", warm_start: bool = True) -> None:
+    """Checks that need the registry (environment names, task families); still no heavy imports. ``warm_start``:
+    the command runs the config's warm start (``train``, ``sft``; not ``eval``)."""
     from sandforge.job.tasks import TaskSampler
     from sandforge.registry import PluginError
 
@@ -18,7 +19,7 @@ def validate_job(cfg: JobConfig, source: str = "config") -> None:
         sampler = TaskSampler(cfg.environments, cfg.run.seed)
     except (KeyError, ValueError, PluginError) as e:
         raise ConfigError(str(e).strip("'\"")) from None
-    if cfg.warmup.steps > 0 and cfg.warmup.episodes > 0:
+    if warm_start and cfg.warmup.steps > 0 and cfg.warmup.episodes > 0:
         for i in sampler.without_references("warmup"):
             env = cfg.environments[i]
             raise ConfigError(

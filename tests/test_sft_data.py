@@ -130,6 +130,7 @@ def test_a_warm_start_that_has_no_reference_to_replay_for_an_environment_is_refu
     with pytest.raises(ConfigError, match=r"harbor.yaml: 'warmup.episodes' is 4, but environments\[0\] \(harbor\) "
                                           "brings no reference solution.*'rl_weight'.*'warmup.data'"):
         validate_job(load_config("configs/harbor.yaml", harbor), "harbor.yaml")
+    validate_job(load_config("configs/harbor.yaml", harbor), "harbor.yaml", warm_start=False)  # `sandforge eval`
     rl_only = [f"environments=[{{name: harbor, tasks: {folder}}}, {{name: terminal, weight: 1}}]",
                "environments.0.weight=0", "environments.0.rl_weight=1", "warmup.steps=2", "warmup.episodes=4"]
     validate_job(load_config("configs/harbor.yaml", rl_only), "harbor.yaml")
