@@ -14,6 +14,9 @@ from sandforge.environments.sandbox.images import build_images
 from sandforge.environments.sandbox.lifecycle import remove_run_containers
 from sandforge.types import SandboxError
 
+# task folders' own tests (a Harbor task's tests/test_outputs.py) run inside their sandboxes, never here
+collect_ignore_glob = ["data/*"]
+
 # Auto precision (trainer.bf16 null, engine.dtype auto) is fp32 on every host the suite runs on: bf16 is picked on a CPU
 # with AMX, and the suite's equivalence checks (expert parallelism, packing, LoRA merges) hold fp32 tolerances. It is
 # inherited by every process a test starts (Ray workers, DeepSpeed ranks, `sandforge train`). Tests that check the
