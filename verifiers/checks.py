@@ -65,11 +65,20 @@ class VerifierError(RuntimeError):
 
     located = False  # the message already says which check (set by this module), so callers add no prefix
     ran = False  # the verifier was running (it raised, hung or returned no verdict), not refused before it started
+    host = False  # a fault the host itself showed, outside the sandbox (HostFault): the episode fails
 
 
-def _located(message: str, ran: bool = False) -> VerifierError:
+class HostFault(VerifierError):
+    """A check could not be run for a reason outside the sandbox that the host sees for itself: an external service
+    the check calls (a judge endpoint) down, overloaded or not answering. The episode fails whatever the policy left
+    (``failure_rule`` tests nothing on a pristine sandbox: a check that short-cuts there would hide the fault)."""
+
+    host = True
+
+
+def _located(message: str, ran: bool = False, host: bool = False) -> VerifierError:
     error = VerifierError(message)
-    error.located, error.ran = True, ran
+    error.located, error.ran, error.host = True, ran, host
     return error
 
 
@@ -228,7 +237,7 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
         if e.located:
             e.ran = True
             raise
-        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}", ran=True) from e  # not "(command): command: ..."
+        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}", ran=True, host=e.host) from e  # not "(command): command: ..."
     except Exception as e:  # a bad argument, a dead sandbox, or what the policy left: score_task's rule decides
         raise _located(f"{where} failed: {type(e).__name__}: {e}", ran=True) from e
     finally:
@@ -270,6 +279,7 @@ def failure_rule(sandbox: Sandbox, check: dict, where: str, error: VerifierError
     policy's reach is shown broken:
 
     - the check was refused before its verifier ran (an unknown verifier, a bad argument: the task's own fault);
+    - the verifier reported a fault outside the sandbox (``HostFault``: a judge endpoint down or not answering);
     - the sandbox is no longer running (the host asks Docker, reading nothing the policy wrote);
     - no pristine sandbox can be had to test the check on (the Docker daemon, the pool), or the sandbox has none;
     - the check's pristine self-test fails: the same check, run on a fresh sandbox from the same image with nothing
@@ -279,7 +289,7 @@ def failure_rule(sandbox: Sandbox, check: dict, where: str, error: VerifierError
     ``broke_check`` (``reward/zero_broke_check``) and the error as its reason."""
     alive = getattr(sandbox, "alive", None)
     fresh = getattr(sandbox, "fresh", None)
-    if not error.ran or fresh is None or (alive is not None and not alive()):
+    if not error.ran or error.host or fresh is None or (alive is not None and not alive()):
         raise error
     try:
         pristine = fresh()

@@ -14,8 +14,10 @@ line is a JSON object ``{"score": 0.8, "reason": "..."}``. Nothing before that l
 a verdict of its own, quoted by the judge, decides nothing, and neither does one quoted on the verdict line itself
 (``SCORE: 0 (ignoring "SCORE: 1")``: no verdict). An answer without a verdict is the judge's fault: it is asked again
 (``ATTEMPTS`` in all), then the check scores 0 and the reason quotes the answer, which says nothing good about the
-artefact. An endpoint that cannot be reached, refuses the request or runs out of time raises VerifierError: the
-episode fails and is left out of training rather than rewarded 0 for the judge's outage.
+artefact. An endpoint that cannot be reached, fails, refuses the route, model or key, or runs out of time raises
+``HostFault``: the episode fails and is left out of training rather than rewarded 0 for the judge's outage (a host-side
+fact, so checks.py's failure rule tests nothing on a pristine sandbox). An HTTP 400, 413 or 422, which the graded
+answer's own content can cause, is left to that rule.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import urllib.request
 
 from sandforge import harness
 from sandforge.types import Sandbox
-from sandforge.verifiers.checks import VerifierError, time_left, without_timeout
+from sandforge.verifiers.checks import HostFault, VerifierError, time_left, without_timeout
 from sandforge.verifiers.file import read_answer
 
 MAX_ARTEFACT_CHARS = 12000  # head and tail of a longer artefact are sent, with a note of what was cut
@@ -98,6 +100,9 @@ def _excerpt(text: str, limit: int = 160) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
+CONTENT_CODES = (400, 413, 422)  # HTTP answers a request's content (the graded answer in the prompt) can cause
+
+
 def _http(method: str, url: str, body: dict | None, headers: dict) -> dict:
     """One JSON request within the check's remaining time; VerifierError for anything but a JSON answer."""
     data = None if body is None else json.dumps(body).encode()
@@ -112,19 +117,22 @@ def _http(method: str, url: str, body: dict | None, headers: dict) -> dict:
             detail = json.loads(detail)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             pass
-        raise VerifierError(f"judge endpoint {url} answered HTTP {e.code}: {_excerpt(str(detail), 300)}") from None
+        # what the answer's content can cause (too long, refused) is the check's to judge on a pristine sandbox; a
+        # route, model, key or server fault is the host's
+        fault = VerifierError if e.code in CONTENT_CODES else HostFault
+        raise fault(f"judge endpoint {url} answered HTTP {e.code}: {_excerpt(str(detail), 300)}") from None
     except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as e:
         reason = getattr(e, "reason", e)
         if isinstance(reason, (socket.timeout, TimeoutError)):
-            raise VerifierError(f"judge endpoint {url} did not answer within the check's timeout (raise the "
-                                "check's `timeout` for a slow judge)") from None
-        raise VerifierError(f"judge endpoint {url} unreachable: {reason} (is the server up? check base_url or "
-                            "SANDFORGE_JUDGE_BASE_URL)") from None
+            raise HostFault(f"judge endpoint {url} did not answer within the check's timeout (raise the "
+                            "check's `timeout` for a slow judge)") from None
+        raise HostFault(f"judge endpoint {url} unreachable: {reason} (is the server up? check base_url or "
+                        "SANDFORGE_JUDGE_BASE_URL)") from None
     try:
         return json.loads(raw)
     except ValueError:
-        raise VerifierError(f"judge endpoint {url} answered with no JSON: "
-                            f"{_excerpt(raw.decode(errors='replace'))}") from None
+        raise HostFault(f"judge endpoint {url} answered with no JSON: "
+                        f"{_excerpt(raw.decode(errors='replace'))}") from None
 
 
 def judge_request(api: str, model: str | None, prompt: str, max_tokens: int, temperature: float) -> dict:
@@ -142,8 +150,8 @@ def _answer_text(api: str, reply: dict, url: str) -> str:
         choice = reply["choices"][0]
         text = choice["message"]["content"] if api == "chat" else choice["text"]
     except (KeyError, IndexError, TypeError):
-        raise VerifierError(f"judge endpoint {url} answered without choices[0]: "
-                            f"{_excerpt(json.dumps(reply))}") from None
+        raise HostFault(f"judge endpoint {url} answered without choices[0]: "
+                        f"{_excerpt(json.dumps(reply))}") from None
     return text if isinstance(text, str) else json.dumps(text)  # null content (a refusal), or a list of parts
 
 
