@@ -64,7 +64,7 @@ class VerifierError(RuntimeError):
     ``failure_rule`` shows that what the policy left broke it."""
 
     located = False  # the message already says which check (set by this module), so callers add no prefix
-    ran = False  # the verifier was running (it raised, hung or returned no verdict), not refused before it started
+    ran = False  # the verifier failed in a way it did not mean (an unexpected exception, a hang, no verdict)
     host = False  # a fault the host itself showed, outside the sandbox (HostFault): the episode fails
 
 
@@ -233,11 +233,10 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
         return verifier(sandbox, args)
     except ZeroScore as e:  # a verdict, not an error
         return e
-    except VerifierError as e:
+    except VerifierError as e:  # the verifier's own verdict that the check cannot run: respected (the task's fault)
         if e.located:
-            e.ran = True
             raise
-        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}", ran=True, host=e.host) from e  # not "(command): command: ..."
+        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}", host=e.host) from e  # not "(command): command: ..."
     except Exception as e:  # a bad argument, a dead sandbox, or what the policy left: score_task's rule decides
         raise _located(f"{where} failed: {type(e).__name__}: {e}", ran=True) from e
     finally:
@@ -278,14 +277,17 @@ def failure_rule(sandbox: Sandbox, check: dict, where: str, error: VerifierError
     the policy could cause may fail one. The episode fails (``error`` is raised) only when something outside the
     policy's reach is shown broken:
 
-    - the check was refused before its verifier ran (an unknown verifier, a bad argument: the task's own fault);
-    - the verifier reported a fault outside the sandbox (``HostFault``: a judge endpoint down or not answering);
+    - the check was refused before its verifier ran (an unknown verifier, a bad argument), or its verifier said so
+      itself with a ``VerifierError`` (a query that does not parse, a judge endpoint down: ``HostFault``): a
+      verifier's considered verdict that the check cannot run is never second-guessed; what the policy left is a
+      ``ZeroScore``;
     - the sandbox is no longer running (the host asks Docker, reading nothing the policy wrote);
     - no pristine sandbox can be had to test the check on (the Docker daemon, the pool), or the sandbox has none;
     - the check's pristine self-test fails: the same check, run on a fresh sandbox from the same image with nothing
       of the policy's in it, raises or hangs too, so the check is broken by itself.
 
-    Otherwise the check works on a clean sandbox and only what the policy left broke it: it scores 0 with the cause
+    That leaves the errors no verifier meant (an exception it did not expect, a hang, a result that is no verdict)
+    where the check works on a clean sandbox: only what the policy left broke it, and it scores 0 with the cause
     ``broke_check`` (``reward/zero_broke_check``) and the error as its reason."""
     alive = getattr(sandbox, "alive", None)
     fresh = getattr(sandbox, "fresh", None)
