@@ -137,7 +137,8 @@ class Reward:
 # Why a check scored 0 without judging an answer, because of what the policy left: ``reward/zero_<cause>`` counts
 # them (a failed episode is infrastructure's fault, ``episodes/failed_<kind>``; these are verdicts). service_stopped:
 # the policy left a service listening, which the stop before grading ended, and the task did not score. broke_check: a
-# check's verifier raised what it did not mean, or hung, on what the policy left, and runs on a fresh sandbox (verifiers/checks.py ``failure_rule``).
+# check's verifier raised what it did not mean, or hung, on what the policy left, and runs on a fresh sandbox
+# (verifiers/checks.py ``failure_rule``).
 ZERO_CAUSES = ("missing", "not_a_file", "link", "too_large", "malformed", "timeout", "state", "service_stopped",
                "broke_check")
 
