@@ -201,6 +201,20 @@ def test_a_judge_outage_fails_the_episode(sandbox, fixed_judge):
         score(sandbox, {**check, "base_url": closed})
 
 
+@pytest.mark.docker
+def test_a_judge_that_refuses_the_policys_answer_scores_zero_not_failed(sandbox, fixed_judge):
+    """An HTTP 400, 413 or 422 is what the graded answer's content can cause (an answer too long for the judge's
+    context): under RL a policy that cannot win would learn to make its episodes fail so. The same check on a
+    pristine sandbox reaches a verdict, so the answer broke it: 0, cause broke_check, the episode counted."""
+    sandbox.write_file("answer.md", "Paris " * 1000)
+    check = {"verifier": "judge", "rubric": RUBRIC, "path": "answer.md", "base_url": fixed_judge.url, "model": "m"}
+    for status in (400, 413, 422):
+        fixed_judge.status = status
+        reward = score_task(sandbox, _task(check))
+        assert reward.value == 0.0 and reward.zero_causes == ["broke_check"], (status, reward)
+        assert f"HTTP {status}" in reward.reason
+
+
 def test_judge_arguments_are_checked(monkeypatch):
     monkeypatch.delenv("SANDFORGE_JUDGE_BASE_URL", raising=False)
     for check, fragment in [

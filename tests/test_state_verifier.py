@@ -9,7 +9,7 @@ import pytest
 
 from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 from sandforge.environments.sandbox.images import build_images
-from sandforge.types import Task
+from sandforge.types import ExecResult, Task
 from sandforge.verifiers.checks import VerifierError, ZeroScore, known_verifiers, score_task
 from sandforge.verifiers.state import query_rows, sql_check
 
@@ -113,3 +113,29 @@ def test_a_runaway_query_is_stopped_by_its_timeout(app_sandbox):
     assert reward.zero_causes == ["timeout"]
     assert time.monotonic() - start < 8
     assert query_rows(app_sandbox, DB, "SELECT 1") == [[1]]  # the sandbox still answers
+
+
+class Garbled:
+    """``real`` whose first exec prints a traceback and no JSON, as a query does on a sandbox the policy broke."""
+
+    def __init__(self, real):
+        self.real, self.execs = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def exec(self, *args, **kwargs):
+        self.execs += 1
+        return ExecResult(1, "Traceback (most recent call last):", False, 0.0) if self.execs == 1 else \
+            self.real.exec(*args, **kwargs)
+
+
+def test_a_query_whose_run_says_nothing_is_left_to_the_failure_rule(app_sandbox, sandbox):
+    """No JSON from the query's exec is no verdict on the task: the same check runs on a pristine sandbox. Where it
+    runs there (python3 in the image), the policy's leavings broke it: 0, broke_check. Where it cannot run on a
+    pristine sandbox either (the terminal image has no python3), the check is broken by itself: the episode fails."""
+    reward = score_task(Garbled(app_sandbox), check(query="SELECT count(*) FROM t", expect=[[3]]))
+    assert reward.value == 0.0 and reward.zero_causes == ["broke_check"], reward
+    assert "could not run the query" in reward.reason
+    with pytest.raises(VerifierError, match="does the image have python3"):
+        score_task(sandbox, check(query="SELECT count(*) FROM t", expect=[[3]]))

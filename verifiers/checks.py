@@ -76,6 +76,15 @@ class HostFault(VerifierError):
     host = True
 
 
+class Inconclusive(VerifierError):
+    """A check reached no verdict for a reason what the policy left may have caused: a read of its sandbox gave
+    output the verifier cannot interpret (an examining exec that printed nothing, a query that printed no JSON), or an
+    external grader refused the answer's content (a judge's HTTP 413). Not the verifier's considered verdict on the
+    task: ``failure_rule`` decides whose fault it is by running the same check on a pristine sandbox."""
+
+    ran = True
+
+
 def _located(message: str, ran: bool = False, host: bool = False) -> VerifierError:
     error = VerifierError(message)
     error.located, error.ran, error.host = True, ran, host
@@ -150,7 +159,7 @@ def time_left() -> float:
         return DEFAULT_TIMEOUT
     left = deadline - time.monotonic()
     if left <= 0:
-        raise _located(f"{_local.where}: ran out of its timeout")
+        raise _located(f"{_local.where}: ran out of its timeout", ran=True)  # a hang, seen from inside
     return left
 
 
@@ -233,10 +242,11 @@ def _call(verifier: Verifier, name: str, sandbox: Sandbox, args: dict, deadline:
         return verifier(sandbox, args)
     except ZeroScore as e:  # a verdict, not an error
         return e
-    except VerifierError as e:  # the verifier's own verdict that the check cannot run: respected (the task's fault)
+    except VerifierError as e:  # the verifier's own verdict that the check cannot run (the task's fault), unless
+        # it said it is Inconclusive
         if e.located:
             raise
-        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}", host=e.host) from e  # not "(command): command: ..."
+        raise _located(f"{where}: {str(e).removeprefix(f'{name}: ')}", ran=e.ran, host=e.host) from e  # not "(command): command: ..."
     except Exception as e:  # a bad argument, a dead sandbox, or what the policy left: score_task's rule decides
         raise _located(f"{where} failed: {type(e).__name__}: {e}", ran=True) from e
     finally:
@@ -280,13 +290,14 @@ def failure_rule(sandbox: Sandbox, check: dict, where: str, error: VerifierError
     - the check was refused before its verifier ran (an unknown verifier, a bad argument), or its verifier said so
       itself with a ``VerifierError`` (a query that does not parse, a judge endpoint down: ``HostFault``): a
       verifier's considered verdict that the check cannot run is never second-guessed; what the policy left is a
-      ``ZeroScore``;
+      ``ZeroScore``, and what the policy may have caused without the verifier knowing is ``Inconclusive``;
     - the sandbox is no longer running (the host asks Docker, reading nothing the policy wrote);
     - no pristine sandbox can be had to test the check on (the Docker daemon, the pool), or the sandbox has none;
     - the check's pristine self-test fails: the same check, run on a fresh sandbox from the same image with nothing
       of the policy's in it, raises or hangs too, so the check is broken by itself.
 
-    That leaves the errors no verifier meant (an exception it did not expect, a hang, a result that is no verdict)
+    That leaves the errors no verifier meant (an exception it did not expect, a hang, a result that is no verdict,
+    an ``Inconclusive``)
     where the check works on a clean sandbox: only what the policy left broke it, and it scores 0 with the cause
     ``broke_check`` (``reward/zero_broke_check``) and the error as its reason."""
     alive = getattr(sandbox, "alive", None)

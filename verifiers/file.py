@@ -14,7 +14,7 @@ import re
 import shlex
 
 from sandforge.types import ZERO_CAUSES, Sandbox
-from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
+from sandforge.verifiers.checks import Inconclusive, VerifierError, ZeroScore, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, text_similarity
 
 MAX_BYTES = 64 << 20  # larger files are not the answer anyone asked for: score 0 instead of reading them
@@ -60,7 +60,7 @@ def answer_bytes(sandbox: Sandbox, path: str, max_bytes: int = MAX_BYTES) -> byt
         raise ZeroScore("timeout", f"{path}: looking at it timed out")
     if verdict != "ok" or seen.exit_code != 0:
         if verdict not in ZERO_CAUSES:
-            raise VerifierError(f"cannot examine {path}: {seen.output.strip()[-200:]}")
+            raise Inconclusive(f"cannot examine {path}: {seen.output.strip()[-200:]}")
         raise ZeroScore(verdict, f"{path}: {detail}")
     try:
         data = sandbox.get_file(detail, user="root", max_bytes=max_bytes)

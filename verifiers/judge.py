@@ -32,7 +32,7 @@ import urllib.request
 
 from sandforge import harness
 from sandforge.types import Sandbox
-from sandforge.verifiers.checks import HostFault, VerifierError, time_left, without_timeout
+from sandforge.verifiers.checks import HostFault, Inconclusive, VerifierError, time_left, without_timeout
 from sandforge.verifiers.file import read_answer
 
 MAX_ARTEFACT_CHARS = 12000  # head and tail of a longer artefact are sent, with a note of what was cut
@@ -119,7 +119,7 @@ def _http(method: str, url: str, body: dict | None, headers: dict) -> dict:
             pass
         # what the answer's content can cause (too long, refused) is the check's to judge on a pristine sandbox; a
         # route, model, key or server fault is the host's
-        fault = VerifierError if e.code in CONTENT_CODES else HostFault
+        fault = Inconclusive if e.code in CONTENT_CODES else HostFault
         raise fault(f"judge endpoint {url} answered HTTP {e.code}: {_excerpt(str(detail), 300)}") from None
     except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError) as e:
         reason = getattr(e, "reason", e)

@@ -23,7 +23,7 @@ import shlex
 from collections import Counter
 
 from sandforge.types import Sandbox
-from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
+from sandforge.verifiers.checks import Inconclusive, VerifierError, ZeroScore, time_left, without_timeout
 from sandforge.verifiers.partial import near_miss, rows_similarity
 
 _SHOW = 120  # characters of expected/got in a reason
@@ -71,8 +71,9 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = No
     is killed after ``timeout`` seconds (default: what the running check has left).
 
     Raises ZeroScore when the database is missing or unreadable as a database, or the query runs out of time (the
-    policy left that state: score 0), and VerifierError when the query cannot run on a sound database (bad SQL, no
-    python3 in the image: the task's fault, so the episode is failed rather than scored).
+    policy left that state: score 0), VerifierError when the query cannot run on a sound database (bad SQL: the
+    task's fault, so the episode is failed rather than scored), and ``Inconclusive`` when its run printed no answer
+    (no python3 in the image, or a sandbox the policy broke: the failure rule tells which on a pristine sandbox).
     """
     if not db.startswith("/"):
         raise VerifierError(f"sql: 'db' must be an absolute path inside the sandbox, got {db!r}")
@@ -86,7 +87,7 @@ def query_rows(sandbox: Sandbox, db: str, query: str, timeout: float | None = No
     try:
         answer = json.loads(last[0])
     except json.JSONDecodeError:
-        raise VerifierError(f"sql: could not run the query on {db} (exit {result.exit_code}): "
+        raise Inconclusive(f"sql: could not run the query on {db} (exit {result.exit_code}): "
                             f"{result.output.strip()[-300:]} (does the image have python3?)") from None
     if "missing" in answer:
         raise ZeroScore("missing", f"{db}: no database ({answer['missing']})")
