@@ -8,6 +8,7 @@ the engine serves it as a new version.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from typing import Callable
@@ -16,7 +17,7 @@ from sandforge.job.fleet import trainer_ranks
 from sandforge.job.checkpoint import save_checkpoint
 from sandforge.job.console import JobError
 from sandforge.job.rl_job import RLJob, training_rows
-from sandforge.types import TrainingRow
+from sandforge.types import TrainingRow, Trajectory
 
 
 def copy_source(job: RLJob, stream: str) -> Callable[[int], list[TrainingRow]]:
@@ -76,6 +77,21 @@ def verified_demonstrations(job: RLJob) -> tuple[list, int]:
     return demos, len(trajs)
 
 
+def imitated(traj: Trajectory) -> Trajectory:
+    """``traj`` as the warm start trains on it: its loss mask cleared on every turn the environment rejected (a tool
+    error, a call that did not parse). A reference solution may stumble on purpose, as a policy does (a value into
+    the wrong field, a call missing an argument), and recover: the stumble stays in the context, so what is learnt
+    is the recovery after an error, never the error itself. A trajectory recorded in several rows (a harness that
+    rewrote its history) is returned as it is: its turns' spans do not index its rows."""
+    stumbles = [t for t in traj.turns if t.tool_errors or t.parse_errors]
+    if not stumbles or traj.earlier_rows:
+        return traj
+    mask = list(traj.loss_mask)
+    for turn in stumbles:
+        mask[turn.prompt_tokens : turn.prompt_tokens + turn.generated_tokens] = [0] * turn.generated_tokens
+    return dataclasses.replace(traj, loss_mask=mask)
+
+
 def why_not_verified(t) -> str:
     """One line: the task, why its reference episode did not verify, and the end of what its last command printed
     (a solve.sh's output, say)."""
@@ -131,7 +147,7 @@ def warmup(job: RLJob) -> None:
 
     w = job.cfg.warmup
     demos, tried = verified_demonstrations(job) if w.episodes else ([], 0)
-    items = [training_rows([d]) for d in demos] + [[row] for row in conversation_rows(job)]
+    items = [training_rows([imitated(d)]) for d in demos] + [[row] for row in conversation_rows(job)]
     trainer_ranks.set_lr(job.ranks, w.lr)
     what = " and ".join(x for x in (f"{len(demos)} verified episodes" * bool(w.episodes),
                                     f"{len(items) - len(demos)} conversations" * bool(w.data)) if x)

@@ -10,3 +10,23 @@ repo_task = environment("repo").make_task()
 slack_task = environment("slack").make_task()
 notion_task = environment("notion").make_task()
 browser_task = environment("browser").make_task()
+
+
+def straight(task):
+    """``task`` with its reference solution's stumble left out (environments/recovery.py: about half the repo and
+    booking references first make one call the environment rejects): the calls a solution needs, for tests that read
+    what a solution writes. A stumble is known by the rule that rejects it: a read of a file the task does not have,
+    a ``str_replace`` without ``new``, a value selected into a field whose options do not hold it."""
+    import dataclasses
+
+    files = task.setup.get("files", {})
+    booking = task.setup.get("site", {}).get("booking", {})
+    options = {2: booking.get("dates", []), 3: booking.get("times", [])}
+
+    def rejected(call) -> bool:
+        args = call.arguments
+        return (call.name == "read_file" and task.env == "repo" and args["path"] not in files
+                or call.name == "str_replace" and "new" not in args
+                or call.name == "select" and booking and args["option"] not in options.get(args["id"], []))
+
+    return dataclasses.replace(task, solution=[c for c in task.solution if not rejected(c)])

@@ -126,6 +126,31 @@ def test_reference_solves_doing_nothing_fails_and_runs_repeat(family, browser_en
 
 
 @pytest.mark.docker
+def test_a_booking_reference_that_stumbles_recovers_and_its_stumble_is_not_imitated(browser_env):
+    """About half the booking references select a value into the wrong field first (environments/recovery.py): the
+    driver rejects it and lists the field's options, the next call is right, the booking verifies, and the warm
+    start's rows leave the stumble's tokens out of the loss."""
+    from sandforge.job.cold_start import imitated
+
+    kinds = {}
+    for seed in range(40):
+        task = make_task("booking", seed)
+        selects = [c for c in task.solution if c.name == "select"]
+        if len(selects) == 3:
+            kinds.setdefault(selects[0].arguments["id"] if selects[0].arguments["id"] == selects[1].arguments["id"]
+                             else selects[1].arguments["id"], task)
+    assert set(kinds) == {2, 3}  # a time into the date field, a date into the time field
+    for task in kinds.values():
+        traj = episode(browser_env(task), task)
+        assert not traj.failed and traj.reward.success, traj.reward
+        (erred,) = [t for t in traj.turns if t.tool_errors]
+        assert erred.observations[0].startswith("Error: select: no option") and "options:" in erred.observations[0]
+        taught = imitated(traj).loss_mask
+        assert taught[erred.prompt_tokens: erred.prompt_tokens + erred.generated_tokens] == [0] * erred.generated_tokens
+        assert sum(taught) == sum(traj.loss_mask) - erred.generated_tokens
+
+
+@pytest.mark.docker
 def test_pages_are_text_with_ids_and_actions_keep_state(browser_env):
     task = make_task("shop", 2)
     products = task.setup["site"]["shop"]["products"]

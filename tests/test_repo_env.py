@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 
 from pathlib import Path
+import seeded
 from seeded import repo_task as make_task
 
 from sandforge.environments.repo.env import RepoEnv
@@ -72,7 +73,7 @@ def test_task_holds_one_bug_its_fix_and_tests_kept_apart(family):
         task = make_task(family, seed)
         (check,) = task.checks
         files, hidden = task.setup["files"], check["hidden_tests"]
-        read, fix, submit = task.solution
+        read, fix, submit = straight(task)
         assert submit == ToolCall("submit") and fix.name == "str_replace"
         # the module is named in the report and read before the line the policy has just seen is replaced
         assert read == ToolCall("read_file", {"path": fix.arguments["path"]}) and read.arguments["path"] in \
@@ -94,7 +95,7 @@ def test_task_holds_one_bug_its_fix_and_tests_kept_apart(family):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_function_with_the_bug_kind_is_drawn_and_generates(family):
     # the generator checks each drawn bug against inputs that expose it; this makes every template face that check
-    fixes = {_unnamed(make_task(family, seed).solution[1].arguments["new"]) for seed in range(150)}
+    fixes = {_unnamed(straight(make_task(family, seed))[1].arguments["new"]) for seed in range(150)}
     templates = {_unnamed(_renamed(f, ["p"] * len(_variables(f))).bugs[family][0])
                  for f in FUNCTIONS if family in f.bugs}
     assert fixes == templates and len(templates) == sum(family in f.bugs for f in FUNCTIONS)
@@ -139,6 +140,28 @@ def _limits() -> EpisodeLimits:
     return EpisodeLimits(max_turns=6, max_context=1 << 16, max_new_tokens=4096, stop_ids=CHAT.stop_ids)
 
 
+def straight(task: Task) -> list[ToolCall]:
+    """The reference solution without its stumble (environments/recovery.py): read, fix, submit."""
+    return seeded.straight(task).solution
+
+
+def test_about_half_the_references_stumble_once_and_then_go_straight():
+    """A stumble (environments/recovery.py) is one call the environment rejects, put just before the call it gets
+    wrong: a read of the module's name outside its package, or the fix without ``new``."""
+    kinds = []
+    for seed in range(60):
+        task = make_task("wrong_operator", seed)
+        calls, plain = task.solution, straight(task)
+        assert len(plain) == 3 and len(calls) - len(plain) in (0, 1)
+        if len(calls) == 4:
+            (extra,) = [c for c in calls if c not in plain]
+            at = calls.index(extra)
+            assert calls[at + 1].name == extra.name and calls[at + 1] in plain  # then the right call of that tool
+            kinds.append("wrong_path" if extra.name == "read_file" else "missing_new")
+    assert 15 <= len(kinds) <= 45 and set(kinds) == {"wrong_path", "missing_new"}
+    assert make_task("wrong_operator", 3, "heldout").solution == make_task("wrong_operator", 3, "heldout").solution
+
+
 def _play(task: Task, spec: SandboxSpec, run_id: str, client) -> tuple:
     """One episode through the real agent loop with the task's solution replayed as model output."""
     env = RepoEnv(task, spec, run_id, client=client)
@@ -153,8 +176,8 @@ def test_reference_scores_one_doing_nothing_zero_and_runs_repeat(family, repo_sp
     task = make_task(family, 7)
     solved, observations = _play(task, repo_spec, run_id, docker_client)
     assert (solved.value, solved.success) == (1.0, True), solved.reason
-    read, edited, submitted = observations
-    assert read == task.setup["files"][task.solution[0].arguments["path"]]  # the module, in full, before the edit
+    read, edited, submitted = observations[-3:]  # after a stumble's error, if its reference has one
+    assert read == task.setup["files"][straight(task)[0].arguments["path"]]  # the module, in full, before the edit
     assert edited.startswith("edited ") and submitted == "submitted"
     assert solved.breakdown["repo_tests:0/fail_to_pass"] == 1.0
 
@@ -172,9 +195,36 @@ def test_reference_scores_one_doing_nothing_zero_and_runs_repeat(family, repo_sp
 
 
 @pytest.mark.docker
+def test_a_stumbling_reference_is_rejected_once_still_scores_one_and_its_stumble_is_not_imitated(
+        repo_spec, run_id, docker_client):
+    """Each kind of stumble is an error observation in the real sandbox, the episode still verifies, and the warm
+    start's rows (job/cold_start.py ``imitated``) train on every reply but the stumble's."""
+    from sandforge.job.cold_start import imitated
+
+    seen = set()
+    for seed in range(40):
+        task = make_task("wrong_operator", seed)
+        kind = next((c.name for c in task.solution if c not in straight(task)), None)
+        if kind is None or kind in seen:
+            continue
+        seen.add(kind)
+        env = RepoEnv(task, repo_spec, run_id, client=docker_client)
+        traj = asyncio.run(run_episode(task, env, scripted_policy(task, CHAT), CHAT, _limits(), "g"))
+        assert not traj.failed and traj.reward.success, (task.id, traj.reward)
+        erred = [t for t in traj.turns if t.tool_errors]
+        assert len(erred) == 1 and erred[0].observations[0].startswith("Error:"), [t.observations for t in traj.turns]
+        taught = imitated(traj).loss_mask
+        for turn in traj.turns:
+            span = taught[turn.prompt_tokens: turn.prompt_tokens + turn.generated_tokens]
+            assert span == [0 if turn is erred[0] else 1] * turn.generated_tokens
+        assert sum(taught) == sum(traj.loss_mask) - erred[0].generated_tokens
+    assert seen == {"read_file", "str_replace"}
+
+
+@pytest.mark.docker
 def test_str_replace_and_run_tests_in_the_sandbox(repo_spec, run_id, docker_client):
     task = make_task("wrong_operator", 2)
-    fix = task.solution[1].arguments
+    fix = straight(task)[1].arguments
     env = RepoEnv(task, repo_spec, run_id, client=docker_client)
     try:
         obs, info = env.reset()

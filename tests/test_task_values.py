@@ -22,6 +22,7 @@ from typing import Callable
 
 import pytest
 import yaml
+from seeded import straight
 
 from sandforge.environments.notion.env import NotionEnv
 from sandforge.environments.slack.env import SlackEnv
@@ -92,7 +93,8 @@ def _maker(env: str) -> Callable[..., Task]:
 
 
 def make(env: str, family: str, seed: int, split: str = "train") -> Task:
-    return _maker(env)(family, seed, split)
+    """The task, its reference solution without a stumble (tests/seeded.py ``straight``): what it writes is read."""
+    return straight(_maker(env)(family, seed, split))
 
 
 def sampler_seeds(n: int = DRAWS, stream: int = 0) -> list[int]:

@@ -20,6 +20,7 @@ from itertools import islice
 from typing import Callable
 
 from sandforge.environments.browser.env import SITE_DB, SITE_URL
+from sandforge.environments.recovery import stumble
 from sandforge.environments.words import distinct, split_of
 from sandforge.types import Task, ToolCall
 
@@ -112,16 +113,27 @@ def booking_task(seed: int, split: str = "train") -> Task:
         instruction=f"Book a table at {url} for {name} on {day} at {time}, party of {party}.",
         setup={"site": {"booking": {"name": "Harbor Kitchen", "dates": dates, "times": times}}},
         checks=[_sql("SELECT name, date, time, party_size FROM bookings", [[name, day, time, party]])],
-        solution=[
-            ToolCall("goto", {"url": url}),
-            ToolCall("type", {"id": 1, "text": name}),  # form: [1] Name, [2] Date, [3] Time, [4] Party size, [5] Book
-            ToolCall("select", {"id": 2, "option": day}),
-            ToolCall("select", {"id": 3, "option": time}),
-            ToolCall("type", {"id": 4, "text": str(party)}),
-            ToolCall("click", {"id": 5}),
-            ToolCall("submit"),
-        ],
+        solution=_booking_solution(task_id, url, name, day, time, party),
     )
+
+
+def _booking_solution(task_id: str, url: str, name: str, day: str, time: str, party: int) -> list[ToolCall]:
+    """Fill the form and book; about half stumble first (environments/recovery.py): the time selected into the date
+    field or the date into the time field, rejected with the field's options listed, then made right."""
+    how = stumble(task_id, ("time_into_date", "date_into_time"))
+    selects = [ToolCall("select", {"id": 2, "option": day}), ToolCall("select", {"id": 3, "option": time})]
+    if how == "time_into_date":
+        selects.insert(0, ToolCall("select", {"id": 2, "option": time}))
+    elif how == "date_into_time":
+        selects.insert(1, ToolCall("select", {"id": 3, "option": day}))
+    return [
+        ToolCall("goto", {"url": url}),
+        ToolCall("type", {"id": 1, "text": name}),  # form: [1] Name, [2] Date, [3] Time, [4] Party size, [5] Book
+        *selects,
+        ToolCall("type", {"id": 4, "text": str(party)}),
+        ToolCall("click", {"id": 5}),
+        ToolCall("submit"),
+    ]
 
 
 def wiki_task(seed: int, split: str = "train") -> Task:

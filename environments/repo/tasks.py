@@ -27,6 +27,7 @@ import re
 import sys
 from typing import Any, Callable
 
+from sandforge.environments.recovery import stumble
 from sandforge.environments.repo.functions import (
     FUNCTIONS,
     MODULES,
@@ -223,12 +224,21 @@ def repo_task(family: str, seed: int, split: str = "train") -> Task:
             "pass_to_pass": pass_to_pass,
             "timeout": GRADE_TIMEOUT,
         }],
-        solution=[
-            ToolCall("read_file", {"path": path}),
-            ToolCall("str_replace", {"path": path, "old": buggy, "new": correct}),
-            ToolCall("submit"),
-        ],
+        solution=_solution(task_id, path, buggy, correct),
     )
+
+
+def _solution(task_id: str, path: str, buggy: str, correct: str) -> list[ToolCall]:
+    """Read the module, replace the buggy line, submit; about half stumble first (environments/recovery.py): a read
+    of the module's name outside its package, or the replacement without its ``new``, each rejected, then made right."""
+    how = stumble(task_id, ("wrong_path", "missing_new"))
+    read = ToolCall("read_file", {"path": path})
+    fix = ToolCall("str_replace", {"path": path, "old": buggy, "new": correct})
+    if how == "wrong_path":
+        return [ToolCall("read_file", {"path": path.rsplit("/", 1)[-1]}), read, fix, ToolCall("submit")]
+    if how == "missing_new":
+        return [read, ToolCall("str_replace", {"path": path, "old": buggy}), fix, ToolCall("submit")]
+    return [read, fix, ToolCall("submit")]
 
 
 FAMILIES: dict[str, Callable[[int, str], Task]] = {

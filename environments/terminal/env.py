@@ -29,8 +29,10 @@ class TerminalEnv(SandboxEnv):
         except ValueError as e:
             raise ToolError(f"read_file: {e}") from e
         except OSError as e:
-            return f"Error: {e}"
-        return f"Error: no such file: {path}" if content is None else self._truncate(content)
+            raise ToolError(str(e)) from e
+        if content is None:  # a rejected call (a tool error), as a wrong path to str_replace is
+            raise ToolError(f"no such file: {path}")
+        return self._truncate(content)
 
     @tool
     def write_file(self, path: str, content: str) -> str:
