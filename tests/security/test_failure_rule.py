@@ -22,6 +22,8 @@ CHECKS = [
     {"verifier": "file_contains", "path": ANSWER, "text": "42"},
     {"verifier": "json_match", "path": "/workspace/out.json", "expected": {"ok": True}},
     {"verifier": "command", "command": "grep -q 42 /workspace/answer.txt"},
+    {"verifier": "harbor_tests", "timeout": 60, "files": {"test.sh": (
+        "grep -qx 42 /workspace/answer.txt && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt")}},
     {"verifier": "rubric", "items": [
         {"weight": 1, "check": {"verifier": "file_equals", "path": ANSWER, "content": "42"}},
         {"weight": 1, "check": {"verifier": "command", "command": "test -s /workspace/out.json"}}]},
@@ -68,14 +70,15 @@ FAULTS = st.one_of(
 
 @pytest.fixture(scope="module")
 def answered(terminal_image, docker_client):
-    """A terminal sandbox holding the honest answers."""
+    """A terminal sandbox holding the honest answers (its root writable, as a Harbor task's is: test.sh goes in
+    /tests)."""
     import uuid
 
     from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
     from sandforge.environments.sandbox.lifecycle import remove_run_containers
 
     run_id = f"test-{uuid.uuid4().hex[:12]}"
-    box = DockerSandbox.create(SandboxSpec(image=terminal_image), run_id, client=docker_client)
+    box = DockerSandbox.create(SandboxSpec(image=terminal_image, read_only=False), run_id, client=docker_client)
     box.write_file(ANSWER, "42\n")
     box.write_file("/workspace/out.json", '{"ok": true}')
     yield box
