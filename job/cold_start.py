@@ -105,7 +105,7 @@ def why_not_verified(t) -> str:
 
 def replay_hint(failed: list, rollout) -> str:
     """What to look at when a family's reference episodes did not verify, by how they ended: out of turns or
-    context, a reference reading the task's /solution folder (which a replay through the bash tool does not have),
+    context, a reference reading the task's /solution folder (what went wrong there `harbor check` shows),
     else nothing to add."""
     if any(t.finish_reason == "max_turns" for t in failed):
         return (f"; is rollout.max_turns ({rollout.max_turns}, or the environment's own max_turns) shorter than its "
@@ -114,8 +114,8 @@ def replay_hint(failed: list, rollout) -> str:
         return f"; is rollout.max_context ({rollout.max_context} tokens) shorter than its reference episode?"
     said = " ".join(o for t in failed for turn in t.turns for o in turn.observations)
     if "/solution/" in said:
-        return ("; its reference reads files beside solve.sh in /solution, which the warm start's replay (solve.sh's "
-                "text through the bash tool) does not have: `sandforge harbor check` runs it as Harbor does")
+        return ("; its reference reads files beside solve.sh in /solution: `sandforge harbor check` runs it as Harbor "
+                "does, and says whether it works there")
     return ""
 
 

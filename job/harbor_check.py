@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sandforge.environments.harbor.settings import shell_exports
+from sandforge.environments.harbor.tasks import ORACLE_ENV
 
 NETWORK = re.compile(r"\b(curl|wget)\b|\bpip3?\s+install\b|\buv\s+(pip|sync|run|tool|add)\b|\bapt(-get)?\s+(install|"
                      r"update)\b|\bnpm\s+(install|ci)\b")
@@ -72,7 +73,6 @@ def upload_solution(sandbox, solution: Path) -> None:
     sandbox.exec("chmod -R a+rX /solution", timeout=30, user="root", session=False)
 
 
-ORACLE_ENV = {"DEBIAN_FRONTEND": "noninteractive"}  # Harbor's, under the task's [solution] env
 ORACLE_LOG = "/logs/agent/oracle.txt"
 
 

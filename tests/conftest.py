@@ -83,7 +83,7 @@ def pytest_sessionfinish(session, exitstatus):
     except SandboxError:
         return
     left = [
-        c for c in client.containers.list(all=True, filters={"label": LABEL_RUN})
+        c for c in client.containers.list(all=True, filters={"label": LABEL_RUN}, ignore_removed=True)
         if driver_alive(c.labels) is False or c.labels.get(LABEL_PID) == str(os.getpid())
     ]
     if left:

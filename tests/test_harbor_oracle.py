@@ -235,3 +235,36 @@ def test_the_warm_starts_hint_follows_how_the_replay_ended():
     assert "reads files beside solve.sh in /solution" in replay_hint([missing], rollout)
     assert "sandforge harbor check" in replay_hint([missing], rollout)
     assert replay_hint([ended("submit", "wrong answer")], rollout) == ""
+
+
+@pytest.mark.docker
+def test_the_warm_starts_replay_of_a_solution_folder_writes_every_file_as_it_is(tmp_path, terminal_image, run_id,
+                                                                              docker_client):
+    """#58: a solve.sh that runs the files beside it works only from /solution; the warm start types the whole folder
+    there through the bash tool (text as here-documents, other bytes as base64, nested folders, the executable bit)
+    and runs solve.sh as a file with its [solution] env. The bytes that land are the folder's."""
+    from sandforge.environments.harbor.tasks import replay_solution
+    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+
+    folder = tmp_path / "solution"
+    (folder / "data").mkdir(parents=True)
+    files = {"solve.sh": b'#!/bin/bash\nset -eu\ncd "$(dirname "$0")"\n./data/run.sh > /tmp/said.txt\necho "$TOKEN"\n',
+             "data/run.sh": b"#!/bin/sh\necho ran from $(pwd)\n", "data/blob.bin": bytes(range(256)) * 3,
+             "notes.txt": b"no newline at the end", "marker.txt": b"SANDFORGE_FILE_EOF\n"}
+    for rel, data in files.items():
+        (folder / rel).write_bytes(data)
+    (folder / "data" / "run.sh").chmod(0o755)
+    assert replay_solution(folder, {}) != replay_solution(folder, {"TOKEN": "x"})
+    command = replay_solution(folder, {"TOKEN": "a b"})
+    with DockerSandbox.create(SandboxSpec(image=terminal_image, read_only=False), run_id, client=docker_client) as box:
+        ran = box.exec(command, user="root", session=False, timeout=30)
+        assert ran.exit_code == 0 and ran.output.strip().endswith("a b"), ran.output
+        for rel, data in files.items():
+            assert box.get_file(f"/solution/{rel}", user="root") == data, rel
+        assert box.read_file("/tmp/said.txt", user="root") == "ran from /solution\n"
+        said = box.exec("export | grep -c TOKEN || true", user="root", session=False).output.strip()
+        assert said == "0"  # the [solution] env ended with solve.sh's subshell
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "solve.sh").write_text("echo hi > /app/out.txt\n")
+    assert replay_solution(alone, {}) == replay_command("echo hi > /app/out.txt\n")  # what a policy types

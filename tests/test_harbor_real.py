@@ -171,6 +171,13 @@ def test_a_training_episode_runs_as_the_tasks_user_in_its_workdir(mode, uid, doc
     assert traj.turns[0].observations[0].startswith(f"/app\n{uid}\n"), traj.turns[0].observations[0]
     assert (traj.reward.value, traj.reward.success) == (1.0, True), traj.reward.reason
 
+    # the warm start's replay of the task's own solve.sh (#58), which runs write_words.sh beside it in /solution
+    # and needs its [solution] env: typed through the bash tool, as a policy could type it, it verifies
+    env = HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client)
+    traj = asyncio.run(run_episode(task, env, scripted_policy(task, CHAT), CHAT, limits(max_turns=3), "g"))
+    assert not traj.failed, traj.failure
+    assert (traj.reward.value, traj.reward.success) == (1.0, True), (traj.reward.reason, traj.turns[0].observations)
+
 
 VENV_TASK = """FROM debian:bookworm-slim
 WORKDIR /app

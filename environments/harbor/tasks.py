@@ -13,8 +13,9 @@ a non-root ``sandbox`` user the image build adds. ``tests/`` travels inside the 
 reaches the sandbox only at grading time and the grader never needs the host's copy; logged trajectories keep only its
 files' hashes (``compact_checks``). Splits: ``[metadata] split = "heldout"`` (a sandforge extension), else a stable
 hash of the task's folder name puts the ``heldout`` fraction of tasks the job asks for in the held-out split. The warm
-start replays solve.sh's text through the bash tool (what a policy can learn to type); a solve.sh that needs its
-sibling files in /solution verifies only under `sandforge harbor check`. A multi-step task (``[[steps]]`` in
+start replays the reference through the bash tool as one command (what a policy can learn to type): solve.sh's text,
+or, where solve.sh runs files beside it or has a [solution] env, the folder written into /solution and solve.sh run
+there as Harbor runs it (``replay_solution``). A multi-step task (``[[steps]]`` in
 task.toml, ``steps/<name>/`` folders) is refused in one line: not supported yet.
 """
 
@@ -23,12 +24,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
 from sandforge.environments.harbor.dockerfile import AGENT_USER, MODES, HarborBuild
 from sandforge.environments.sandbox.images import BuildContext
-from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings
+from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings, shell_exports
 from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
 from sandforge import shadows
 from sandforge.types import Task, ToolCall
@@ -102,6 +104,47 @@ def replay_command(text: str) -> str:
     return f"{interpreter} <<'{HEREDOC_END}'\n{text.rstrip(chr(10))}\n{HEREDOC_END}"
 
 
+SOLUTION_DIR = "/solution"  # where Harbor puts solution/ for its oracle
+ORACLE_ENV = {"DEBIAN_FRONTEND": "noninteractive"}  # Harbor's, under the task's [solution] env
+FILE_END = "SANDFORGE_FILE_EOF"
+
+
+def replays_as_oracle(folder: Path, env: dict[str, str]) -> bool:
+    """Whether the warm start must replay ``folder`` (a task's solution/) as Harbor runs its oracle: solve.sh has
+    files beside it, or a [solution] env."""
+    return bool(env) or any(p.is_file() and p.name != "solve.sh" or p.is_dir() for p in folder.iterdir())
+
+
+def replay_solution(folder: Path, env: dict[str, str]) -> str:
+    """solution/ as the warm start types it through the bash tool. solve.sh alone, with no [solution] env: its text
+    (``replay_command``). Otherwise as Harbor runs its oracle, which is the only way such a solve.sh works (it runs
+    the files beside it, from its own folder, with its env): every file of solution/ written into /solution (text
+    through a here-document, other bytes as base64), then solve.sh executed as a file, in a subshell that exports
+    DEBIAN_FRONTEND=noninteractive and the [solution] env, so nothing it sets outlives it."""
+    solve = folder / "solve.sh"
+    if not replays_as_oracle(folder, env):
+        return replay_command(solve.read_text())
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    inner = {p.parent.relative_to(folder).as_posix() for p in files} - {"."}
+    folders = [SOLUTION_DIR, *(f"{SOLUTION_DIR}/{d}" for d in sorted(inner))]
+    lines = [f"mkdir -p {' '.join(map(shlex.quote, folders))}"]
+    for f in files:
+        dest = shlex.quote(f"{SOLUTION_DIR}/{f.relative_to(folder).as_posix()}")
+        data = f.read_bytes()
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            text = None
+        if text is not None and text.endswith("\n") and FILE_END not in text and "\0" not in text:
+            lines.append(f"cat > {dest} <<'{FILE_END}'\n{text}{FILE_END}")
+        else:
+            lines.append(f"base64 -d > {dest} <<'{FILE_END}'\n{base64.encodebytes(data).decode()}{FILE_END}")
+        if f.suffix == ".sh" or f.stat().st_mode & 0o111:
+            lines.append(f"chmod +x {dest}")
+    lines.append(f"({shell_exports({**ORACLE_ENV, **env})}{SOLUTION_DIR}/solve.sh)")
+    return "\n".join(lines)
+
+
 def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     """One Harbor task directory as a Task; HarborTaskError names the file that is missing or malformed. ``mode``:
     ``root`` (Harbor's: the agent as the task's user) or ``hardened`` (a non-root agent); ``heldout``: the fraction of
@@ -139,13 +182,16 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         raise HarborTaskError(f"{toml}: [metadata] split = {split!r}; use one of {', '.join(SPLITS)}")
     if mode not in MODES:
         raise HarborTaskError(f"harbor mode {mode!r}: expected one of {', '.join(MODES)}")
-    solve = task_dir / "solution" / "solve.sh"
-    solution = [ToolCall("bash", {"command": replay_command(solve.read_text())}), ToolCall("submit")] \
-        if solve.is_file() else []
+    folder = task_dir / "solution"
+    has_solution = (folder / "solve.sh").is_file()
+    solution = [ToolCall("bash", {"command": replay_solution(folder, settings.solution_env)}), ToolCall("submit")] \
+        if has_solution else []
     sandbox = settings.sandbox() | ({"user": AGENT_USER} if mode == "hardened" else {})
     if sandbox["user"] not in ("root", "0"):  # where else a non-root agent can write on the root filesystem: capped
         home = f"/home/{sandbox['user'].split(':')[0]}"
-        sandbox["scratch"] = ("/var/tmp", "/run/lock", home)
+        # /solution: where a non-root agent's replay of an oracle that runs its sibling files puts them
+        oracle = (SOLUTION_DIR,) if has_solution and replays_as_oracle(folder, settings.solution_env) else ()
+        sandbox["scratch"] = ("/var/tmp", "/run/lock", home, *oracle)
         sandbox["home"] = home  # as in Harbor, where HOME is the user's own: ~/.ssh is not the WORKDIR's
     check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
              "timeout": settings.verifier_timeout, "user": settings.verifier_user}
