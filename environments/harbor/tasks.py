@@ -116,8 +116,9 @@ def replays_as_oracle(folder: Path, env: dict[str, str]) -> bool:
 
 
 def replay_solution(folder: Path, env: dict[str, str]) -> str:
-    """solution/ as the warm start types it through the bash tool. solve.sh alone, with no [solution] env: its text
-    (``replay_command``). Otherwise as Harbor runs its oracle, which is the only way such a solve.sh works (it runs
+    """solution/ as the warm start types it through the bash tool. ``env``: what of solve.sh's environment the
+    agent's shell lacks (its [solution] env beyond [environment] env, which HarborEnv exports before every command).
+    solve.sh alone, with no such env: its text (``replay_command``). Otherwise as Harbor runs its oracle, which is the only way such a solve.sh works (it runs
     the files beside it, from its own folder, with its env): every file of solution/ written into /solution (text
     through a here-document, other bytes as base64), then solve.sh executed as a file, in a subshell that exports
     DEBIAN_FRONTEND=noninteractive and the [solution] env, so nothing it sets outlives it."""
@@ -184,13 +185,15 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         raise HarborTaskError(f"harbor mode {mode!r}: expected one of {', '.join(MODES)}")
     folder = task_dir / "solution"
     has_solution = (folder / "solve.sh").is_file()
-    solution = [ToolCall("bash", {"command": replay_solution(folder, settings.solution_env)}), ToolCall("submit")] \
+    # what of solve.sh's env the agent's commands lack: HarborEnv exports [environment] env before each of them
+    own_env = {k: v for k, v in settings.solution_env.items() if settings.env.get(k) != v}
+    solution = [ToolCall("bash", {"command": replay_solution(folder, own_env)}), ToolCall("submit")] \
         if has_solution else []
     sandbox = settings.sandbox() | ({"user": AGENT_USER} if mode == "hardened" else {})
     if sandbox["user"] not in ("root", "0"):  # where else a non-root agent can write on the root filesystem: capped
         home = f"/home/{sandbox['user'].split(':')[0]}"
         # /solution: where a non-root agent's replay of an oracle that runs its sibling files puts them
-        oracle = (SOLUTION_DIR,) if has_solution and replays_as_oracle(folder, settings.solution_env) else ()
+        oracle = (SOLUTION_DIR,) if has_solution and replays_as_oracle(folder, own_env) else ()
         sandbox["scratch"] = ("/var/tmp", "/run/lock", home, *oracle)
         sandbox["home"] = home  # as in Harbor, where HOME is the user's own: ~/.ssh is not the WORKDIR's
     check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
