@@ -518,7 +518,8 @@ def test_the_agents_commands_see_the_task_env_in_a_container(harbor_025_images, 
     finally:
         env.close()
     solved = _episode(task, env, task.solution)
-    assert not solved.failed and solved.reward.value == 1.0, (solved.reward.reason, [t.observations for t in solved.turns])
+    said = [t.observations for t in solved.turns]
+    assert not solved.failed and solved.reward.value == 1.0, (solved.reward.reason, said)
     bare = type(task)(**{**task.__dict__, "setup": {k: v for k, v in task.setup.items() if k != "env"}})
     unsolved = _episode(bare, _env(bare, harbor_025_images, run_id, docker_client), bare.solution)
     assert unsolved.reward.value == 0.0, unsolved.reward.reason

@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict
 
 import pytest
-from seeded import repo_task
+from seeded import repo_task, straight
 
 from sandforge.config import JobConfig
 from sandforge.environments.sandbox.images import build_images, layered_images
@@ -65,7 +65,7 @@ def run(backend: ReplayBackend, tasks, run_id, docker_client, harness: str = "ba
 
 def fix_commands(task) -> list[str | None]:
     """The task's reference solution (read, then str_replace) as the bash a harness would run."""
-    read, edit = task.solution[0].arguments, task.solution[1].arguments
+    read, edit = (c.arguments for c in straight(task).solution[:2])  # without a stumble (environments/recovery.py)
     replace = (f"python3 - <<'EOF'\nimport pathlib\np = pathlib.Path({edit['path']!r})\n"
                f"p.write_text(p.read_text().replace({edit['old']!r}, {edit['new']!r}, 1))\nEOF")
     return [f"cat {read['path']}", replace, None]

@@ -11,13 +11,19 @@ import shlex
 from dataclasses import replace
 
 import pytest
-from seeded import repo_task as make_task
+from seeded import repo_task, straight
 
 from sandforge.environments.repo.env import RepoEnv
 from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.sandbox.images import build_images
 from sandforge.types import Task, ToolCall
 from sandforge.verifiers.checks import score_task
+
+
+def make_task(*args):
+    """A repo task with its reference solution straight (no stumble: environments/recovery.py)."""
+    return straight(repo_task(*args))
+
 
 pytestmark = pytest.mark.docker
 

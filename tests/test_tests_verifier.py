@@ -11,7 +11,7 @@ import re
 import tarfile
 
 import pytest
-from seeded import repo_task as make_task
+from seeded import repo_task, straight
 
 from sandforge.environments.repo.tasks import FAMILIES
 from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
@@ -31,6 +31,12 @@ from sandforge.verifiers.repo_tests import (
     parse_junit,
     run_tests_fresh,
 )
+
+
+def make_task(*args):
+    """A repo task with its reference solution straight (no stumble: environments/recovery.py)."""
+    return straight(repo_task(*args))
+
 
 # What pytest 7 writes (xunit2): one testsuite under testsuites, classname = dotted module path (+ class).
 XUNIT2 = """<?xml version="1.0" encoding="utf-8"?>

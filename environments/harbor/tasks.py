@@ -118,10 +118,10 @@ def replays_as_oracle(folder: Path, env: dict[str, str]) -> bool:
 def replay_solution(folder: Path, env: dict[str, str]) -> str:
     """solution/ as the warm start types it through the bash tool. ``env``: what of solve.sh's environment the
     agent's shell lacks (its [solution] env beyond [environment] env, which HarborEnv exports before every command).
-    solve.sh alone, with no such env: its text (``replay_command``). Otherwise as Harbor runs its oracle, which is the only way such a solve.sh works (it runs
-    the files beside it, from its own folder, with its env): every file of solution/ written into /solution (text
-    through a here-document, other bytes as base64), then solve.sh executed as a file, in a subshell that exports
-    DEBIAN_FRONTEND=noninteractive and the [solution] env, so nothing it sets outlives it."""
+    solve.sh alone, with no such env: its text (``replay_command``). Otherwise as Harbor runs its oracle, the only
+    way such a solve.sh works (it runs the files beside it, from its own folder, with its env): every file of
+    solution/ written into /solution (text through a here-document, other bytes as base64), then solve.sh executed
+    as a file, in a subshell that exports DEBIAN_FRONTEND=noninteractive and ``env``, so nothing it sets outlives it."""
     solve = folder / "solve.sh"
     if not replays_as_oracle(folder, env):
         return replay_command(solve.read_text())
