@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sandforge.environments.harbor.settings import shell_exports
-from sandforge.environments.harbor.tasks import ORACLE_ENV
+from sandforge.environments.harbor.tasks import ORACLE_ENV, solution_mode
 
 NETWORK = re.compile(r"\b(curl|wget)\b|\bpip3?\s+install\b|\buv\s+(pip|sync|run|tool|add)\b|\bapt(-get)?\s+(install|"
                      r"update)\b|\bnpm\s+(install|ci)\b")
@@ -68,8 +68,8 @@ def upload_solution(sandbox, solution: Path) -> None:
     """``solution/`` into ``/solution`` as root, readable by every user, scripts executable."""
     sandbox.exec("rm -rf /solution && install -d -m 0755 /solution", timeout=30, user="root", session=False)
     for f in sorted(p for p in solution.rglob("*") if p.is_file()):
-        mode = 0o755 if f.suffix == ".sh" or f.stat().st_mode & 0o111 else 0o644
-        sandbox.put_file(f"/solution/{f.relative_to(solution).as_posix()}", f.read_bytes(), user="root", mode=mode)
+        sandbox.put_file(f"/solution/{f.relative_to(solution).as_posix()}", f.read_bytes(), user="root",
+                         mode=solution_mode(f))
     sandbox.exec("chmod -R a+rX /solution", timeout=30, user="root", session=False)
 
 

@@ -109,6 +109,11 @@ ORACLE_ENV = {"DEBIAN_FRONTEND": "noninteractive"}  # Harbor's, under the task's
 FILE_END = "SANDFORGE_FILE_EOF"
 
 
+def solution_mode(path: Path) -> int:
+    """The mode a file of solution/ gets in /solution, as Harbor's oracle upload gives it: scripts executable."""
+    return 0o755 if path.suffix == ".sh" or path.stat().st_mode & 0o111 else 0o644
+
+
 def replays_as_oracle(folder: Path, env: dict[str, str]) -> bool:
     """Whether the warm start must replay ``folder`` (a task's solution/) as Harbor runs its oracle: solve.sh has
     files beside it, or a [solution] env."""
@@ -140,7 +145,7 @@ def replay_solution(folder: Path, env: dict[str, str]) -> str:
             lines.append(f"cat > {dest} <<'{FILE_END}'\n{text}{FILE_END}")
         else:
             lines.append(f"base64 -d > {dest} <<'{FILE_END}'\n{base64.encodebytes(data).decode()}{FILE_END}")
-        if f.suffix == ".sh" or f.stat().st_mode & 0o111:
+        if solution_mode(f) & 0o111:
             lines.append(f"chmod +x {dest}")
     lines.append(f"({shell_exports({**ORACLE_ENV, **env})}{SOLUTION_DIR}/solve.sh)")
     return "\n".join(lines)
