@@ -201,7 +201,7 @@ def _episodes_per_s(concurrency: int, n_episodes: int, model, images: dict, run_
     (its pool: ``concurrency`` warm sandboxes, ``max_live`` = concurrency, created before the clock starts).
     Returns (episodes/s, failed episodes)."""
     from sandforge.config import JobConfig
-    from sandforge.environments.sandbox.labels import driver_labels
+    from sandforge.sandbox.labels import driver_labels
     from sandforge.environments.terminal.tasks import FAMILIES
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
@@ -237,9 +237,9 @@ def sandbox_episodes_section(model, args, table: Table) -> dict:
     worker's code path in this process: the scripted reference policy (sandbox + agent loop only: each episode resets,
     runs the reference tool calls, is graded and removed) and the engine with this model (untrained, so its replies
     add model time and error observations, not tool calls)."""
-    from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.lifecycle import remove_run_containers
+    from sandforge.sandbox.daemon import docker_client
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.lifecycle import remove_run_containers
     from sandforge.types import SandboxError
 
     if not args.sandbox_concurrency:

@@ -28,12 +28,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.images import build_images
-from sandforge.environments.sandbox.labels import LABEL_RUN
-from sandforge.environments.sandbox.lifecycle import remove_run_containers
-from sandforge.environments.sandbox.pool import SandboxPool
+from sandforge.sandbox.daemon import docker_client
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.images import build_images
+from sandforge.sandbox.labels import LABEL_RUN
+from sandforge.sandbox.lifecycle import remove_run_containers
+from sandforge.sandbox.pool import SandboxPool
 from sandforge.types import SandboxError
 
 err = Console(stderr=True)

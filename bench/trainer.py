@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _slow_sampler(delay: float):
     """A TaskSampler whose tasks each run ``sleep delay`` in their sandbox before the episode starts (the tasks travel
     to the rollout workers as plain data, so patching the driver's sampler is enough)."""
-    from sandforge.job.tasks import TaskSampler
+    from sandforge.job.task_sampler import TaskSampler
 
     class SlowTasks(TaskSampler):
         def sample(self, n: int, split: str = "train"):

@@ -1,4 +1,5 @@
-"""Environments: Docker sandboxes and the gymnasium environments that act in them.
+"""Environments: the gymnasium environments an episode acts in (each in a Docker sandbox of sandforge.sandbox), their
+task generators and task sources.
 
 Importing this package registers every environment with gymnasium (``sandforge/Terminal-v0``, ``sandforge/Repo-v0``,
 ..., and installed plugins'); see ``gym_registry.py``. Registering imports nothing heavy: gymnasium, and the names.

@@ -19,15 +19,13 @@ import dataclasses
 import posixpath
 from typing import Any, Callable, ClassVar
 
-import docker
-
-from sandforge import shadows
+from sandforge.grading import shadows
 from sandforge.environments.base import ObservationText, ToolEnv
-from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.labels import driver_labels
-from sandforge.environments.sandbox.pool import SandboxPool
-from sandforge.environments.sandbox.stats import SandboxStats
+from sandforge.sandbox.daemon import DockerClient, docker_client
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.labels import driver_labels
+from sandforge.sandbox.pool import SandboxPool
+from sandforge.sandbox.stats import SandboxStats
 from sandforge.types import ExecResult, Reward, SandboxError, Task
 
 RUN_IN_WORKDIR = ("command", "harbor_tests")  # checks that run commands in the workdir: shadow modules set aside
@@ -51,7 +49,7 @@ class SandboxEnv(ToolEnv):
         spec: SandboxSpec,
         run_id: str,
         exec_timeout: float = 10.0,
-        client: docker.DockerClient | None = None,
+        client: DockerClient | None = None,
         pool: SandboxPool | None = None,
         stats: SandboxStats | None = None,
         labels: dict[str, str] | None = None,
@@ -103,7 +101,7 @@ class SandboxEnv(ToolEnv):
                 raise SandboxError(f"task {self.task.id}: setup command {command!r} exited {result.exit_code}: "
                                    f"{result.output[-200:]}")
         if any(isinstance(c, dict) and c.get("verifier") in RUN_IN_WORKDIR for c in self.task.checks):
-            try:  # what the task put in the workdir, before the policy acts: sandforge/shadows.py
+            try:  # what the task put in the workdir, before the policy acts: sandforge/grading/shadows.py
                 shadows.mark_start(self._sandbox)
             except OSError as e:
                 self.close()

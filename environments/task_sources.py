@@ -140,13 +140,6 @@ def load_jsonl(path: Path, env: str | None = None) -> list[Task]:
     return tasks
 
 
-def dump_jsonl(tasks: list[Task], path: Path) -> None:
-    """Write tasks in the shape ``load_jsonl`` reads (e.g. to freeze a seeded set as a fixed benchmark)."""
-    from dataclasses import asdict
-
-    Path(path).write_text("".join(json.dumps(asdict(t)) + "\n" for t in tasks))
-
-
 def open_source(entry: Any, tasks: Path | None = None, harbor_mode: str = "root", heldout: float = 0.0,
                 ident: str | None = None, args: dict | None = None) -> ProceduralSource | FiniteSource:
     """The task source of a registry entry: its seeded families, or the path ``tasks``, read by the entry's folder

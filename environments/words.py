@@ -7,7 +7,7 @@ of training on other words teaches it to. Syllable words ("kolu", "dasimo") are 
 shares, so writing an unseen one is copying, the skill being measured.
 
 Which split a word belongs to is a property of the word (a hash), not of the pool it came from: the pretraining
-stage (job/copy_data.py) and every train-split task use train words only, held-out tasks use held-out words only.
+stage (job/pretraining_data.py) and every train-split task use train words only, held-out tasks use held-out words only.
 
 Tasks draw their values fresh (``fresh``, ``distinct``, ``phrase``) rather than from a fixed pool: two or three syllables give
 about 150,000 train words, so 64 warm-start tasks rarely share a file name, a channel or a page title, and a policy

@@ -127,7 +127,7 @@ def _run(cfg: JobConfig, **kwargs) -> None:
 
 def _drive(job, *args, **kwargs) -> None:
     """Run a job (train, sft, eval); Ctrl-C exits with 130, an error the user can act on is one line, exit 1."""
-    from sandforge.environments.sandbox.images import ImageError
+    from sandforge.sandbox.images import ImageError
     from sandforge.job.console import JobError, heartbeat
     from sandforge.types import SandboxError
 
@@ -185,7 +185,7 @@ def images_build(
 ) -> None:
     """Build the base image (debootstrap when nothing can be pulled) and each environment's image, installed
     plugins' own images included."""
-    from sandforge.environments.sandbox.images import ImageError, build_images
+    from sandforge.sandbox.images import ImageError, build_images
     from sandforge.registry import PluginError, environments
     from sandforge.types import SandboxError
 
@@ -211,7 +211,7 @@ def envs_list(
 ) -> None:
     """Print every environment: where it comes from, its task families, how many tasks per split, its image."""
     from sandforge.environments.task_sources import open_source
-    from sandforge.job.tasks import env_source
+    from sandforge.job.task_sampler import env_source
     from sandforge.registry import PluginError, environment, environments
 
     def row(entry, name: str, source: str, tasks: Path | None = None, env=None) -> list[str]:
@@ -280,7 +280,7 @@ def sandbox_reap(
     run_id: Optional[str] = typer.Argument(None, help="Remove every container of this run (see <output_dir>/run_id)"),
 ) -> None:
     """Remove the containers of runs whose driver is dead (or, given a run id, every container of that run)."""
-    from sandforge.environments.sandbox.lifecycle import reap_dead_runs, remove_run_containers
+    from sandforge.sandbox.lifecycle import reap_dead_runs, remove_run_containers
     from sandforge.types import SandboxError
 
     try:

@@ -1,6 +1,6 @@
 """The cold start before RL, for a policy that cannot call tools yet: synthetic pretraining, then the warm start.
 
-Pretraining (``pretrain.steps``) trains on generated one-call exchanges over the job's tools (job/copy_data.py). The
+Pretraining (``pretrain.steps``) trains on generated one-call exchanges over the job's tools (job/pretraining_data.py). The
 warm start (``warmup.steps``) replays each task's reference solution through the real agent loop and sandboxes, keeps
 the episodes the verifier accepts, and trains on their assistant tokens; afterwards the policy is the KL reference and
 the engine serves it as a new version.
@@ -21,8 +21,8 @@ from sandforge.types import TrainingRow, Trajectory
 
 
 def copy_source(job: RLJob, stream: str) -> Callable[[int], list[TrainingRow]]:
-    """``n -> rows`` of generated copy exchanges over the job's tools (job/copy_data.py), from a seeded stream."""
-    from sandforge.job.copy_data import copy_rows, env_tools
+    """``n -> rows`` of generated copy exchanges over the job's tools (job/pretraining_data.py), from a seeded stream."""
+    from sandforge.job.pretraining_data import copy_rows, env_tools
     from sandforge.models.build import load_chat
 
     chat = load_chat(job.cfg.model)

@@ -66,7 +66,7 @@ def eval_episodes(cfg: JobConfig, per_family: int | None = None, samples: int | 
     ``per_family``: that many tasks of every family, ``samples``: that many sampled episodes of each (the base
     evaluation's)."""
     from sandforge.environments.task_sources import FiniteSource
-    from sandforge.job.tasks import env_source
+    from sandforge.job.task_sampler import env_source
 
     n = 0
     for env in cfg.environments:

@@ -24,7 +24,7 @@ from rich.table import Table
 from sandforge.config import EnvironmentConfig, JobConfig
 from sandforge.job.console import JobError
 from sandforge.environments.task_sources import FiniteSource
-from sandforge.job.tasks import env_source, with_reward_rule, with_success_at
+from sandforge.job.task_sampler import env_source, with_reward_rule, with_success_at
 from sandforge.types import Task, Trajectory
 
 

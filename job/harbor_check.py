@@ -108,9 +108,9 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
     from sandforge.environments.harbor.dockerfile import BaseImageError
     from sandforge.environments.harbor.env import HarborEnv
     from sandforge.environments.harbor.tasks import HarborTaskError, load_tasks, with_base_map
-    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
-    from sandforge.environments.sandbox.images import ImageError, build_images
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.docker_sandbox import DockerSandbox
+    from sandforge.sandbox.images import ImageError, build_images
+    from sandforge.sandbox.job_spec import sandbox_spec
     from sandforge.types import SandboxError
     from sandforge.verifiers.checks import SERVICE_STOPPED, score_task
 
@@ -197,8 +197,8 @@ def table(rows: list[CheckRow]) -> Table:
 
 def check(paths: list[Path], mode: str = "root", sandbox_cfg=None) -> list[CheckRow]:
     """Check every task under ``paths``, printing each row's task as it goes; the rows."""
-    from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.lifecycle import remove_run_containers
+    from sandforge.sandbox.daemon import docker_client
+    from sandforge.sandbox.lifecycle import remove_run_containers
     from sandforge.job.console import console, phase
 
     sandbox_cfg = sandbox_cfg or sandbox_settings()

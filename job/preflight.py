@@ -12,7 +12,7 @@ from sandforge.config import ConfigError, JobConfig
 def validate_job(cfg: JobConfig, source: str = "config", warm_start: bool = True) -> None:
     """Checks that need the registry (environment names, task families); still no heavy imports. ``warm_start``:
     the command runs the config's warm start (``train``, ``sft``; not ``eval``)."""
-    from sandforge.job.tasks import TaskSampler
+    from sandforge.job.task_sampler import TaskSampler
     from sandforge.registry import PluginError
 
     try:
@@ -87,12 +87,12 @@ def check_host(cfg: JobConfig, source: str = "config") -> None:
     sandboxes run on other nodes, so only the Docker checks apply.)"""
     import os
 
-    from docker.utils import parse_bytes
+    from sandforge.sandbox.spec import parse_size
 
     s = cfg.sandbox
     if cfg.ray.address is None:
         try:
-            memory = parse_bytes(s.memory)
+            memory = parse_size(s.memory)
         except Exception:  # noqa: BLE001 - docker's own error names no key
             raise ConfigError(f"{source}: 'sandbox.memory' = {s.memory!r} is not a size such as 512m or 2g") from None
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -104,7 +104,8 @@ def check_host(cfg: JobConfig, source: str = "config") -> None:
                               f"({os.cpu_count()}); lower sandbox.cpus")
     if s.base_image is None and s.runtime is None:
         return
-    from sandforge.environments.sandbox.daemon import docker_client
+    from sandforge.sandbox.daemon import docker_client
+    from sandforge.sandbox.images import image_id
     from sandforge.types import SandboxError
 
     try:
@@ -114,12 +115,7 @@ def check_host(cfg: JobConfig, source: str = "config") -> None:
     if s.runtime is not None and s.runtime not in (client.info().get("Runtimes") or {}):
         raise ConfigError(f"{source}: 'sandbox.runtime' = {s.runtime!r}: the Docker daemon has no such runtime "
                           f"(it has: {', '.join(sorted(client.info().get('Runtimes') or {}))})")
-    if s.base_image is not None:
-        import docker.errors
-
-        try:
-            client.images.get(s.base_image)
-        except docker.errors.ImageNotFound:
-            raise ConfigError(f"{source}: 'sandbox.base_image' = {s.base_image!r} is not a local image: "
-                              f"`docker pull {s.base_image}` (or `docker load`) first, or leave sandbox.base_image "
-                              "unset to bootstrap Debian bookworm") from None
+    if s.base_image is not None and image_id(client, s.base_image) is None:
+        raise ConfigError(f"{source}: 'sandbox.base_image' = {s.base_image!r} is not a local image: "
+                          f"`docker pull {s.base_image}` (or `docker load`) first, or leave sandbox.base_image "
+                          "unset to bootstrap Debian bookworm")

@@ -27,7 +27,7 @@ from sandforge.job.fleet.lifecycle import Fleet
 from sandforge.job.rollout_metrics import rollout_metrics
 from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed, worker_gone
 from sandforge.job.runlog import RunLogger
-from sandforge.job.tasks import TaskSampler
+from sandforge.job.task_sampler import TaskSampler
 from sandforge.job.no_signal import silent_in, silent_metrics, silent_note
 from sandforge.trainer.algorithms import (TieBreak, informative_groups, overlong_penalty, resolve, signal_rewards,
                                           token_advantages, trained_successes)
@@ -145,7 +145,7 @@ class RLJob:
         """Acquire/exec latency percentiles over every worker's samples, live sandboxes, failures by kind."""
         import ray
 
-        from sandforge.environments.sandbox.stats import SandboxStats
+        from sandforge.sandbox.stats import SandboxStats
 
         stats = SandboxStats()
         for ref in [w.sandbox_stats.remote() for w in self.workers]:

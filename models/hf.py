@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .hf_chat import HFChatFormat
-from .kv_room import cat_into_room, has_room_layers, rows_into_room, with_room_layers
+from .hf_kv_cache import cat_into_room, has_room_layers, rows_into_room, with_room_layers
 
 
 # ---------------------------------------------------------------- model
@@ -87,7 +87,7 @@ class HFCache:
     def cat(cls, caches: list[HFCache]) -> HFCache:
         """One batch from the rows of several caches: each left-padded (mask 0) to the longest. Positions come from the
         mask's cumsum, so padding shifts no row's positions. A fast cache of room layers is written straight into
-        buffers with room after it (models/kv_room.py ``cat_into_room``), so the next token's append copies nothing."""
+        buffers with room after it (models/hf_kv_cache.py ``cat_into_room``), so the next token's append copies nothing."""
         width = max(c.seq_len for c in caches)
         pad = [width - c.seq_len for c in caches]
         left_pad = torch.nn.functional.pad
@@ -121,7 +121,7 @@ class HFCache:
     def keep_rows(self, rows: list[int]) -> HFCache:
         """``select(rows).compact()``: the rows that stay in a decode batch. A fast cache of room layers whose rows end
         in their tokens (a decode batch's do) copies the kept columns straight into buffers with room after them
-        (models/kv_room.py ``rows_into_room``), so the next token's append copies nothing; otherwise the two steps."""
+        (models/hf_kv_cache.py ``rows_into_room``), so the next token's append copies nothing; otherwise the two steps."""
         if not (self.fast and rows and has_room_layers(self.past) and _right_aligned(self.mask)):
             return self.select(torch.tensor(rows)).compact()
         idx = torch.tensor(rows)
@@ -181,7 +181,7 @@ class HFPolicy(nn.Module):
         self.config = HFPolicyConfig(self.vocab_size, getattr(text, "max_position_embeddings", None))
         self._moe = hasattr(text, "router_aux_loss_coef") and hasattr(text, "output_router_logits")
         self.aux_loss_coef = float(getattr(text, "router_aux_loss_coef", 0.0))
-        # the caches this forward fills append each token in place (models/kv_room.py) and compact by slicing where
+        # the caches this forward fills append each token in place (models/hf_kv_cache.py) and compact by slicing where
         # they can; False: transformers' own DynamicLayer, which copies the whole cache every token, and compaction
         # by gather (the references, engine.kv_cache: reference)
         self.fast_cache = True

@@ -56,8 +56,8 @@ def make_env(
     are reaped by the next sandforge command.
     """
     from sandforge.config import SandboxConfig  # pydantic: only when an env is made
-    from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.daemon import docker_client
+    from sandforge.sandbox.job_spec import sandbox_spec
 
     entry = environment(env)
     task, contexts = _task(entry, task, family, seed, split)
@@ -99,31 +99,11 @@ def _task(entry: EnvironmentEntry, task: Any, family: str | None, seed: int,
 
 def _image(entry: EnvironmentEntry, task: Task, contexts: dict[str, Any], config: Any) -> str:
     """The tag of the image ``task`` runs in: found if up to date, else built (with progress on stderr)."""
-    import docker.errors
-
-    from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.images import (
-        BASE_TAG,
-        BuildContext,
-        ImageError,
-        build_images,
-        context_image_tag,
-    )
+    from sandforge.sandbox.images import context_image
 
     name = task.setup.get("image") or entry.image_name
     context = contexts.get(name) or (entry.image_context() if name == entry.image_name else None)
     if context is None:
         raise ValueError(f"task {task.id} runs in image {name!r}, which {gym_id(entry.name)} cannot build: pass "
                          "image=<tag>, or for a Harbor task its directory as task=")
-    client = docker_client()
-    if isinstance(context, BuildContext):  # a Harbor task's: its Dockerfile is rewritten for this host first
-        return build_images([], base_image=config.base_image, client=client, mirror=config.mirror,
-                            contexts={name: context}, show_progress=False)[name]
-    try:
-        tag = context_image_tag(context, name, config.base_image or BASE_TAG, client)
-        client.images.get(tag)
-        return tag
-    except (ImageError, docker.errors.ImageNotFound):
-        pass
-    return build_images([], base_image=config.base_image, client=client, mirror=config.mirror,
-                        contexts={name: context})[name]
+    return context_image(name, context, config.base_image, config.mirror)

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from sandforge.environments.sandbox.spec import PROXY_MOUNT  # noqa: F401 - in the sandbox: the proxy socket's folder
+from sandforge.sandbox.spec import PROXY_MOUNT  # noqa: F401 - in the sandbox: the proxy socket's folder
 from sandforge.registry import harness_factory
 
 HARNESS_DIR = "/tmp/.sandforge-harness"  # in the sandbox: root's and sticky; sandforge's files in it read-only to the policy

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 
 from sandforge.config import (AgentConfig, EnvironmentConfig, ModelConfig, RemoteEngineConfig, RolloutConfig,
                               SandboxConfig)
-from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.job_spec import sandbox_spec
-from sandforge.environments.sandbox.pool import SandboxPool
-from sandforge.environments.sandbox.stats import SandboxStats
+from sandforge.sandbox.daemon import docker_client
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.job_spec import sandbox_spec
+from sandforge.sandbox.pool import SandboxPool
+from sandforge.sandbox.stats import SandboxStats
 from sandforge.models.build import load_chat
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode

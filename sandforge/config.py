@@ -303,7 +303,7 @@ class EngineConfig(Section):
     # caches while the trainer steps, and weights reach it by a direct copy from the rank's GPU memory
     colocate: bool = False
     # a Hugging Face policy's KV cache. fast: each new token written into room kept after the cached ones
-    # (models/kv_room.py), rows compacted by slicing where they end in their tokens; reference: transformers' own
+    # (models/hf_kv_cache.py), rows compacted by slicing where they end in their tokens; reference: transformers' own
     # DynamicLayer, which copies the whole cache every token, and compaction by gather (bench/rl_step.py's baseline)
     kv_cache: Literal["fast", "reference"] = "fast"
     # how the engine runs the policy. auto: on a CPU, the fused decode path where it covers the policy (Llama, Mistral
@@ -322,7 +322,7 @@ class EngineConfig(Section):
 
 
 class PretrainConfig(Section):
-    """Synthetic pretraining (job/copy_data.py): generated one-call exchanges over the job's tools teach a policy
+    """Synthetic pretraining (job/pretraining_data.py): generated one-call exchanges over the job's tools teach a policy
     built from scratch to copy names, phrases and values into tool calls, as a pretrained base model would. Runs
     before the warm start; 0 steps for a policy loaded from ``model.init_from``."""
 

@@ -3,7 +3,7 @@
 Environments, the rollout, verifiers and the trainer talk only through these dataclasses, never through each other's
 objects. Every type round-trips through ``to_dict``/``from_dict`` so it can cross Ray and be written as JSON lines.
 ``Sandbox`` is what a verifier may do with an episode's sandbox; Docker's implementation lives in
-``sandforge.environments.sandbox.docker_sandbox``, which graders never import.
+``sandforge.sandbox.docker_sandbox``, which graders never import.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import shlex
 import time
 from pathlib import Path
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import FAMILIES, SPLITS
 from sandforge.environments.tools import tool_schemas

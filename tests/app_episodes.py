@@ -12,8 +12,8 @@ from pathlib import Path
 
 from agent_fakes import CHAT, limits
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.images import build_images
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.images import build_images
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall, Trajectory

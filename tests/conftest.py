@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 
-from sandforge.environments.sandbox import daemon
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.images import build_images
-from sandforge.environments.sandbox.lifecycle import remove_run_containers
+from sandforge.sandbox import daemon
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.images import build_images
+from sandforge.sandbox.lifecycle import remove_run_containers
 from sandforge.types import SandboxError
 
 # task folders' own tests (a Harbor task's tests/test_outputs.py) run inside their sandboxes, never here
@@ -76,7 +76,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     Containers whose driver is another live process (a training run beside the tests) are none of our business.
     """
-    from sandforge.environments.sandbox.labels import LABEL_PID, LABEL_RUN, driver_alive
+    from sandforge.sandbox.labels import LABEL_PID, LABEL_RUN, driver_alive
 
     try:
         client = daemon.docker_client()

@@ -3,6 +3,10 @@ makes them: by the registry entry, the one lookup of a family in the task module
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+from pathlib import Path
+
 from sandforge.registry import environment
 
 terminal_task = environment("terminal").make_task()
@@ -10,6 +14,11 @@ repo_task = environment("repo").make_task()
 slack_task = environment("slack").make_task()
 notion_task = environment("notion").make_task()
 browser_task = environment("browser").make_task()
+
+
+def dump_jsonl(tasks, path: Path) -> None:
+    """Write tasks in the shape a JSONL task file holds (environments/task_sources.py ``load_jsonl`` reads it)."""
+    Path(path).write_text("".join(json.dumps(asdict(t)) + "\n" for t in tasks))
 
 
 def straight(task):

@@ -316,7 +316,7 @@ def test_terminal_episode_with_parallel_tool_calls(terminal_spec, run_id, docker
 @pytest.mark.docker
 def test_worker_waits_for_a_sandbox_when_max_live_are_in_use(terminal_image, run_id, docker_client):
     from sandforge.config import JobConfig
-    from sandforge.environments.sandbox.lifecycle import list_run_containers
+    from containers import list_run_containers
     from seeded import terminal_task as make_task
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 

@@ -95,7 +95,7 @@ def test_a_tiny_async_run_completes_with_bounded_staleness(tmp_path, terminal_im
 @pytest.mark.docker
 def test_terminal_setup_commands_run_in_the_sandbox_before_the_episode(terminal_spec, run_id, docker_client):
     """The bench's slow environment: a task's setup commands run at reset (a failing one fails the episode)."""
-    from sandforge.environments.sandbox.lifecycle import list_run_containers
+    from containers import list_run_containers
     from sandforge.environments.terminal.env import TerminalEnv
     from sandforge.types import SandboxError, Task
 

@@ -21,8 +21,8 @@ from seeded import browser_task as make_task
 
 from sandforge.environments.browser.env import SITE_DB, SITE_URL, BrowserEnv
 from sandforge.environments.browser.tasks import FAMILIES, _PRODUCTS
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.images import build_images
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.images import build_images
 from sandforge.environments.words import split_of
 from sandforge.registry import environment
 from sandforge.rollout.agent import run_episode

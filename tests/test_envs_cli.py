@@ -9,7 +9,7 @@ from pathlib import Path
 
 from seeded import terminal_task as make_task
 
-from sandforge.environments.task_sources import dump_jsonl
+from seeded import dump_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 HARBOR = ROOT / "tests" / "data" / "harbor"

@@ -84,7 +84,7 @@ def test_each_dead_run_reaped_at_start_up_is_named_on_a_line_of_its_own(monkeypa
     """Off a terminal the console is 80 columns wide: one line listing several reaped runs wrapped mid-list, so the
     line that starts "reaped" did not name the run a reader (or a chaos test) looked for."""
     from sandforge.config import load_config
-    from sandforge.environments.sandbox import daemon, images, lifecycle
+    from sandforge.sandbox import daemon, images, lifecycle
     from sandforge.job.fleet import lifecycle as fleet
 
     dead = {"terminal-20261201-213527-ffe6d3": 1, "terminal-20261201-230108-509307": 2}

@@ -23,7 +23,7 @@ from test_plugins import plugin_installed, plugin_path  # noqa: F401 - fixtures:
 from sandforge.config import RolloutConfig
 from sandforge.environments.base import ObservationText, ToolCallSpace, ToolEnv
 from sandforge.environments.gym_registry import GYM_IDS, gym_id, register_environments
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from containers import list_run_containers
 from sandforge.environments.tools import tool
 from sandforge.registry import environment
 from sandforge.rollout.agent import EpisodeLimits, run_episode

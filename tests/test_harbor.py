@@ -19,9 +19,9 @@ import pytest
 
 from sandforge.environments.harbor.env import HarborEnv
 from sandforge.environments.harbor.tasks import HarborTaskError, load_task, load_tasks
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.images import ImageError, build_images
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.images import ImageError, build_images
+from containers import list_run_containers
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
@@ -444,7 +444,7 @@ def test_a_grader_that_builds_a_program_in_tmp_and_runs_it_scores_the_oracle(mod
     where Harbor's plain Docker passes. The oracle scores 1 and a no-op 0, as `harbor check` runs them and as the warm
     start replays solve.sh through the policy's bash tool."""
     from sandforge.config import SandboxConfig
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.job_spec import sandbox_spec
     from sandforge.job.harbor_check import check
 
     [row] = check([SHAPES / "compile-and-run"], mode=mode)

@@ -139,7 +139,7 @@ def test_named_rewards_become_curves_of_their_own():
 def test_the_jobs_reward_rule_reaches_training_and_held_out_tasks(tmp_path):
     from sandforge.config import EnvironmentConfig
     from sandforge.job.evaluation import heldout_tasks
-    from sandforge.job.tasks import TaskSampler
+    from sandforge.job.task_sampler import TaskSampler
 
     tasks = Path(__file__).resolve().parent / "data" / "harbor" / "harbor-0.25"
     env = EnvironmentConfig(name="harbor", tasks=tasks, reward_rule="min")
@@ -207,7 +207,7 @@ def test_a_service_left_running_scores_as_root_and_says_why_it_cannot_hardened()
 
 
 def _client():
-    from sandforge.environments.sandbox.daemon import docker_client
+    from sandforge.sandbox.daemon import docker_client
 
     return docker_client()
 
@@ -244,7 +244,7 @@ def test_the_warm_starts_replay_of_a_solution_folder_writes_every_file_as_it_is(
     there through the bash tool (text as here-documents, other bytes as base64, nested folders, the executable bit)
     and runs solve.sh as a file with its [solution] env. The bytes that land are the folder's."""
     from sandforge.environments.harbor.tasks import replay_solution
-    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+    from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 
     folder = tmp_path / "solution"
     (folder / "data").mkdir(parents=True)

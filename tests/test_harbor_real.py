@@ -154,10 +154,10 @@ def test_a_training_episode_runs_as_the_tasks_user_in_its_workdir(mode, uid, doc
 
     from sandforge.config import SandboxConfig
     from sandforge.environments.harbor.env import HarborEnv
-    from sandforge.environments.sandbox.images import build_images
+    from sandforge.sandbox.images import build_images
     from sandforge.rollout.agent import run_episode
     from sandforge.rollout.policy_client import scripted_policy
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.job_spec import sandbox_spec
 
     [task], images = load_tasks(PINNED, mode)
     tags = build_images([], client=docker_client, show_progress=False, contexts=images)
@@ -201,8 +201,8 @@ def test_a_hardened_agent_owns_its_workdir_but_cannot_replace_the_venvs_in_it_or
 
     from sandforge.config import SandboxConfig
     from sandforge.environments.harbor.env import HarborEnv
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.job_spec import sandbox_spec
     from sandforge.rollout.agent import run_episode
     from sandforge.rollout.policy_client import scripted_policy
 

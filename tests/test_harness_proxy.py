@@ -12,9 +12,9 @@ import pytest
 from seeded import repo_task, straight
 
 from sandforge.config import JobConfig
-from sandforge.environments.sandbox.images import build_images, layered_images
+from sandforge.sandbox.images import build_images, layered_images
 from sandforge.rollout.harnesses import find_harness
-from sandforge.environments.sandbox.spec import PROXY_ROOT
+from sandforge.sandbox.spec import PROXY_ROOT
 from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 from sandforge.types import GenerateRequest, Message, Sample, ToolCall, Trajectory
 
@@ -118,7 +118,7 @@ def test_mini_swe_agent_solves_a_harbor_task_folder_through_the_proxy(run_id, do
     """A Harbor task folder (tests/data/harbor/hello-file, an image without Python), its image layered with
     mini-swe-agent by the driver's own image build, graded by its test.sh: the replayed solve.sh scores 1."""
     from sandforge.job.fleet.lifecycle import build_job_images
-    from sandforge.job.tasks import TaskSampler
+    from sandforge.job.task_sampler import TaskSampler
 
     folder = os.path.join(os.path.dirname(__file__), "data", "harbor", "hello-file")
     job = JobConfig.model_validate({"environments": [{"name": "harbor", "tasks": folder, "harbor_mode": "hardened"}],

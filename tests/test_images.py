@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sandforge.environments.sandbox import images
-from sandforge.environments.sandbox.labels import LABEL_RUN
+from sandforge.sandbox import images
+from sandforge.sandbox.labels import LABEL_RUN
+from containers import image_for
 
 DOCKERFILE = """\
 ARG BASE=sandforge/base:bookworm
@@ -94,7 +95,7 @@ def test_image_tag_follows_requirements_not_downloaded_wheels(tmp_path, terminal
     (ctx / "requirements.txt").write_text("six==1.15.0\n")
     assert tag() != before
     with pytest.raises(images.ImageError, match="not built"):
-        images.image_for("wheeltest", docker_client, envs_dir=tmp_path)
+        image_for("wheeltest", docker_client, envs_dir=tmp_path)
 
 
 @pytest.mark.docker
@@ -120,7 +121,7 @@ def test_requirements_install_from_the_wheelhouse_without_an_index(
         )
         version, path = out.decode().split()
         assert version == "1.16.0" and path.startswith("/usr/local/lib/python3.11/")
-        assert images.image_for(name, docker_client, envs_dir=tmp_path / "envs") == tag
+        assert image_for(name, docker_client, envs_dir=tmp_path / "envs") == tag
 
         # Unchanged sources: the image is up to date, so nothing is downloaded again
         shutil.rmtree(cache)

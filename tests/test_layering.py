@@ -3,7 +3,8 @@ imports inside functions included), and no import circle anywhere in the package
 
 The rules are the fenced block under "## Which part may import which": one line per part, ``part -> parts it may
 import[; never module, ...]`` (``everything`` for the job). A module's part is its folder: ``models/`` is
-``sandforge.models``, and the files of ``sandforge/`` itself are the core, part ``sandforge``.
+``sandforge.models``, ``sandforge/grading/`` is the grading room, part ``grading``, and the other files of
+``sandforge/`` are the core, part ``sandforge``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("sandforge", "models", "engine", "environments", "verifiers", "rollout", "trainer", "job")
+PARTS = ("sandforge", "grading", "models", "engine", "sandbox", "environments", "verifiers", "rollout", "trainer", "job")
+FOLDERS = {"sandforge": "sandforge", "grading": "sandforge/grading"}  # the rest: the part's own name at the root
 
 
 def read_rules(architecture: Path) -> dict[str, tuple[set[str], set[str]]]:
@@ -35,14 +37,14 @@ def modules(root: Path) -> dict[str, Path]:
     """Dotted module name -> file, for every source file of the package (the folders of pyproject's package-dir)."""
     found = {}
     for part in PARTS:
-        folder = root / part
+        folder = root / FOLDERS.get(part, part)
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder).with_suffix("")
             names = [] if rel.name == "__init__" and rel.parent == Path(".") else list(rel.parts)
             if names and names[-1] == "__init__":
                 names = names[:-1]
             prefix = ["sandforge"] if part == "sandforge" else ["sandforge", part]
-            found[".".join(prefix + names)] = path
+            found[".".join(prefix + names)] = path  # sandforge/grading/ is met twice, as the same module names
     return found
 
 
@@ -139,19 +141,35 @@ def test_the_engine_uses_only_the_core_and_models():
     assert allowed == {"sandforge", "models", "engine"} and {"ray", "docker", "deepspeed"} <= banned
 
 
+def test_only_the_sandbox_imports_docker():
+    rules = read_rules(ROOT / "ARCHITECTURE.md")
+    assert [part for part, (_, banned) in rules.items() if "docker" not in banned] == ["sandbox"]
+
+
+def test_grading_is_reached_only_by_the_graders():
+    """The grader's start-up and the shadow set-aside are grading's own: the core does not import them, and they import
+    nothing but the core (no Docker: a grader sees the ``Sandbox`` protocol only)."""
+    rules = read_rules(ROOT / "ARCHITECTURE.md")
+    assert {part for part, (allowed, _) in rules.items() if "grading" in allowed} == {
+        "grading", "environments", "verifiers", "job"}
+    allowed, banned = rules["grading"]
+    assert allowed == {"sandforge", "grading"} and {"docker", "torch", "ray", "deepspeed"} <= banned
+
+
 # --- the checker itself, on a planted tree --------------------------------------------------------------------------
 
 
 def planted(tmp_path: Path, files: dict[str, str]) -> Path:
     for part in PARTS:
-        (tmp_path / part).mkdir()
-        (tmp_path / part / "__init__.py").write_text("")
+        (tmp_path / FOLDERS.get(part, part)).mkdir()
+        (tmp_path / FOLDERS.get(part, part) / "__init__.py").write_text("")
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     return tmp_path
 
 
-RULES = {"sandforge": ({"sandforge"}, set()), "models": ({"sandforge", "models"}, set()),
+RULES = {"sandforge": ({"sandforge"}, set()), "grading": ({"sandforge", "grading"}, {"docker"}),
+         "sandbox": ({"sandforge", "sandbox"}, set()), "models": ({"sandforge", "models"}, set()),
          "engine": ({"sandforge", "models", "engine"}, {"ray"}),
          "environments": ({"sandforge", "environments"}, set()), "verifiers": ({"sandforge", "verifiers"}, {"docker"}),
          "rollout": (set(PARTS) - {"job", "trainer"}, set()), "trainer": ({"sandforge", "models", "trainer"}, set()),
@@ -175,3 +193,26 @@ def test_the_checker_finds_an_upward_import_a_banned_module_and_a_circle(tmp_pat
     assert len(problems) == 3, problems  # trainer -> models, engine -> models and job -> anything are allowed
     assert sorted(circles(root)) == [["sandforge.models.net", "sandforge.trainer.rank"],
                                      ["sandforge.verifiers.checks", "sandforge.verifiers.grader"]]
+
+
+def test_the_checker_keeps_docker_in_the_sandbox_and_grading_in_its_room(tmp_path):
+    rules = dict(RULES, environments=({"sandforge", "grading", "sandbox", "environments"}, {"docker"}),
+                 verifiers=({"sandforge", "grading", "verifiers"}, {"docker"}), job=(set(PARTS), {"docker"}))
+    root = planted(tmp_path, {
+        "sandbox/daemon.py": "import docker\nimport docker.errors\n",  # the one part that may
+        "environments/env.py": "from sandforge.sandbox.daemon import docker_client\n",
+        "environments/images.py": "def f():\n    import docker.errors\n",
+        "job/preflight.py": "from docker.utils import parse_bytes\n",
+        "verifiers/command.py": "from sandforge.grading import startup\n",
+        "sandforge/config.py": "from sandforge.grading.startup import prepare\n",
+        "sandforge/grading/startup.py": "from sandforge.types import Sandbox\nfrom sandforge.sandbox import daemon\n",
+        "sandforge/grading/shadows.py": "import docker\n",
+        "sandforge/types.py": "Sandbox = object\n",
+    })
+    problems = violations(root, rules)
+    expected = ["environments/images.py:2: environments/ imports docker.errors",
+                "job/preflight.py:1: job/ imports docker.utils",
+                "sandforge/config.py:1: sandforge/ imports sandforge.grading.startup (grading/)",
+                "sandforge/grading/startup.py:2: grading/ imports sandforge.sandbox.daemon (sandbox/)",
+                "sandforge/grading/shadows.py:1: grading/ imports docker"]
+    assert sorted(p.split(",")[0].split(";")[0] for p in problems) == sorted(expected), problems

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from sandforge.environments.sandbox import proxy_folders
-from sandforge.environments.sandbox.labels import (
+from sandforge.sandbox import proxy_folders
+from sandforge.sandbox.labels import (
     LABEL_EPISODE,
     LABEL_HOST,
     LABEL_PID,
@@ -22,8 +22,9 @@ from sandforge.environments.sandbox.labels import (
     driver_alive,
     driver_labels,
 )
-from sandforge.environments.sandbox.lifecycle import list_run_containers, reap_dead_runs, remove_run_containers
-from sandforge.environments.sandbox.spec import PROXY_ROOT
+from containers import list_run_containers
+from sandforge.sandbox.lifecycle import reap_dead_runs, remove_run_containers
+from sandforge.sandbox.spec import PROXY_ROOT
 
 # --- ownership, no Docker -----------------------------------------------------------------------------------------
 
@@ -79,8 +80,8 @@ def test_proxy_folders_no_container_claims_are_stale_once_old(tmp_path, monkeypa
 # hands one sandbox out, and waits to be killed.
 DRIVER = """
 import sys, time
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.pool import SandboxPool
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.pool import SandboxPool
 pool = SandboxPool(SandboxSpec(image=sys.argv[1], proxy=True), sys.argv[2], size=2)
 held = pool.acquire(timeout=120)
 assert pool.wait_ready(120)

@@ -9,7 +9,7 @@ from seeded import notion_task as make_task
 
 from sandforge.environments.notion.env import NotionEnv, parse_blocks
 from sandforge.environments.notion.tasks import FAMILIES
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.docker_sandbox import SandboxSpec
 from sandforge.environments.tools import ToolError
 from sandforge.environments.words import split_of
 from sandforge.types import ToolCall

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sandforge import registry
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.docker_sandbox import SandboxSpec
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode
@@ -195,7 +195,7 @@ def test_a_plugin_brings_its_own_task_folder_format(cards_plugin, tmp_path):
     from sandforge.config import load_config
     from sandforge.environments.gym_registry import register_environments
     from sandforge.environments.task_sources import open_source
-    from sandforge.job.tasks import TaskSampler
+    from sandforge.job.task_sampler import TaskSampler
 
     deck = cards_plugin
     entry = registry.environment("cards")

@@ -14,10 +14,11 @@ import pytest
 import requests
 from seeded import terminal_task as make_task
 
-from sandforge.environments.sandbox.labels import LABEL_PID
-from sandforge.environments.sandbox.lifecycle import is_transient, list_run_containers, retry_daemon
-from sandforge.environments.sandbox.pool import SandboxPool
-from sandforge.environments.sandbox.stats import SandboxStats
+from sandforge.sandbox.labels import LABEL_PID
+from containers import list_run_containers
+from sandforge.sandbox.lifecycle import is_transient, retry_daemon
+from sandforge.sandbox.pool import SandboxPool
+from sandforge.sandbox.stats import SandboxStats
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.types import SandboxError, ToolCall
 from sandforge.verifiers.checks import score_task

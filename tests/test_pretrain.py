@@ -1,4 +1,4 @@
-"""Synthetic pretraining data (job/copy_data.py): well-formed calls of the job's tools, loss on the answer only,
+"""Synthetic pretraining data (job/pretraining_data.py): well-formed calls of the job's tools, loss on the answer only,
 values made of train-split syllable words only (environments/words.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,17 @@ import re
 
 from sandforge.config import ModelConfig
 from sandforge.models.build import load_chat
-from sandforge.job.copy_data import copy_exchange, copy_rows, env_tools, job_tools
+from sandforge.job.pretraining_data import copy_exchange, copy_rows, env_tools
+
+
+def job_tools(env_names: list[str]) -> list[dict]:
+    """The tool schemas of the job's environments (one entry per distinct tool name)."""
+    tools: dict[str, dict] = {}
+    for schemas in env_tools(env_names).values():
+        for schema in schemas:
+            tools.setdefault(schema["name"], schema)
+    return list(tools.values())
+
 
 ENVS = ["terminal", "repo", "slack", "notion", "browser"]
 

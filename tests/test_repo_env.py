@@ -22,9 +22,9 @@ from seeded import repo_task as make_task
 from sandforge.environments.repo.env import RepoEnv
 from sandforge.environments.repo.functions import FUNCTIONS
 from sandforge.environments.repo.tasks import FAMILIES, _renamed, _variables
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.images import build_images
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.images import build_images
+from containers import list_run_containers
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
 from sandforge.rollout.agent import EpisodeLimits, run_episode

@@ -14,8 +14,8 @@ import pytest
 from seeded import repo_task, straight
 
 from sandforge.environments.repo.env import RepoEnv
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.images import build_images
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.images import build_images
 from sandforge.types import Task, ToolCall
 from sandforge.verifiers.checks import score_task
 

@@ -61,7 +61,7 @@ def kill_session(proc: subprocess.Popen) -> None:
 
 
 def test_killed_run_resumes_to_the_same_metrics(tmp_path, terminal_image, docker_client):
-    from sandforge.environments.sandbox.lifecycle import list_run_containers
+    from containers import list_run_containers
 
     whole = tmp_path / "whole"
     proc = train(f"run.output_dir={whole}")

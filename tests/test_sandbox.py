@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from sandforge.environments.sandbox import images
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.labels import LABEL_RUN
-from sandforge.environments.sandbox.lifecycle import list_run_containers, remove_run_containers
+from sandforge.sandbox import images
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.labels import LABEL_RUN
+from sandforge.sandbox.lifecycle import remove_run_containers
 from sandforge.types import SandboxError
+from containers import image_for, list_run_containers
 
 AWKWARD = "quotes ' \" `backticks` $HOME $(id) \\n \\\\ \n\ttabs\nünïcödé ✓ \x01\x7f\r\nno trailing newline"
 
@@ -45,7 +46,7 @@ def test_slack_and_notion_share_the_apps_image():
 def test_the_mock_apps_build_one_image(docker_client):
     tags = images.build_images(["slack", "notion"], client=docker_client, show_progress=False)
     assert list(tags) == ["apps"] and tags["apps"].startswith("sandforge/apps:")
-    assert images.image_for("notion", docker_client) == tags["apps"]
+    assert image_for("notion", docker_client) == tags["apps"]
 
 
 @pytest.mark.docker
@@ -59,7 +60,7 @@ def test_second_build_is_a_no_op(docker_client, terminal_image, monkeypatch):
     monkeypatch.setattr(docker_client.api, "import_image", no_build)
     assert images.build_images(["terminal"], client=docker_client, show_progress=False) == {"terminal": terminal_image}
     assert docker_client.images.get(terminal_image).id == image_id
-    assert images.image_for("terminal", docker_client) == terminal_image
+    assert image_for("terminal", docker_client) == terminal_image
     assert terminal_image.startswith("sandforge/terminal:") and len(terminal_image.split(":")[1]) == 12
 
 

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.labels import LABEL_CREATED, LABEL_RUN
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.labels import LABEL_CREATED, LABEL_RUN
+from containers import list_run_containers
 from sandforge.types import SandboxError
 
 pytestmark = pytest.mark.docker

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 
 pytestmark = pytest.mark.docker
 

@@ -1,8 +1,8 @@
-"""Which files a task's instruction names as its answer (sandforge/shadows.py): those the shadow set-aside keeps."""
+"""Which files a task's instruction names as its answer (sandforge/grading/shadows.py): those the shadow set-aside keeps."""
 
 from __future__ import annotations
 
-from sandforge.shadows import answer_names, answer_paths
+from sandforge.grading.shadows import answer_names, answer_paths
 
 
 def test_the_python_files_an_instruction_names_are_found_in_prose_and_paths():

@@ -10,8 +10,8 @@ from app_episodes import act, app_spec, episode, train_one_step
 from seeded import slack_task as make_task
 
 from sandforge.environments.apps.env import APP_DIR
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from containers import list_run_containers
 from sandforge.environments.slack.env import SlackEnv
 from sandforge.environments.slack.tasks import FAMILIES
 from sandforge.environments.words import split_of

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.images import build_images
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.images import build_images
 from sandforge.types import ExecResult, Task
 from sandforge.verifiers.checks import VerifierError, ZeroScore, known_verifiers, score_task
 from sandforge.verifiers.state import query_rows, sql_check

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sandforge.config import EnvironmentConfig
 from sandforge.job.evaluation import heldout_tasks
-from sandforge.job.tasks import TaskSampler
+from sandforge.job.task_sampler import TaskSampler
 from sandforge.rollout.worker import at_threshold
 from sandforge.types import Reward, Task, Trajectory
 

@@ -13,9 +13,10 @@ from seeded import terminal_task as make_task
 
 from sandforge import registry
 from sandforge.config import ConfigError, load_config
-from sandforge.environments.task_sources import FiniteSource, TaskSourceError, dump_jsonl, load_jsonl, open_source
+from sandforge.environments.task_sources import FiniteSource, TaskSourceError, load_jsonl, open_source
+from seeded import dump_jsonl
 from sandforge.registry import environment
-from sandforge.job.tasks import TaskSampler, with_partial_credit
+from sandforge.job.task_sampler import TaskSampler, with_partial_credit
 from sandforge.types import Task
 
 ROOT = Path(__file__).resolve().parents[1]

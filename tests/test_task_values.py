@@ -98,7 +98,7 @@ def make(env: str, family: str, seed: int, split: str = "train") -> Task:
 
 
 def sampler_seeds(n: int = DRAWS, stream: int = 0) -> list[int]:
-    """Seeds as the task sampler draws them (job/tasks.py: ``rng.randrange(2**31)``)."""
+    """Seeds as the task sampler draws them (job/task_sampler.py: ``rng.randrange(2**31)``)."""
     rng = random.Random(stream)
     return [rng.randrange(2**31) for _ in range(n)]
 

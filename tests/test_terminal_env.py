@@ -7,7 +7,7 @@ import shlex
 import pytest
 from seeded import terminal_task as make_task
 
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from containers import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.environments.terminal.tasks import FAMILIES
 from sandforge.types import ExecResult, SandboxError, Task, ToolCall

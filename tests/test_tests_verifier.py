@@ -14,10 +14,10 @@ import pytest
 from seeded import repo_task, straight
 
 from sandforge.environments.repo.tasks import FAMILIES
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.images import build_images
-from sandforge.environments.sandbox.labels import DRIVER_LABELS, LABEL_RUN
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.images import build_images
+from sandforge.sandbox.labels import DRIVER_LABELS, LABEL_RUN
+from containers import list_run_containers
 from sandforge.types import Sandbox as SandboxProtocol
 from sandforge.types import Task
 from sandforge.verifiers.checks import VerifierError, score_task
@@ -131,7 +131,7 @@ def repo_box(docker_client, tmp_path_factory):
     """A sandbox of the repo image: run_tests_fresh copies its spec and labels for the grading containers."""
     import uuid
 
-    from sandforge.environments.sandbox.lifecycle import remove_run_containers
+    from sandforge.sandbox.lifecycle import remove_run_containers
 
     image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
     run_id = f"test-{uuid.uuid4().hex[:12]}"

@@ -66,7 +66,7 @@ def trajectories(out: Path, phase: str) -> list[Trajectory]:
 
 
 def test_containers_were_created_and_all_removed(quickstart_run, docker_client):
-    from sandforge.environments.sandbox.lifecycle import list_run_containers
+    from containers import list_run_containers
 
     out, _ = quickstart_run
     run_id = (out / "run_id").read_text().strip()
@@ -144,7 +144,7 @@ def test_reward_logged_to_wandb_and_metrics_for_each_step(quickstart_run):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_stops_the_run_and_removes_its_containers(tmp_path, docker_client, terminal_image, signum):
-    from sandforge.environments.sandbox.lifecycle import list_run_containers
+    from containers import list_run_containers
 
     out = tmp_path / "run"
     proc = subprocess.Popen(

@@ -15,7 +15,7 @@ import pytest
 from agent_fakes import CHAT, limits
 from seeded import terminal_task as make_task
 
-from sandforge.environments.sandbox.lifecycle import list_run_containers
+from containers import list_run_containers
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy

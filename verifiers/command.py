@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from sandforge import harness, shadows
+from sandforge.grading import shadows, startup
 from sandforge.types import Sandbox
 from sandforge.verifiers.checks import VerifierError, ZeroScore, time_left, without_timeout
 
@@ -32,9 +32,9 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
 
     Output longer than the sandbox's ``max_output_bytes`` keeps only its head and tail, so a pattern's absence cannot
     be proven from it: such a check scores 0 and says so (pipe the output through ``tail`` or ``grep -c``). Modules
-    the policy planted to shadow what the command's Python imports are set aside first (sandforge/shadows.py), but
+    the policy planted to shadow what the command's Python imports are set aside first (sandforge/grading/shadows.py), but
     not ``answers``: the Python files the task asks for (a ``statistics.py`` the command imports is the answer).
-    A root command starts with sandforge's harness (sandforge/harness.py): its Pythons import root's modules before
+    A root command starts with sandforge's grader start-up (sandforge/grading/startup.py): its Pythons import root's modules before
     the policy's (but the answers in Python's own order) and load plugins only from root's files.
     """
     moved = shadows.SetAside()
@@ -44,7 +44,7 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
                                       keep=shadows.answer_names(answers, sandbox.workdir))
         except OSError as e:  # what the policy left in its workdir stops a sound check: its 0, not a failed episode
             raise ZeroScore("state", f"command: {e}") from None
-    start = harness.prepare(sandbox, user, answers)  # root's imports first, plugins from root's files only
+    start = startup.prepare(sandbox, user, answers)  # root's imports first, plugins from root's files only
     score, reason = _judge(sandbox, command, start, exit_code, pattern, absent, user, workdir)
     return score, reason + shadows.note(moved)
 

@@ -30,7 +30,7 @@ import socket
 import urllib.error
 import urllib.request
 
-from sandforge import harness
+from sandforge.grading import startup
 from sandforge.types import Sandbox
 from sandforge.verifiers.checks import HostFault, Inconclusive, VerifierError, time_left, without_timeout
 from sandforge.verifiers.file import read_answer
@@ -160,9 +160,9 @@ def _artefact(sandbox: Sandbox, path: str | None, command: str | None) -> tuple[
     if path is not None:
         data, why = read_answer(sandbox, path)
         return (None, why) if data is None else (data.decode(errors="replace"), f"the file {path}")
-    # half the budget for the command, so the judge still has time to answer; sandforge's harness first (its git
-    # reads the policy's repository and runs nothing its config names: sandforge/harness.py)
-    result = sandbox.exec(harness.prepare(sandbox, "root") + command, timeout=time_left() / 2, user="root",
+    # half the budget for the command, so the judge still has time to answer; sandforge's grader start-up first (its git
+    # reads the policy's repository and runs nothing its config names: sandforge/grading/startup.py)
+    result = sandbox.exec(startup.prepare(sandbox, "root") + command, timeout=time_left() / 2, user="root",
                           session=False)
     if result.timed_out:
         return None, f"`{command}` timed out after {result.seconds:.0f} s"

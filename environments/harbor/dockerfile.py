@@ -190,7 +190,7 @@ class HarborBuild:
     image: str | None = None  # [environment] docker_image, built FROM as it is when there is no Dockerfile
 
     def __call__(self, client, base_tag: str):
-        from sandforge.environments.sandbox.images import download_wheels
+        from sandforge.sandbox.images import download_wheels, image_present
 
         text = open(self.dockerfile).read() if self.dockerfile else f"FROM {self.image}\n"
         present = {}  # ref -> bool: each FROM is looked up (or pulled) once
@@ -210,24 +210,6 @@ class HarborBuild:
                               f"wheels for the build ({', '.join(pins[:4])}{', ...' if len(pins) > 4 else ''})")
         self.notes = done.notes
         return done.dockerfile, done.notes, wheels
-
-
-def image_present(client, ref: str) -> bool:
-    """The daemon has ``ref``, or pulls it now (no registry answering is the usual case here, and fails fast)."""
-    import docker.errors
-
-    try:
-        client.images.get(ref)
-        return True
-    except docker.errors.ImageNotFound:
-        pass
-    except docker.errors.DockerException:
-        return False
-    try:
-        client.images.pull(ref)
-        return True
-    except Exception:  # noqa: BLE001 - unreachable registry, unknown image, no credentials: not here
-        return False
 
 
 _RUN = re.compile(r"^\s*RUN\s+(.*)$", re.I | re.S)

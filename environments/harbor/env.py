@@ -18,7 +18,7 @@ class HarborEnv(TerminalEnv):
     exec.
     """
 
-    # The image's WORKDIR becomes a size-capped tmpfs filled from the image (environments/sandbox/seed.py): what the
+    # The image's WORKDIR becomes a size-capped tmpfs filled from the image (sandbox/workspace.py): what the
     # policy writes there stays off the host's disk; [environment] storage_mb sets the cap. The root filesystem stays
     # writable: Harbor's grader writes its reward to /logs/verifier and copies the tests to /tests, a root agent
     # installs packages, and test.sh often writes outside the WORKDIR.

@@ -6,9 +6,9 @@ there (an image may even let it write those paths) is gone. The tests are never 
 they travel inside the task's check. test.sh runs in a fresh shell (not the policy's session) with a timeout, as
 the task's verifier user (root by default) in the image's WORKDIR (terminal-bench's test.sh refuses to run from /),
 with the task's ``[verifier] env`` over its ``[environment] env``, and with root's own HOME and no Python user site
-(one-off root commands: environments/sandbox/clean_context.py). Modules the policy planted in the WORKDIR under names
-test.sh's Python would import (``pytest.py``) are set aside first (sandforge/shadows.py), and test.sh starts with
-sandforge's harness (sandforge/harness.py): its Pythons import root's modules before the policy's and load plugins
+(one-off root commands: sandbox/clean_context.py). Modules the policy planted in the WORKDIR under names
+test.sh's Python would import (``pytest.py``) are set aside first (sandforge/grading/shadows.py), and test.sh starts with
+sandforge's grader start-up (sandforge/grading/startup.py): its Pythons import root's modules before the policy's and load plugins
 only from root's files, and its ``uv`` is an offline stand-in whose ``uv venv`` makes the venv afresh.
 
 Rewards, read as Harbor reads them: ``reward.json`` first (a JSON object of named numbers), else ``reward.txt`` (one
@@ -27,7 +27,7 @@ import json
 import math
 import shlex
 
-from sandforge import harness, shadows
+from sandforge.grading import shadows, startup
 from sandforge.environments.harbor.settings import shell_exports
 from sandforge.types import Sandbox, ZeroScore
 
@@ -113,13 +113,13 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
         mode = 0o755 if rel.endswith(".sh") else 0o644
         sandbox.put_file(f"{TESTS_DIR}/{rel}", data, user="root", mode=mode)
     moved = shadows.SetAside()
-    if workdir in (None, sandbox.workdir):  # the policy's new shadow modules go first (sandforge/shadows.py)
+    if workdir in (None, sandbox.workdir):  # the policy's new shadow modules go first (sandforge/grading/shadows.py)
         try:
             keep = shadows.answer_names(answers, sandbox.workdir)
             moved = shadows.set_aside(sandbox, workdir, timeout=PREPARE_TIMEOUT, keep=keep)
         except OSError as e:  # what the policy left stops a sound test.sh: its 0, not a failed episode
             return 0.0, f"test.sh not run: {e}"
-    start = harness.prepare(sandbox, user, answers)  # root's imports first, plugins from root's files, an offline uv
+    start = startup.prepare(sandbox, user, answers)  # root's imports first, plugins from root's files, an offline uv
     run = sandbox.exec(f"{shell_exports(env or {})}{start}bash {shlex.quote(TESTS_DIR + '/test.sh')}", timeout=timeout,
                        user=user, workdir=workdir, session=False)
     tail = run.output.strip()[-300:]

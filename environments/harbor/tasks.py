@@ -29,10 +29,10 @@ import tomllib
 from pathlib import Path
 
 from sandforge.environments.harbor.dockerfile import AGENT_USER, MODES, HarborBuild
-from sandforge.environments.sandbox.images import BuildContext
+from sandforge.sandbox.images import BuildContext
 from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings, shell_exports
 from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
-from sandforge import shadows
+from sandforge.grading import shadows
 from sandforge.types import Task, ToolCall
 
 FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`environments[i].tasks` in the job)
@@ -205,7 +205,7 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
              "timeout": settings.verifier_timeout, "user": settings.verifier_user}
     instruction = (task_dir / "instruction.md").read_text().strip()
     answers = shadows.answer_paths(instruction)
-    if answers:  # Python files the instruction asks for: the code under test, never set aside (sandforge/shadows.py)
+    if answers:  # Python files the instruction asks for: the code under test, never set aside (sandforge/grading/shadows.py)
         check["answers"] = list(answers)
     if settings.verifier_env:
         check["env"] = settings.verifier_env

@@ -78,7 +78,7 @@ class Fleet:
 def job_images(cfg: JobConfig) -> dict[str, Any]:
     """Every image the job's tasks run in (image name -> folder with its Dockerfile): each environment's own (a
     plugin's may live in its package, or reuse a built-in's), plus the ones tasks bring (a Harbor task's)."""
-    from sandforge.job.tasks import TaskSampler
+    from sandforge.job.task_sampler import TaskSampler
     from sandforge.registry import environment
 
     from sandforge.environments.harbor.tasks import with_base_map
@@ -95,9 +95,9 @@ def job_images(cfg: JobConfig) -> dict[str, Any]:
 
 def build_job_images(cfg: JobConfig) -> dict[str, str]:
     """Reap dead drivers' containers, then build (or find up to date) every image the job needs: name -> tag."""
-    from sandforge.environments.sandbox.daemon import docker_client
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.lifecycle import reap_dead_runs
+    from sandforge.sandbox.daemon import docker_client
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.lifecycle import reap_dead_runs
 
     client = docker_client()
     # containers of drivers that died on this host (crash, SIGKILL); each run named on a line of its own, unwrapped
@@ -106,7 +106,7 @@ def build_job_images(cfg: JobConfig) -> dict[str, str]:
     images = build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
                           contexts=job_images(cfg))
     if cfg.agent.harness is not None:  # the harness installed on top of every image its episodes run in
-        from sandforge.environments.sandbox.images import layered_images
+        from sandforge.sandbox.images import layered_images
         from sandforge.rollout.harnesses import find_harness
 
         harness = find_harness(cfg.agent.harness, cfg.agent.options)
@@ -208,7 +208,7 @@ def engine_name(run_id: str) -> str:
 def start_rollout_workers(cfg: JobConfig, run_id: str, images: dict[str, str]) -> list:
     """``rollout.workers`` rollout workers, one per node in turn (job/fleet/rollout_workers.py). They find the engine by
     name: a handle among an actor's arguments is kept in the object store, which may break restarts (ray#53727)."""
-    from sandforge.environments.sandbox.labels import driver_labels
+    from sandforge.sandbox.labels import driver_labels
     from sandforge.job.fleet.rollout_workers import start_workers
     from sandforge.rollout.worker import RolloutWorker, WorkerSetup
 
@@ -293,7 +293,7 @@ def close_fleet(fleet: Fleet, clean: bool) -> None:
         ray.shutdown()
     if "workers" not in fleet.parts:
         return
-    from sandforge.environments.sandbox.lifecycle import remove_run_containers
+    from sandforge.sandbox.lifecycle import remove_run_containers
 
     try:
         removed = remove_run_containers(fleet.run_id)

@@ -138,7 +138,7 @@ def wait_for(condition: Callable[[], object], what: str, timeout: float = STALL_
 
 
 def run_containers(client, run_id: str) -> list:
-    from sandforge.environments.sandbox.labels import LABEL_RUN
+    from sandforge.sandbox.labels import LABEL_RUN
 
     return client.containers.list(all=True, sparse=True, filters={"label": f"{LABEL_RUN}={run_id}"})
 

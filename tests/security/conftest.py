@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import SandboxSpec
-from sandforge.environments.sandbox.images import build_images
+from sandforge.sandbox.docker_sandbox import SandboxSpec
+from sandforge.sandbox.images import build_images
 
 
 @pytest.fixture(scope="session")

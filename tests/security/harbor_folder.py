@@ -36,8 +36,8 @@ def grader(task, images, run_id, client):
     """run(commands): one episode of ``task`` whose policy runs ``commands`` and submits; its trajectory."""
     from sandforge.config import SandboxConfig
     from sandforge.environments.harbor.env import HarborEnv
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.job_spec import sandbox_spec
 
     tags = build_images([], client=client, show_progress=False, contexts=images)
     spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], client)

@@ -15,7 +15,7 @@ import pytest
 from agent_fakes import CHAT, limits
 from seeded import terminal_task as make_task
 
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
+from sandforge.sandbox.docker_sandbox import DockerSandbox
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
@@ -134,8 +134,8 @@ def test_a_planted_pytest_does_not_grade_a_harbor_task(repo_spec, run_id, docker
     from sandforge.config import SandboxConfig
     from sandforge.environments.harbor.env import HarborEnv
     from sandforge.environments.harbor.tasks import load_tasks
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.job_spec import sandbox_spec
 
     task_dir = tmp_path / "pytest-task"
     (task_dir / "tests").mkdir(parents=True)
@@ -193,8 +193,8 @@ def test_an_honest_solution_named_like_a_standard_module_scores_1(repo_spec, run
     from sandforge.config import SandboxConfig
     from sandforge.environments.harbor.env import HarborEnv
     from sandforge.environments.harbor.tasks import load_tasks
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.job_spec import sandbox_spec
 
     task_dir = tmp_path / "statistics-task"
     (task_dir / "tests").mkdir(parents=True)

@@ -74,8 +74,8 @@ def answered(terminal_image, docker_client):
     /tests)."""
     import uuid
 
-    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-    from sandforge.environments.sandbox.lifecycle import remove_run_containers
+    from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+    from sandforge.sandbox.lifecycle import remove_run_containers
 
     run_id = f"test-{uuid.uuid4().hex[:12]}"
     box = DockerSandbox.create(SandboxSpec(image=terminal_image, read_only=False), run_id, client=docker_client)

@@ -1,7 +1,7 @@
 """The grading harness loads nothing the policy left but the code under test (#32, items 2 and 3).
 
 Each attack is a real Harbor task folder (or a command check) graded through run_episode, the real graders and a
-real container, with the policy a non-root user (hardened). Before sandforge's harness (sandforge/harness.py) each
+real container, with the policy a non-root user (hardened). Before sandforge's harness (sandforge/grading/startup.py) each
 one scored 1: a pytest plugin a `*.dist-info` in the WORKDIR announced, a module named like one only the tests'
 `PYTHONPATH` has, a shadow module in a subfolder the check `cd`s into, and terminal-bench's `.tbench-testing` venv,
 whose `activate` an offline test.sh sourced as root. Each task's honest solution still scores 1.
@@ -167,11 +167,11 @@ def test_an_honest_answer_named_like_a_standard_module_in_a_subfolder_scores_1(r
 def test_the_offline_uv_makes_a_venv_on_the_images_packages(repo_spec, run_id, docker_client):
     """What terminal-bench's uv lines do with sandforge's stand-in, as root in a sandbox: `uv venv` makes a venv that
     sees the image's packages, `uv pip install` accepts what is installed and refuses the rest, `uv run` runs."""
-    from sandforge import harness
-    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
+    from sandforge.grading import startup
+    from sandforge.sandbox.docker_sandbox import DockerSandbox
 
     with DockerSandbox.create(repo_spec, run_id, client=docker_client) as sb:
-        start = harness.prepare(sb, "root")
+        start = startup.prepare(sb, "root")
         out = sb.exec(start + "cd /workspace && uv venv .t && source .t/bin/activate && uv pip install pytest==0.1 "
                       "&& uv run python3 -c 'import sys, pytest; print(sys.prefix)'; uv pip install no-such-package; "
                       "echo rc=$?", timeout=60, user="root", session=False)
@@ -180,7 +180,7 @@ def test_the_offline_uv_makes_a_venv_on_the_images_packages(repo_spec, run_id, d
         assert "not installed, and sandboxes have no network: no-such-package" in out.output, out.output
         assert out.output.rstrip().endswith("rc=1"), out.output
         assert sb.exec("stat -c %U /workspace/.t/bin/activate", user="root", session=False).output.strip() == "root"
-        assert harness.prepare(sb, "1000") == ""  # the spool is root's alone
+        assert startup.prepare(sb, "1000") == ""  # the spool is root's alone
 
 
 def test_a_root_check_reads_the_policys_repository_and_runs_nothing_it_configures(repo_spec, run_id, docker_client):

@@ -13,8 +13,8 @@ import pytest
 from agent_fakes import CHAT, limits
 from seeded import terminal_task as make_task
 
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
-from sandforge.environments.sandbox.pool import SandboxPool
+from sandforge.sandbox.docker_sandbox import DockerSandbox
+from sandforge.sandbox.pool import SandboxPool
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.rollout.agent import run_episode
 from sandforge.rollout.policy_client import scripted_policy
@@ -79,8 +79,8 @@ def test_the_repo_graders_container_counts_against_max_live(run_id, docker_clien
     slot too (before: it was created beside the pool, uncounted), and gives it back when closed."""
     from sandforge.environments.repo.env import RepoEnv
     from sandforge.environments.repo.tasks import FAMILIES
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.spec import SandboxSpec
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.spec import SandboxSpec
 
     image = build_images(["repo"], client=docker_client, show_progress=False)["repo"]
     seen: list[int] = []
@@ -125,8 +125,8 @@ def test_a_harbor_workspace_is_capped_and_starts_with_the_images_files(mode, tmp
     from sandforge.config import SandboxConfig
     from sandforge.environments.harbor.env import HarborEnv
     from sandforge.environments.harbor.tasks import load_tasks
-    from sandforge.environments.sandbox.images import build_images
-    from sandforge.environments.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.images import build_images
+    from sandforge.sandbox.job_spec import sandbox_spec
 
     task_dir = tmp_path / "capped"
     shutil.copytree(ROOT / "tests" / "data" / "harbor_real" / "digest-pinned", task_dir)
@@ -158,7 +158,7 @@ def _df(out: str) -> tuple[str, str]:
 
 def test_an_image_workdir_larger_than_the_cap_is_refused_in_one_line(terminal_image, docker_client):
     """The workspace is filled from the image only up to its cap, whether the image's folder was read before or not."""
-    from sandforge.environments.sandbox.seed import workdir_archive
+    from sandforge.sandbox.workspace import workdir_archive
     from sandforge.types import SandboxError
 
     with pytest.raises(SandboxError, match=r"its /usr/sbin holds more than the workspace's cap \(1k\).*storage_mb"):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox
+from sandforge.sandbox.docker_sandbox import DockerSandbox
 
 pytestmark = pytest.mark.docker
 
@@ -50,12 +50,12 @@ def test_a_process_whose_main_thread_exited_is_stopped_with_its_threads(repo_spe
 
 @pytest.mark.parametrize("stage", ["kernel", "scan"])
 def test_each_pass_of_the_stop_alone_ends_the_half_dead_process(stage, repo_spec, run_id, docker_client):
-    """The stop's passes are each sufficient (environments/sandbox/policy_stop.py): the policy's uid signalling pid -1
+    """The stop's passes are each sufficient (sandbox/policy_stop.py): the policy's uid signalling pid -1
     (the kernel picks what that user may signal) and the fork-free /proc scan over threads. Other users' processes,
     root's and nobody's, are never touched."""
     import shlex
 
-    from sandforge.environments.sandbox.stop_scripts import _FUNCTIONS
+    from sandforge.sandbox.stop_scripts import _FUNCTIONS
 
     with DockerSandbox.create(repo_spec, run_id, client=docker_client) as sb:
         assert sb.exec(HALF_DEAD, timeout=30).output.strip().endswith("planted")

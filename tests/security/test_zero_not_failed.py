@@ -167,7 +167,7 @@ def test_a_workspace_cap_larger_than_the_memory_limit_cannot_oom_the_sandbox(ter
     """A Harbor task's WORKDIR cap (1 GiB by default) in a 512 MiB sandbox: writing 600 MB there OOM-killed the
     container, and the episode failed (#32, item 4). The cap is fitted inside the memory limit: the write gets "No space
     left on device", the sandbox lives, and the checks grade it (0 here)."""
-    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+    from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 
     spec = SandboxSpec(image=terminal_image, memory="512m", workspace_size="1g")
     with DockerSandbox.create(spec, run_id, client=docker_client) as sb:
@@ -181,7 +181,7 @@ def test_every_tmpfs_filled_at_once_cannot_oom_the_sandbox(terminal_image, run_i
     /tmp and three scratch folders (128 MiB each) in 512 MiB, filled at once, still exhausted the sandbox's memory (#32,
     item 4). The caps are fitted together: every write past them gets "No space left on device", the sandbox lives
     and is graded."""
-    from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+    from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
 
     scratch = ("/home/sandbox", "/var/tmp", "/run/lock")
     spec = SandboxSpec(image=terminal_image, memory="512m", workspace_size="1g", scratch=scratch)
@@ -193,7 +193,7 @@ def test_every_tmpfs_filled_at_once_cannot_oom_the_sandbox(terminal_image, run_i
 
 
 def test_the_tmpfs_caps_fit_the_memory_limit_together():
-    from sandforge.environments.sandbox.spec import RESERVE, SPOOL_SIZE, SandboxSpec, parse_size
+    from sandforge.sandbox.spec import RESERVE, SPOOL_SIZE, SandboxSpec, parse_size
 
     room = parse_size("512m") - 2 * parse_size(SPOOL_SIZE) - parse_size(RESERVE)
     default = SandboxSpec(image="x")  # the defaults fit as given

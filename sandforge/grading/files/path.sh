@@ -1,6 +1,6 @@
-# PATH with only the folders the policy cannot write, for a root grader (sandforge/harness.py): a policy-writable
+# PATH with only the folders the policy cannot write, for a root grader (sandforge/grading/startup.py): a policy-writable
 # folder on PATH (an image's `ENV PATH=/app/.venv/bin:$PATH`, its venv in the WORKDIR) would let it replace the
-# programs root runs. Trusted as in _sandforge_harness.py: not the policy's uid's, not writable by others, nor by a group of its
+# programs root runs. Trusted as in _sandforge_imports.py: not the policy's uid's, not writable by others, nor by a group of its
 # (SANDFORGE_POLICY_IDS: uid, then groups); relative and missing entries go. A root policy (uid 0): PATH as it is.
 #   PATH=$(bash path.sh)
 read -ra ids <<< "${SANDFORGE_POLICY_IDS:-}"

@@ -44,20 +44,20 @@ from typing import Callable, Iterator
 import docker
 import docker.errors
 
-from sandforge.environments.sandbox.base_image import (  # noqa: F401 - ImageError, BASE_TAG, ...: public here too
+from sandforge.sandbox.base_image import (  # noqa: F401 - ImageError, BASE_TAG, ...: public here too
     BASE_TAG,
     DEFAULT_MIRROR,
     ImageError,
     Progress,
-    _image_id,
+    image_id,
     _noop,
     _run_streaming,
     ensure_base_image,
 )
-from sandforge.environments.sandbox.daemon import docker_client
+from sandforge.sandbox.daemon import docker_client
 from sandforge.registry import SHARED_IMAGES
 
-ENVIRONMENTS_DIR = Path(__file__).resolve().parent.parent  # the installed `sandforge.environments` folder
+ENVIRONMENTS_DIR = Path(__file__).resolve().parents[1] / "environments"  # the built-in envs' folder, beside this one
 _LOCK_PATH = Path(tempfile.gettempdir()) / "sandforge-images.lock"
 REQUIREMENTS = "requirements.txt"
 WHEELS = "wheels"  # the wheelhouse's folder in the build context
@@ -226,7 +226,7 @@ def context_image_tag(ctx: Path, name: str, base_tag: str, client: docker.Docker
     id."""
     if dockerfile is None and not (ctx / "Dockerfile").is_file():
         raise ImageError(f"no Dockerfile at {ctx / 'Dockerfile'}")
-    base_id = _image_id(client, base_tag)
+    base_id = image_id(client, base_tag)
     if base_id is None:
         raise ImageError(f"base image {base_tag} is not present: run `sandforge images build`")
     h = hashlib.sha256(base_id.encode())
@@ -287,7 +287,7 @@ def build_context_image(
     progress = progress or _noop
     key = dockerfile if extra_wheels is None else f"{dockerfile}\0{extra_wheels.name}"
     tag = context_image_tag(ctx, name, base_tag, client, key)
-    if _image_id(client, tag):
+    if image_id(client, tag):
         return tag
     tail: deque[str] = deque(maxlen=30)
     stream = client.api.build(
@@ -312,7 +312,7 @@ def build_context_image(
         if text.strip():
             tail.append(text if text.endswith("\n") else text + "\n")
             progress(text.strip())
-    if not _image_id(client, tag):
+    if not image_id(client, tag):
         raise ImageError(f"docker build of '{name}' ended without producing {tag}:\n" + "".join(tail))
     return tag
 
@@ -328,7 +328,7 @@ def layered_images(client: docker.DockerClient, images: dict[str, str], folder: 
 
 def require_sandbox_user(client: docker.DockerClient, tag: str, dockerfile: Path, user: str = "sandbox") -> None:
     """Fail the build, not every episode, when an image lacks the non-root user the policy runs as."""
-    from sandforge.environments.sandbox.spec import _ids_of
+    from sandforge.sandbox.spec import _ids_of
     from sandforge.types import SandboxError
 
     try:
@@ -379,12 +379,12 @@ def build_images(
             else:
                 console.print(f"image {name} {tags.get(name, base)}: built ({took:.1f}s)", highlight=False)
 
-        had_base = _image_id(client, base_image or BASE_TAG) is not None
+        had_base = image_id(client, base_image or BASE_TAG) is not None
         base = ensure_base_image(client, base_image, mirror=mirror, progress=stage("base"))
         report("base", had_base, time.perf_counter() - t0)
         for env in envs:
             t0 = time.perf_counter()
-            existed = _image_id(client, env_image_tag(env, base, client, envs_dir)) is not None
+            existed = image_id(client, env_image_tag(env, base, client, envs_dir)) is not None
             tags[env] = build_env_image(client, env, base, progress=stage(env), envs_dir=envs_dir)
             report(env, existed, time.perf_counter() - t0)
         for name, ctx in (contexts or {}).items():
@@ -394,7 +394,7 @@ def build_images(
             for note in notes:
                 console.print(note, highlight=False, markup=False, soft_wrap=True)
             key = dockerfile if wheels is None else f"{dockerfile}\0{wheels.name}"
-            existed = _image_id(client, context_image_tag(ctx.folder, name, base, client, key)) is not None
+            existed = image_id(client, context_image_tag(ctx.folder, name, base, client, key)) is not None
             tags[name] = build_context_image(client, ctx.folder, name, base, progress=stage(name), dockerfile=dockerfile,
                                              extra_wheels=wheels)
             if ctx.user:
@@ -405,20 +405,35 @@ def build_images(
     return tags
 
 
-def image_for(
-    env_name: str,
-    client: docker.DockerClient | None = None,
-    base_image: str | None = None,
-    envs_dir: Path | None = None,
-) -> str:
-    """The tag the current sources of ``env_name``'s image produce; raises ImageError if that image was not built."""
-    env_name = image_name(env_name, envs_dir)
+def context_image(name: str, context: Path | BuildContext, base_image: str | None = None, mirror: str | None = None,
+                  client: docker.DockerClient | None = None) -> str:
+    """The tag of image ``name`` built from ``context``: found if up to date, else built (with progress on stderr).
+    A ``BuildContext`` (a Harbor task's: its Dockerfile rewritten for this host) is always passed to the builder, which
+    finds it up to date itself."""
     client = client or docker_client()
-    base = base_image if base_image and _image_id(client, base_image) else BASE_TAG
-    missing = ImageError(f"image for env '{env_name}' not built: run `sandforge images build`")
-    if _image_id(client, base) is None:
-        raise missing
-    tag = env_image_tag(env_name, base, client, envs_dir)
-    if _image_id(client, tag) is None:
-        raise missing
-    return tag
+    if isinstance(context, BuildContext):
+        return build_images([], base_image=base_image, client=client, mirror=mirror, contexts={name: context},
+                            show_progress=False)[name]
+    try:
+        tag = context_image_tag(context, name, base_image or BASE_TAG, client)
+        client.images.get(tag)
+        return tag
+    except (ImageError, docker.errors.ImageNotFound):
+        pass
+    return build_images([], base_image=base_image, client=client, mirror=mirror, contexts={name: context})[name]
+
+
+def image_present(client: docker.DockerClient, ref: str) -> bool:
+    """The daemon has ``ref``, or pulls it now (no registry answering is the usual case here, and fails fast)."""
+    try:
+        client.images.get(ref)
+        return True
+    except docker.errors.ImageNotFound:
+        pass
+    except docker.errors.DockerException:
+        return False
+    try:
+        client.images.pull(ref)
+        return True
+    except Exception:  # noqa: BLE001 - unreachable registry, unknown image, no credentials: not here
+        return False

@@ -17,7 +17,7 @@ import docker
 import docker.errors
 import requests
 
-from sandforge.environments.sandbox.spec import LABEL_PROBE, parse_size
+from sandforge.sandbox.spec import LABEL_PROBE, parse_size
 from sandforge.types import SandboxError
 
 CACHED = 8  # archives kept, most recent first

@@ -1,4 +1,4 @@
-"""models/kv_room.py: a Hugging Face cache that appends in place decodes exactly as transformers' own (DynamicLayer,
+"""models/hf_kv_cache.py: a Hugging Face cache that appends in place decodes exactly as transformers' own (DynamicLayer,
 which copies the whole cache per token), copies only once per ROOM tokens, and never lets two caches that share a
 buffer write into each other."""
 
@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from sandforge.engine.batch import DecodeBatch, Prefill, prefill
-from sandforge.models import kv_room
+from sandforge.models import hf_kv_cache as kv_room
 from sandforge.models.hf import HFCache, HFPolicy
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""sandforge's grader start-up, run by every Python a root grader's command starts inside a sandbox (harness.py).
+"""sandforge's grader start-up, run by every Python a root grader's command starts inside a sandbox (startup.py).
 
 It runs first: from a ``.pth`` file in the user site that ``PYTHONUSERBASE`` points at (root's spool), before ``site``
 imports ``sitecustomize`` and whatever the command did to ``PYTHONPATH``; else from sandforge's ``sitecustomize`` on
@@ -27,9 +27,9 @@ METADATA = ("importlib.metadata", "importlib_metadata")
 
 
 def _start():
-    if getattr(sys, "_sandforge_harness", False):
+    if getattr(sys, "_sandforge_imports", False):
         return
-    sys._sandforge_harness = True
+    sys._sandforge_imports = True
     ids = [int(i) for i in os.environ.get("SANDFORGE_POLICY_IDS", "").split() if i.isdigit()]
     if not ids or ids[0] == 0:
         return  # no policy named, or a root one: nothing is the grader's alone
@@ -95,7 +95,7 @@ def _start():
         return original(name, path, target)
 
     finder.find_spec = classmethod(find_spec)
-    sys._sandforge_harness = trusted  # for sitecustomize.py's chain
+    sys._sandforge_imports = trusted  # for sitecustomize.py's chain
 
     def guard(module):
         """Make a metadata library's distributions those on trusted entries only (whatever finders sys.meta_path has:

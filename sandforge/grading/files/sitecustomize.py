@@ -1,5 +1,5 @@
-"""sandforge's grader start-up by way of ``PYTHONPATH`` (harness.py): for a Python whose user site is off (a venv
-without the system's packages), ``_sandforge_harness.py`` runs here, from this folder; where the user site already
+"""sandforge's grader start-up by way of ``PYTHONPATH`` (startup.py): for a Python whose user site is off (a venv
+without the system's packages), ``_sandforge_imports.py`` runs here, from this folder; where the user site already
 ran it, that is a no-op. Then the next ``sitecustomize`` on the path's trusted folders (the image's own) runs, as
 ``site`` would have run it without this one."""
 
@@ -7,14 +7,14 @@ import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
-_start = os.path.join(_here, "_sandforge_harness.py")
+_start = os.path.join(_here, "_sandforge_imports.py")
 with open(_start, "rb") as _file:
-    exec(compile(_file.read(), _start, "exec"), {"__name__": "_sandforge_harness"})
+    exec(compile(_file.read(), _start, "exec"), {"__name__": "_sandforge_imports"})
 
 
 def _chain():
     finder = next(f for f in sys.meta_path if getattr(f, "__name__", "") == "PathFinder")
-    trusted = getattr(sys, "_sandforge_harness", None)
+    trusted = getattr(sys, "_sandforge_imports", None)
     entries = [e for e in sys.path if os.path.abspath(e or os.curdir) != _here and (not callable(trusted)
                                                                                     or trusted(e))]
     spec = finder.find_spec("sitecustomize", entries)

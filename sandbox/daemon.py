@@ -9,6 +9,8 @@ import requests
 
 from sandforge.types import SandboxError
 
+DockerClient = docker.DockerClient  # the client's type, for code outside this part that holds one without importing docker
+
 
 def docker_client(timeout: int = 120, max_pool_size: int = 32) -> docker.DockerClient:
     """A client for the local daemon (DOCKER_HOST etc. respected); SandboxError if the daemon does not answer."""

@@ -15,7 +15,7 @@ import re
 import tarfile
 import time
 
-from sandforge.environments.sandbox.shell import CLIENT_GRACE, KILL_AFTER
+from sandforge.sandbox.shell import CLIENT_GRACE, KILL_AFTER
 
 FILE_TIMEOUT = 60.0  # put_file / get_file / read_file / write_file
 MAX_READ_BYTES = 64 << 20  # read_file
@@ -91,7 +91,7 @@ def get_file(sandbox, path: str, user: str | None = None, max_bytes: int | None 
 
 
 def unpack(sandbox, archive: bytes, parent: str) -> None:
-    """Unpack a tar ``archive`` into ``parent`` as root, keeping its owners and modes (seed.py)."""
+    """Unpack a tar ``archive`` into ``parent`` as root, keeping its owners and modes (workspace.py)."""
     if not archive:
         return
     deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE

@@ -15,9 +15,9 @@ import docker.errors
 import requests
 import urllib3.exceptions
 
-from sandforge.environments.sandbox import proxy_folders
-from sandforge.environments.sandbox.daemon import docker_client, force_remove
-from sandforge.environments.sandbox.labels import LABEL_EPISODE, LABEL_RUN, driver_alive
+from sandforge.sandbox import proxy_folders
+from sandforge.sandbox.daemon import docker_client, force_remove
+from sandforge.sandbox.labels import LABEL_EPISODE, LABEL_RUN, driver_alive
 from sandforge.types import SandboxError
 
 log = logging.getLogger(__name__)
@@ -25,11 +25,6 @@ T = TypeVar("T")
 
 
 # --- reaping -------------------------------------------------------------------------------------------------------
-
-
-def list_run_containers(run_id: str, client: docker.DockerClient | None = None) -> list[str]:
-    """Ids of every container (running or not) labelled with this run."""
-    return [cid for cid, _ in _run_containers(run_id, client or docker_client())]
 
 
 def _run_containers(run_id: str, client: docker.DockerClient) -> list[tuple[str, str]]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import shlex
 import time
 
-from sandforge.environments.sandbox.stop_scripts import STOP_SCRIPT, SURVEY_SCRIPT
+from sandforge.sandbox.stop_scripts import STOP_SCRIPT, SURVEY_SCRIPT
 from sandforge.types import PolicyStop, SandboxError
 
 RETRIES = 5  # execs tried after signalling the guard, RETRY_PAUSE apart

@@ -1,4 +1,4 @@
-# git as a root grader finds it in a sandbox (sandforge/harness.py): it reads the policy's repository, never runs
+# git as a root grader finds it in a sandbox (sandforge/grading/startup.py): it reads the policy's repository, never runs
 # what the policy's configuration names. Root's git refuses a repository another user owns ("dubious ownership",
 # exit 128), and trusting it (safe.directory) would read its .git/config, whose core.fsmonitor, hooks, filter and
 # diff drivers, pager and editor are commands. So for such a repository git runs on a view of it: a root-owned

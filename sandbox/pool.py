@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import docker
 
-from sandforge.environments.sandbox.daemon import docker_client
-from sandforge.environments.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
-from sandforge.environments.sandbox.labels import driver_labels
-from sandforge.environments.sandbox.lifecycle import remove_container, retry_daemon
-from sandforge.environments.sandbox.stats import SandboxStats
+from sandforge.sandbox.daemon import docker_client
+from sandforge.sandbox.docker_sandbox import DockerSandbox, SandboxSpec
+from sandforge.sandbox.labels import driver_labels
+from sandforge.sandbox.lifecycle import remove_container, retry_daemon
+from sandforge.sandbox.stats import SandboxStats
 from sandforge.types import SandboxError
 
 LABEL_ATTEMPT = "sandforge.attempt"  # one creation attempt: finds what a failed attempt left behind

@@ -75,15 +75,6 @@ def env_tools(env_names: list[str]) -> dict[str, list[dict]]:
     return out
 
 
-def job_tools(env_names: list[str]) -> list[dict]:
-    """The tool schemas of the job's environments (one entry per distinct tool name)."""
-    tools: dict[str, dict] = {}
-    for schemas in env_tools(env_names).values():
-        for schema in schemas:
-            tools.setdefault(schema["name"], schema)
-    return list(tools.values())
-
-
 def instruction(name: str, args: dict, rng: random.Random) -> str:
     shown = {k: v if isinstance(v, str) else json.dumps(v) for k, v in args.items()}
     style = rng.randrange(3)

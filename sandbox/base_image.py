@@ -1,6 +1,6 @@
 """The local base image every sandbox image is built on: a present or pullable image named by the job, else Debian
 bookworm bootstrapped here with ``debootstrap --variant=minbase`` and ``docker import``-ed as ``sandforge/base:bookworm``
-(no registry is needed). environments/sandbox/images.py builds the environments' images on it.
+(no registry is needed). sandbox/images.py builds the environments' images on it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def _noop(_: str) -> None:
     pass
 
 
-def _image_id(client: docker.DockerClient, ref: str) -> str | None:
+def image_id(client: docker.DockerClient, ref: str) -> str | None:
+    """The id of local image ``ref``; None if the daemon has no such image (any other fault of the daemon raises)."""
     try:
         return client.images.get(ref).id
     except docker.errors.ImageNotFound:
@@ -47,7 +48,7 @@ def ensure_base_image(
     """Return a local base image tag: ``base_image`` if present or pullable, else a bootstrapped Debian bookworm."""
     progress = progress or _noop
     if base_image:
-        if _image_id(client, base_image):
+        if image_id(client, base_image):
             return base_image
         try:
             progress(f"pulling {base_image}")
@@ -55,7 +56,7 @@ def ensure_base_image(
             return base_image
         except Exception as e:  # no registry here is the normal case: fall back to bootstrapping
             progress(f"cannot pull {base_image} ({type(e).__name__}); bootstrapping {BASE_TAG} instead")
-    if _image_id(client, BASE_TAG):
+    if image_id(client, BASE_TAG):
         return BASE_TAG
     return _bootstrap_base(client, mirror, progress)
 
@@ -90,7 +91,7 @@ def _bootstrap_base(client: docker.DockerClient, mirror: str, progress: Progress
                 'CMD ["bash"]',
             ],
         )
-    if not _image_id(client, BASE_TAG):
+    if not image_id(client, BASE_TAG):
         raise ImageError(f"docker import finished but {BASE_TAG} is not present; check `docker images`")
     return BASE_TAG
 

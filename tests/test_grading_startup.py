@@ -1,4 +1,4 @@
-"""sandforge's grader start-up (sandforge/grader_files/), run by this machine's own Python and bash as a root grader
+"""sandforge's grader start-up (sandforge/grading/files/), run by this machine's own Python and bash as a root grader
 would run them in a sandbox: root's folders win, library code never imports from the policy's, metadata comes from
 root's folders only, the task's answers keep Python's order, the image's own sitecustomize still runs; git reads the
 policy's repository and runs nothing it configures; PATH keeps root's folders; the offline uv refuses what it does
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from sandforge import harness
+from sandforge.grading import startup
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the policy's folders are made by chown, which needs root")
 NOBODY = 65534
@@ -29,7 +29,7 @@ def folders(tmp_path):
     """(the harness's folder, root-owned, as prepare lays it out; the policy's working directory, nobody's)."""
     tmp_path.chmod(0o755)
     site = tmp_path / "harness"
-    subprocess.run(["bash", "-c", harness.install_script(str(site))], check=True)  # prepare's own script
+    subprocess.run(["bash", "-c", startup.install_script(str(site))], check=True)  # prepare's own script
     for folder in (site, *site.rglob("*")):
         if folder.is_dir():
             folder.chmod(0o755)
@@ -186,7 +186,7 @@ def test_a_root_policy_gets_no_start_up(folders):
     site, work = folders
     env = {**grader_env(site), "SANDFORGE_POLICY_IDS": "0 0"}
     plant(work / "json.py", "X = 1\n")
-    done = subprocess.run([sys.executable, "-c", "import json, sys; print(hasattr(json, 'X'), sys._sandforge_harness)"],
+    done = subprocess.run([sys.executable, "-c", "import json, sys; print(hasattr(json, 'X'), sys._sandforge_imports)"],
                           cwd=work, env=env, capture_output=True, text=True)
     assert done.stdout.split() == ["True", "True"], done.stderr
 
@@ -209,7 +209,7 @@ def test_path_keeps_only_the_folders_the_policy_cannot_write(folders, tmp_path):
 
 
 def test_answer_modules_are_the_named_files_stems():
-    assert harness.answer_modules(["/app/statistics.py", "./solver.py", "lib/json.py", "x-y.py", "notes.txt",
+    assert startup.answer_modules(["/app/statistics.py", "./solver.py", "lib/json.py", "x-y.py", "notes.txt",
                                    "/app/calendar/__init__.py"]) == ("statistics", "solver", "json", "calendar")
 
 

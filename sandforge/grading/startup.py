@@ -1,7 +1,7 @@
 """What a grader's own command starts with in a sandbox: Python that trusts root's files first, offline uv, safe git.
 
 A check (a ``command`` check, a Harbor ``test.sh``, a judge's command) runs as root in the policy's workdir, after
-every process of the policy is gone, but among the files the policy left. The harness it starts must load nothing
+every process of the policy is gone, but among the files the policy left. The start-up it runs must load nothing
 from them except the code under test. Python and pytest would: ``python3 -m pytest`` puts the working directory
 first on ``sys.path`` (a ``pytest.py`` there, or in a subfolder the check ``cd``s into, or a module named like one
 only the tests' own ``PYTHONPATH`` has, would be imported), libraries try optional imports that the policy can
@@ -9,10 +9,10 @@ answer (``copy``'s ``org.python.core``), and pytest autoloads the plugins every 
 announces. terminal-bench's test.sh sources ``.tbench-testing/bin/activate`` from the workdir after a ``uv venv``
 that, offline, never ran; root's git refuses the policy's repository, and trusting it runs what its config names.
 
-So ``prepare`` writes sandforge's own start-up into the root-only spool (``grader_files/``, in one exec) and returns
+So ``prepare`` writes sandforge's own start-up into the root-only spool (``files/``, in one exec) and returns
 the shell lines a root check runs first:
 
-- every Python the check starts runs ``grader_files/_sandforge_harness.py`` first: from a ``.pth`` in the user site
+- every Python the check starts runs ``files/_sandforge_imports.py`` first: from a ``.pth`` in the user site
   ``PYTHONUSERBASE`` names (before ``site`` imports ``sitecustomize``, whatever ``PYTHONPATH`` says), from a
   root-owned ``.pth`` in every site-packages folder of the image the policy cannot write (``SITE_PTH``: the image's
   venvs, and a check that turns the user site off or sets ``PYTHONPATH`` itself), else from the ``sitecustomize`` on
@@ -21,21 +21,21 @@ the shell lines a root check runs first:
   points) comes from those folders only; the Python files the task's instruction names (``statistics.py``: the code
   under test) keep Python's own order (``SANDFORGE_ANSWERS``). What the policy can write is judged by its ids
   (``SANDFORGE_POLICY_IDS``, asked in the sandbox);
-- ``PATH`` keeps only folders the policy cannot write (``grader_files/path.sh``);
-- ``uv`` and ``uvx`` are bash functions running ``grader_files/uv.sh``: ``uv venv`` removes what stands at the path
+- ``PATH`` keeps only folders the policy cannot write (``files/path.sh``);
+- ``uv`` and ``uvx`` are bash functions running ``files/uv.sh``: ``uv venv`` removes what stands at the path
   and makes a venv that sees the image's packages, ``uv pip install`` succeeds only for what the image has, ``uv
   run`` runs the command, and an option it does not know is refused;
-- ``git`` is a bash function running ``grader_files/git.sh``: a repository root does not own is read through a
+- ``git`` is a bash function running ``files/git.sh``: a repository root does not own is read through a
   root-owned view of it (its objects, refs and index; a config of the settings that run nothing);
-- ``apt-get``/``apt`` and ``curl``/``wget`` are bash functions running ``grader_files/apt.sh`` and ``curl.sh``, so
+- ``apt-get``/``apt`` and ``curl``/``wget`` are bash functions running ``files/apt.sh`` and ``curl.sh``, so
   Harbor's own test.sh template runs offline: ``apt-get update`` keeps the image's lists, ``apt-get install``
   succeeds for what the image has and names what it lacks, and uv's installer is not fetched (uv is the stand-in
   above); any other URL goes to the image's own curl.
 
 Isolating the check's Python outright (``-I``, ``PYTHONSAFEPATH``) would also drop the working directory that the
-tests import the answer from. The shadow set-aside (sandforge/shadows.py) still runs first, as a second line.
+tests import the answer from. The shadow set-aside (sandforge/grading/shadows.py) still runs first, as a second line.
 Not covered: a check running as another user than root (the spool is root's); a command that empties the
-environment (``env -i``: the harness reads the policy's ids from it) or skips ``site`` (``python3 -S``); a venv the
+environment (``env -i``: the start-up reads the policy's ids from it) or skips ``site`` (``python3 -S``); a venv the
 policy made itself (its site-packages are the policy's); ``uv`` or ``git`` started by another program than bash (the functions are bash's: a
 Python test's ``subprocess.run(["git", ...])`` gets the image's git, which refuses the policy's repository).
 """
@@ -49,12 +49,12 @@ from pathlib import Path
 
 from sandforge.types import Sandbox
 
-DIR = "/run/sandforge-root/harness"  # on the verifiers' root-only (0700) spool: the policy cannot read or write it
-FILES = Path(__file__).with_name("grader_files")
-PYTHON = ("_sandforge_harness.py", "sitecustomize.py")  # into DIR/py: PYTHONPATH's folder
+DIR = "/run/sandforge-root/startup"  # on the verifiers' root-only (0700) spool: the policy cannot read or write it
+FILES = Path(__file__).with_name("files")
+PYTHON = ("_sandforge_imports.py", "sitecustomize.py")  # into DIR/py: PYTHONPATH's folder
 SCRIPTS = ("uv.sh", "git.sh", "path.sh", "apt.sh", "curl.sh")  # into DIR, run by bash (the spool is noexec)
 VERSIONS = tuple(f"3.{minor}" for minor in range(6, 16))  # the Pythons whose user site gets the .pth
-SITE_PTH = "00-sandforge-harness.pth"  # in the image's own site-packages folders: first of their .pth files
+SITE_PTH = "00-sandforge-startup.pth"  # in the image's own site-packages folders: first of their .pth files
 
 
 def answer_modules(answers: list[str] | tuple[str, ...]) -> tuple[str, ...]:
@@ -73,7 +73,7 @@ def pth_line(start: str) -> str:
     """The user site's .pth line: it runs ``start`` by its absolute path (no module found by name, which a policy
     folder first on PYTHONPATH could answer), before ``site`` imports ``sitecustomize``."""
     source = f"compile(open({start!r}, 'rb').read(), {start!r}, 'exec')"
-    return f"import sys; exec({source}, {{'__name__': '_sandforge_harness'}})\n"
+    return f"import sys; exec({source}, {{'__name__': '_sandforge_imports'}})\n"
 
 
 def site_pth_line(start: str) -> str:
@@ -81,12 +81,12 @@ def site_pth_line(start: str) -> str:
     read the root-only spool (a root check's); any other Python starts as it would without it."""
     source = f"compile(open({start!r}, 'rb').read(), {start!r}, 'exec')"
     return (f"import os, sys; os.access({start!r}, os.R_OK) and "
-            f"exec({source}, {{'__name__': '_sandforge_harness'}})\n")
+            f"exec({source}, {{'__name__': '_sandforge_imports'}})\n")
 
 
 def site_folders_script(pth: str, policy_ids: tuple[int, ...]) -> str:
     """The bash that puts ``pth`` (``SITE_PTH``) in every site-packages (or Debian dist-packages) folder of the
-    sandbox that the policy cannot write: every Python of the image, its venvs' too, starts the harness, whatever a
+    sandbox that the policy cannot write: every Python of the image, its venvs' too, runs the start-up, whatever a
     check does to its environment (``-E``, ``-I``, ``PYTHONNOUSERSITE``, a ``PYTHONPATH`` of its own, a venv without
     the user site). A folder the policy can write (not owned by its uid, nor writable by others or a group of its) is
     left alone: it is the policy's, and root writes nothing there."""
@@ -99,7 +99,7 @@ def site_folders_script(pth: str, policy_ids: tuple[int, ...]) -> str:
 
 
 def install_script(folder: str = DIR, policy_ids: tuple[int, ...] = ()) -> str:
-    """The bash that writes the harness's files under ``folder``, a user site per Python version, and (for a
+    """The bash that writes the start-up's files under ``folder``, a user site per Python version, and (for a
     non-root policy of ``policy_ids``) the ``.pth`` in the image's own site-packages folders."""
     lines = ["set -e", f"mkdir -p {folder}/py"]
     files = [(f"py/{name}", FILES / name) for name in PYTHON] + [(name, FILES / name) for name in SCRIPTS]
@@ -109,13 +109,13 @@ def install_script(folder: str = DIR, policy_ids: tuple[int, ...] = ()) -> str:
     pth = shlex.quote(pth_line(f"{folder}/py/{PYTHON[0]}"))
     lines.append(f"for v in {' '.join(VERSIONS)}; do d={folder}/base/lib/python$v/site-packages; mkdir -p \"$d\"; "
                  f"printf '%s' {pth} > \"$d/sandforge.pth\"; done")
-    if policy_ids and policy_ids[0] != 0:  # a root policy can write anything: the harness does nothing for it
+    if policy_ids and policy_ids[0] != 0:  # a root policy can write anything: the start-up does nothing for it
         lines.append(site_folders_script(site_pth_line(f"{folder}/py/{PYTHON[0]}"), policy_ids))
     return "\n".join(lines) + "\n"
 
 
 def exports(answers: list[str] | tuple[str, ...] = (), policy_ids: tuple[int, ...] = ()) -> str:
-    """The shell lines that put the harness in front of a root check's command (``prepare`` writes its files)."""
+    """The shell lines that put the start-up in front of a root check's command (``prepare`` writes its files)."""
     uv, git, path, apt, curl = (shlex.quote(f"{DIR}/{name}") for name in SCRIPTS)
     return (f"export PYTHONPATH={DIR}/py${{PYTHONPATH:+:$PYTHONPATH}} PYTHONUSERBASE={DIR}/base "
             f"SANDFORGE_ANSWERS={shlex.quote(' '.join(answer_modules(answers)))} "
@@ -146,7 +146,7 @@ def policy_ids(sandbox: Sandbox) -> tuple[int, ...]:
 
 
 def prepare(sandbox: Sandbox, user: str, answers: list[str] | tuple[str, ...] = ()) -> str:
-    """Write the harness into ``sandbox`` and return what a check run as ``user`` puts before its command ("" for a
+    """Write the start-up into ``sandbox`` and return what a check run as ``user`` puts before its command ("" for a
     user other than root: the spool is root's alone). OSError if it cannot be written (the spool is root's, so that
     is the sandbox's fault, never the policy's)."""
     if user not in ("root", "0", "0:0"):
@@ -154,5 +154,5 @@ def prepare(sandbox: Sandbox, user: str, answers: list[str] | tuple[str, ...] = 
     ids = policy_ids(sandbox)
     made = sandbox.exec(install_script(policy_ids=ids), timeout=30, user="root", session=False, workdir="/")
     if made.exit_code != 0:
-        raise OSError(f"cannot write the grading harness into the sandbox: {made.output.strip()[-200:]}")
+        raise OSError(f"cannot write the grader start-up into the sandbox: {made.output.strip()[-200:]}")
     return exports(answers, ids)

@@ -12,7 +12,7 @@ import shutil
 import time
 from typing import Iterable
 
-from sandforge.environments.sandbox.spec import PROXY_ROOT
+from sandforge.sandbox.spec import PROXY_ROOT
 
 ORPHAN_AGE_S = 600.0  # a folder without a container is left this long: its sandbox may be being created
 

@@ -4,7 +4,7 @@ Python puts the working directory first on ``sys.path`` for ``python3 -m`` and `
 ``python3 -m pytest`` in the workspace (every terminal-bench ``test.sh`` does, from the image's WORKDIR, as Harbor's
 contract says) imports a ``pytest.py`` the policy left there, which can write any reward. Isolating that python
 (``-I``, ``PYTHONSAFEPATH``) is not ours to do: it reaches the programs a test runs, and the policy's own script
-importing its sibling module is no attack. The check's Pythons import root's modules first (sandforge/harness.py,
+importing its sibling module is no attack. The check's Pythons import root's modules first (sandforge/grading/startup.py,
 which holds in any folder); the planted modules at the workdir's top level also go, a second line.
 
 At reset, before the policy acts, ``mark_start`` records the names in the workdir (root-only, on the verifiers'

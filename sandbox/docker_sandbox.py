@@ -18,18 +18,18 @@ import docker
 import docker.errors
 import requests
 
-from sandforge.environments.sandbox import file_transfer, proxy_folders
-from sandforge.environments.sandbox.clean_context import one_off_environment
-from sandforge.environments.sandbox.daemon import docker_client, force_remove
-from sandforge.environments.sandbox.labels import (
+from sandforge.sandbox import file_transfer, proxy_folders
+from sandforge.sandbox.clean_context import one_off_environment
+from sandforge.sandbox.daemon import docker_client, force_remove
+from sandforge.sandbox.labels import (
     DRIVER_LABELS,
     LABEL_CREATED,
     LABEL_EPISODE,
     LABEL_RUN,
     driver_labels,
 )
-from sandforge.environments.sandbox.seed import workdir_archive
-from sandforge.environments.sandbox.shell import (
+from sandforge.sandbox.workspace import workdir_archive
+from sandforge.sandbox.shell import (
     CLIENT_GRACE,
     KILL_AFTER,
     Request,
@@ -40,7 +40,7 @@ from sandforge.environments.sandbox.shell import (
     read_ready,
     read_response,
 )
-from sandforge.environments.sandbox.spec import (  # noqa: F401 - SandboxSpec, ROOT_CAPS: public here too
+from sandforge.sandbox.spec import (  # noqa: F401 - SandboxSpec, ROOT_CAPS: public here too
     PROXY_ROOT,
     ROOT_CAPS,
     SPOOL_SIZE,
@@ -111,7 +111,7 @@ class DockerSandbox:
         sandbox = cls(container, spec, run_id, client)
         sandbox.proxy_dir = proxy_dir
         if spec.workspace_from_image and spec.workspace_size is not None:
-            try:  # the capped tmpfs starts with what the image has there (seed.py)
+            try:  # the capped tmpfs starts with what the image has there (workspace.py)
                 file_transfer.unpack(sandbox,
                                      workdir_archive(client, spec.image, spec.workdir, spec.workspace_size, ours),
                                      posixpath.dirname(spec.workdir.rstrip("/")) or "/")
@@ -181,8 +181,8 @@ class DockerSandbox:
 
     def stop_policy(self) -> PolicyStop:
         """Kill every process the policy's user left running and confirm none remains (graders call it before any
-        check: environments/sandbox/policy_stop.py); how many there were and the ports they listened on."""
-        from sandforge.environments.sandbox.policy_stop import stop_policy
+        check: sandbox/policy_stop.py); how many there were and the ports they listened on."""
+        from sandforge.sandbox.policy_stop import stop_policy
 
         killed = stop_policy(self)
         with self._shells_lock:  # its dispatcher went too: the next command as that user starts a fresh one
@@ -196,7 +196,7 @@ class DockerSandbox:
         every process ``user`` may signal until none is left (policy_stop.py's first pass: the kernel's selection).
         Detached and waited for at most ``timeout`` seconds: whether it ended. One that cannot start (the policy holds
         every pid) or does not end (it is ``user``'s, so the scan that follows kills it) leaves the rest to the scan."""
-        from sandforge.environments.sandbox.stop_scripts import KILL_ALL
+        from sandforge.sandbox.stop_scripts import KILL_ALL
 
         api = self._container.client.api
         try:

@@ -9,7 +9,7 @@ image's (the task author's), as declared in the image: the policy's session neve
 
 What this cannot cover: a command that deliberately runs the policy's code as root (a task author's choice), and
 Python putting its working directory first on ``sys.path`` for ``python3 -c`` and ``-m``; for a check's command,
-sandforge/harness.py makes root's modules win anyway. sandforge's own in-sandbox code runs with ``python3 -I`` from
+sandforge/grading/startup.py makes root's modules win anyway. sandforge's own in-sandbox code runs with ``python3 -I`` from
 ``/`` (verifiers/state.py).
 """
 

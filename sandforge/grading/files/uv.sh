@@ -1,5 +1,5 @@
 # uv as a grader's test.sh finds it in a sandbox: offline, and making nothing from what the policy left
-# (sandforge/harness.py). terminal-bench's test.sh runs `uv venv .tbench-testing`, sources its activate, then
+# (sandforge/grading/startup.py). terminal-bench's test.sh runs `uv venv .tbench-testing`, sources its activate, then
 # `uv pip install pytest==8.4.1` and `uv run pytest ...`: the venv is made afresh here (what stood at that path is
 # removed first, so a planted activate never runs), it sees the image's packages, an install succeeds only for what
 # the image already has, and `uv run` runs the command.

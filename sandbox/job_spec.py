@@ -6,7 +6,7 @@ from __future__ import annotations
 import docker.errors
 
 from sandforge.config import SandboxConfig
-from sandforge.environments.sandbox.spec import ROOT_AGENT_CAPS, SandboxSpec
+from sandforge.sandbox.spec import ROOT_AGENT_CAPS, SandboxSpec
 
 
 def sandbox_spec(s: SandboxConfig, image: str, env_class: type, task_sandbox: dict | None, client) -> SandboxSpec:

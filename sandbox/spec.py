@@ -31,8 +31,8 @@ import docker.errors
 import requests
 from docker.types import DriverConfig, Mount, Ulimit
 
-from sandforge.environments.sandbox.shell import ROOT_SESSION_DIR, SESSION_DIR
-from sandforge.environments.sandbox.stop_scripts import GUARD_SCRIPT, GUARD_VARIABLE, guard_command
+from sandforge.sandbox.shell import ROOT_SESSION_DIR, SESSION_DIR
+from sandforge.sandbox.stop_scripts import GUARD_SCRIPT, GUARD_VARIABLE, guard_command
 from sandforge.types import SandboxError
 
 SPOOL_SIZE = "64m"  # tmpfs for session state and command output: a command printing more gets "No space left"
@@ -76,7 +76,7 @@ class SandboxSpec:
     workspace_size: str | None = "192m"  # tmpfs at workdir; None: a disk volume, image content copied in, no cap
     tmp_size: str = "128m"  # tmpfs at /tmp
     home: str | None = None  # HOME of every command; None: the workdir
-    workspace_from_image: bool = False  # the capped workspace starts with the image's workdir content (seed.py)
+    workspace_from_image: bool = False  # the capped workspace starts with the image's workdir content (workspace.py)
     scratch: tuple[str, ...] = ()  # more tmpfs folders (tmp_size each) over the image's: 1777, or the user's home
     nofile: int = 4096  # open files per process
     max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ

@@ -1,1 +1,0 @@
-"""Docker sandboxes: one hardened container per episode, labelled with the run id."""
