@@ -26,7 +26,7 @@ from pathlib import Path
 from sandforge.environments.vf.tasks import HARNESS, REFERENCE_HARNESS, load_tasks
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.rollout.agent import EpisodeLimits
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.proxy import ProxyBudget
 from sandforge.rollout.vf_episode import VerifiersEnvs, agent_limits, run_vf_episode
 from sandforge.types import GenerateRequest, Message, Sample

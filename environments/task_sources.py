@@ -18,8 +18,10 @@ from sandforge.registry import environments
 from sandforge.types import Task
 
 SPLITS = ("train", "heldout")
+_NUMBER_OR_NULL = (int, float, type(None))
 _TASK_FIELDS = {"id": str, "env": str, "family": str, "seed": int, "instruction": str, "setup": dict, "checks": list,
-                "solution": list, "split": str, "success_at": (int, float, type(None))}
+                "solution": list, "split": str, "success_at": _NUMBER_OR_NULL, "image": (str, type(None)),
+                "sandbox": dict, "agent_timeout": _NUMBER_OR_NULL}
 _REQUIRED = ("id", "env", "family", "instruction", "checks")
 
 
@@ -90,9 +92,9 @@ def task_from_dict(d: Any, where: str) -> Task:
     if missing:
         raise TaskSourceError(f"{where}: missing task field(s) {', '.join(missing)}")
     for key, kind in _TASK_FIELDS.items():
-        if key in d and (not isinstance(d[key], kind) or (kind in (int, (int, float, type(None)))
-                                                          and isinstance(d[key], bool))):
-            name = "a number or null" if isinstance(kind, tuple) else kind.__name__
+        if key in d and (not isinstance(d[key], kind) or (kind in (int, _NUMBER_OR_NULL) and isinstance(d[key], bool))):
+            name = ("a number or null" if kind == _NUMBER_OR_NULL else "a string or null") if isinstance(kind, tuple) \
+                else kind.__name__
             raise TaskSourceError(f"{where}: '{key}' must be {name}, got {json.dumps(d[key])[:60]}")
     if d.get("success_at") is not None and not 0 < d["success_at"] <= 1:
         raise TaskSourceError(f"{where}: 'success_at' must be in (0, 1], got {d['success_at']}")
@@ -108,7 +110,10 @@ def task_from_dict(d: Any, where: str) -> Task:
                 not isinstance(call.get("arguments", {}), dict) or set(call) - {"name", "arguments", "id"}:
             raise TaskSourceError(f"{where}: solution[{i}] must be {{\"name\": str, \"arguments\": {{...}}}}, "
                                   f"got {call!r}")
-    return Task.from_dict({"seed": 0, **d})
+    try:
+        return Task.from_dict({"seed": 0, **d})
+    except ValueError as e:  # the sandbox's settings: TaskSandbox names what it does not know
+        raise TaskSourceError(f"{where}: {e}") from None
 
 
 def load_jsonl(path: Path, env: str | None = None) -> list[Task]:

@@ -126,8 +126,8 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         tag = build_images([], client=client, show_progress=False, contexts={name: ctx})[name]
         row.notes = ctx.prepare.notes + row.notes  # a FROM mapped to the local base, said in one line
         row.image = tag
-        spec = sandbox_spec(sandbox_cfg, tag, HarborEnv, task.setup.get("sandbox"), client)
-        timeout = float(task.setup.get("agent_timeout") or 1800.0)
+        spec = sandbox_spec(sandbox_cfg, tag, HarborEnv, task.sandbox, client)
+        timeout = float(task.agent_timeout or 1800.0)
         has_oracle = (task_dir / "solution" / "solve.sh").is_file()
         if not has_oracle:
             row.reason = "no solution/solve.sh: the oracle cannot be checked"

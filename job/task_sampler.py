@@ -67,7 +67,7 @@ class TaskSampler:
         Dockerfile (a Harbor task's; tasks of families the job leaves out are not built)."""
         found = {}
         for source, families in zip(self.sources, self.families):
-            drawn = {t.setup.get("image") for t in getattr(source, "tasks", []) if t.family in families}
+            drawn = {t.image for t in getattr(source, "tasks", []) if t.family in families}
             found |= {name: ctx for name, ctx in source.images.items() if name in drawn}
         return found
 

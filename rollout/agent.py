@@ -18,41 +18,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import traceback
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from sandforge.config import RolloutConfig
-from sandforge.rollout.policy_client import Policy, PolicyError, check_sample
-from sandforge.rollout.tool_calls import ToolHang, ToolOutcome, run_tool_calls
-from sandforge.types import GenerateRequest, Message, Reward, Sample, SandboxError, Task, Trajectory, Turn
-from sandforge.verifiers.checks import VerifierError, score_task
+from sandforge.rollout.episode import EpisodeLimits, ended, fail, turn_seed
+from sandforge.rollout.policy_client import Policy, check_sample
+from sandforge.rollout.tool_calls import ToolOutcome, run_tool_calls
+from sandforge.types import GenerateRequest, Message, Reward, Sample, Task, Trajectory, Turn
+from sandforge.verifiers.checks import score_task
 
 NO_TOOL_CALL = "no tool call found. Call one of the tools, or call submit() when the task is done."
-
-
-@dataclass
-class EpisodeLimits:
-    max_turns: int
-    max_context: int
-    max_new_tokens: int
-    stop_ids: list[int]
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    episode_timeout: float | None = None  # seconds; None: no limit
-    max_tool_calls: int = 8
-    max_tool_output: int = 4096  # characters per observation
-    tool_grace: float = 60.0  # how long a tool call may outlive the deadline before the episode fails
-    end_on_text: bool = False  # a reply of prose alone ends the episode (``rollout.end_on_text``)
-
-    @classmethod
-    def from_config(cls, r: RolloutConfig, stop_ids: list[int], tool_grace: float = 60.0) -> EpisodeLimits:
-        return cls(max_turns=r.max_turns, max_context=r.max_context, max_new_tokens=r.max_new_tokens,
-                   stop_ids=list(stop_ids), temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                   episode_timeout=r.episode_timeout, max_tool_calls=r.max_tool_calls,
-                   max_tool_output=r.max_tool_output, tool_grace=tool_grace, end_on_text=r.end_on_text)
 
 
 async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimits, group: str, version: int = 0,
@@ -88,33 +63,6 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
         await _keep_screenshots(traj, env)
         await env.aclose()
     return ended(traj, start)
-
-
-def fail(traj: Trajectory, e: Exception) -> None:
-    """Mark ``traj`` failed by ``e``, its ``failure`` naming what broke: the sandbox, a verifier, the engine, a tool
-    call that hung, or (anything else, a bug) the exception, whose traceback goes in the metadata."""
-    traj.failed = True
-    if isinstance(e, SandboxError):
-        traj.failure = f"sandbox: {e}"
-    elif isinstance(e, VerifierError):
-        traj.failure = f"verifier: {e}"
-    elif isinstance(e, PolicyError):
-        traj.failure = str(e)  # "engine: ..."
-    elif isinstance(e, ToolHang):
-        traj.failure = f"tool: {e}"
-    else:
-        traj.failure = f"error: {type(e).__name__}: {e}"
-        traj.metadata["traceback"] = traceback.format_exc()
-
-
-def ended(traj: Trajectory, start: float) -> Trajectory:
-    """The episode's last word: a failed one ends in "error" and scores 0; both say how long they took."""
-    if traj.failed:
-        traj.finish_reason = "error"
-        if traj.reward is None:
-            traj.reward = Reward(value=0.0, success=False, reason=traj.failure)
-    traj.metadata["seconds"] = time.monotonic() - start
-    return traj
 
 
 def _extend(traj: Trajectory, ids: list[int], version: int | None = None, logprobs: list[float] | None = None,
@@ -157,11 +105,6 @@ async def answer_reply(env, chat, ids: list[int], limits: EpisodeLimits,
     outcome = await run_tool_calls(env, message.tool_calls, notes, max_calls=limits.max_tool_calls,
                                    max_output=limits.max_tool_output, deadline=deadline, grace=limits.tool_grace)
     return message, errors, outcome
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """The sampling seed of an episode's turn: distinct per turn, the same on every run with the same episode seed."""
-    return (seed * 1_000_003 + turn * 0x9E3779B97F4A7C15) % 2**63
 
 
 def _left(deadline: float | None) -> float | None:

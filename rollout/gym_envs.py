@@ -63,7 +63,7 @@ def make_env(
     task, contexts = _task(entry, task, family, seed, split)
     config = sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig.model_validate(sandbox or {})
     env_class = entry.env_class()
-    spec = sandbox_spec(config, image or _image(entry, task, contexts, config), env_class, task.setup.get("sandbox"),
+    spec = sandbox_spec(config, image or _image(entry, task, contexts, config), env_class, task.sandbox,
                         docker_client())
     return env_class(task, spec, run_id or f"gym-{uuid.uuid4().hex[:12]}", exec_timeout=config.exec_timeout,
                      score=score_task, max_steps=max_steps, max_observation=max_observation)
@@ -101,7 +101,7 @@ def _image(entry: EnvironmentEntry, task: Task, contexts: dict[str, Any], config
     """The tag of the image ``task`` runs in: found if up to date, else built (with progress on stderr)."""
     from sandforge.sandbox.images import context_image
 
-    name = task.setup.get("image") or entry.image_name
+    name = task.image or entry.image_name
     context = contexts.get(name) or (entry.image_context() if name == entry.image_name else None)
     if context is None:
         raise ValueError(f"task {task.id} runs in image {name!r}, which {gym_id(entry.name)} cannot build: pass "

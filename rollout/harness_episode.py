@@ -12,8 +12,6 @@ or verifier fails this episode only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
 import os
 import secrets
 import shlex
@@ -21,7 +19,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from sandforge.rollout.agent import EpisodeLimits, ended, fail
+from sandforge.rollout.episode import EpisodeLimits, ended, fail, fill_rows, release
 from sandforge.rollout.harnesses import HARNESS_DIR, PROXY_MOUNT, PROXY_PORT, SOCKET_NAME, Harness, runtime_files
 from sandforge.rollout.policy_client import Policy, PolicyError
 from sandforge.rollout.proxy import EpisodeProxy, ProxyBudget
@@ -109,15 +107,6 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
     return ended(traj, start)
 
 
-async def release(proxy: EpisodeProxy | None, policy: Policy, session: str) -> None:
-    """The episode's proxy closed (nothing more is answered or recorded) and its engine session given back."""
-    if proxy is not None:
-        proxy.end()
-        await proxy.close()
-    with contextlib.suppress(Exception):  # the engine evicts the session by itself eventually
-        await policy.close_session(session)
-
-
 async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: EpisodeLimits, traj: Trajectory) -> str:
     """Run the harness until it exits, the proxy ends the episode or time runs out; the episode's finish reason."""
     timeout = limits.episode_timeout
@@ -150,12 +139,3 @@ async def _drive(sandbox, harness: Harness, proxy: EpisodeProxy, limits: Episode
     return "error" if reason == "engine" else reason
 
 
-def fill_rows(traj: Trajectory, proxy: EpisodeProxy) -> None:
-    """The proxy's rows into the trajectory: the last as its own tokens, the ones before as ``earlier_rows``."""
-    rows = copy.deepcopy(proxy.recorder.rows)  # the episode's, as they stand now
-    last = rows[-1]
-    traj.token_ids, traj.loss_mask, traj.logprobs = last.token_ids, last.loss_mask, last.logprobs
-    traj.token_versions, traj.routed_experts = last.token_versions, last.routed_experts
-    traj.earlier_rows = rows[:-1]
-    traj.turns = copy.deepcopy(proxy.recorder.turns)
-    traj.messages = list(proxy.recorder.history)

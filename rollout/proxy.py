@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from sandforge.models.hf_chat import TemplateDeltaError
-from sandforge.rollout.agent import EpisodeLimits, turn_seed
+from sandforge.rollout.episode import EpisodeLimits, turn_seed
 from sandforge.rollout.chat_api import (BadRequest, ChatRequest, completion_events, completion_json, read_request,
                                         with_tokens)
 from sandforge.rollout.policy_client import Policy, PolicyError, check_sample

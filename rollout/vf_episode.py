@@ -27,8 +27,7 @@ from typing import Any
 from sandforge.environments.task_sources import TaskSourceError
 from sandforge.environments.vf.library import uv_on_path, vf
 from sandforge.environments.vf.tasks import HARNESS, AgentLimits, load_env, task_list
-from sandforge.rollout.agent import EpisodeLimits, ended, fail
-from sandforge.rollout.harness_episode import fill_rows, release
+from sandforge.rollout.episode import EpisodeLimits, ended, fail, fill_rows, release
 from sandforge.rollout.policy_client import Policy, PolicyError
 from sandforge.rollout.proxy import EPISODE_HEADER, MODEL_NAME, EpisodeProxy, ProxyBudget
 from sandforge.types import Reward, Task, Trajectory

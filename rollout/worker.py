@@ -27,13 +27,14 @@ from sandforge.sandbox.pool import SandboxPool
 from sandforge.sandbox.stats import SandboxStats
 from sandforge.models.build import load_chat
 from sandforge.registry import environment
-from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.harness_episode import run_harness_episode
 from sandforge.rollout.harnesses import find_harness
 from sandforge.rollout.proxy import ProxyBudget
 from sandforge.rollout.vf_episode import VerifiersEnvs, agent_limits, run_vf_episode
 from sandforge.rollout.policy_client import EnginePolicy, scripted_policy
-from sandforge.types import Reward, Task, Trajectory
+from sandforge.types import Reward, Task, TaskSandbox, Trajectory
 
 TOOL_GRACE_S = 30.0  # beyond sandbox.exec_timeout: how long a tool call may outlive the episode's deadline
 
@@ -107,11 +108,11 @@ class RolloutWorker:
             if image is not None:
                 self._pool(image, self.env_classes[name], s.warm_pool)
 
-    def _spec(self, image: str, env_class: type, task_sandbox: dict | None = None) -> SandboxSpec:
+    def _spec(self, image: str, env_class: type, task_sandbox: TaskSandbox | None = None) -> SandboxSpec:
         spec = sandbox_spec(self.sandbox, image, env_class, task_sandbox, self.client)
         return replace(spec, proxy=True) if self.harness is not None else spec
 
-    def _pool(self, image: str, env_class: type, warm: int, task_sandbox: dict | None = None) -> SandboxPool:
+    def _pool(self, image: str, env_class: type, warm: int, task_sandbox: TaskSandbox | None = None) -> SandboxPool:
         if image not in self.pools:
             if image not in self.images:
                 raise ValueError(f"image {image!r} was not built by the driver (built: {', '.join(self.images)})")
@@ -125,7 +126,7 @@ class RolloutWorker:
 
     def _make_env(self, task: Task):
         # a task's own image (Harbor) keeps no warm sandboxes: that task may not come again for many steps
-        pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0, task.setup.get("sandbox"))
+        pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0, task.sandbox)
         return self.env_classes[task.env](task, pool.spec, self.run_id, exec_timeout=self.sandbox.exec_timeout,
                                           pool=pool)
 
@@ -178,7 +179,7 @@ class RolloutWorker:
                 traj = Trajectory(task=task, group=group, failed=True, failure=f"env: {e}", finish_reason="error",
                                   policy_version=version, reward=Reward(0.0, False, reason=str(e)))
             else:
-                timeout = task.setup.get("agent_timeout")  # a Harbor task's [agent] timeout_sec, unless the job's
+                timeout = task.agent_timeout  # a Harbor task's [agent] timeout_sec, unless the job's
                 if timeout and "episode_timeout" not in self.rollout.model_fields_set:
                     limits = replace(limits, episode_timeout=float(timeout))
                 async with slot:  # backpressure: wait here for a sandbox while sandbox.max_live are in use
@@ -219,7 +220,7 @@ class RolloutWorker:
 
 def image_key(task: Task, env_images: dict[str, str | None]) -> str:
     """Which image (and so which sandbox pool) runs ``task``: the task's own (Harbor), else its environment's."""
-    key = task.setup.get("image") or env_images.get(task.env)
+    key = task.image or env_images.get(task.env)
     if not key:
         raise ValueError(f"task {task.id}: environment {task.env!r} has no image and the task names none "
                          "(setup.image)")

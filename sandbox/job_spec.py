@@ -7,18 +7,20 @@ import docker.errors
 
 from sandforge.config import SandboxConfig
 from sandforge.sandbox.spec import ROOT_AGENT_CAPS, SandboxSpec
+from sandforge.types import TaskSandbox
 
 
-def sandbox_spec(s: SandboxConfig, image: str, env_class: type, task_sandbox: dict | None, client) -> SandboxSpec:
+def sandbox_spec(s: SandboxConfig, image: str, env_class: type, task_sandbox: TaskSandbox | None, client) -> SandboxSpec:
     """The job's ``sandbox`` config, with what the env declares it needs (``sandbox_defaults``) and what the task asks
-    (``task.setup["sandbox"]``: a Harbor task's user, workdir, cpus, memory) on top; cpus and memory that the job's
+    (``task.sandbox``: a Harbor task's user, workdir, cpus, memory) on top; cpus and memory that the job's
     config sets explicitly win over the task's. A root agent (Harbor's contract) gets root's home and powers."""
     fields = dict(memory=s.memory, cpus=s.cpus, pids_limit=s.pids_limit, network=s.network, runtime=s.runtime,
                   read_only=s.read_only, workspace_size=s.workspace_size, tmp_size=s.tmp_size, nofile=s.nofile,
                   max_file_size=s.max_file_size)
     explicit = {k: fields[k] for k in ("memory", "cpus") if k in s.model_fields_set}
-    merged = {**fields, **getattr(env_class, "sandbox_defaults", {}), **(task_sandbox or {}), **explicit}
-    if getattr(env_class, "workdir_from_image", False) and "workdir" not in (task_sandbox or {}):
+    own = task_sandbox.overrides() if task_sandbox is not None else {}
+    merged = {**fields, **getattr(env_class, "sandbox_defaults", {}), **own, **explicit}
+    if getattr(env_class, "workdir_from_image", False) and "workdir" not in own:
         try:
             workdir = client.images.get(image).attrs.get("Config", {}).get("WorkingDir") or ""
         except docker.errors.ImageNotFound:  # starting a sandbox from it will say so

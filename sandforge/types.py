@@ -157,13 +157,42 @@ class ZeroScore(Exception):
         self.cause, self.reason = cause, reason
 
 
+@dataclass(frozen=True)
+class TaskSandbox:
+    """What one task asks of its sandbox beyond the job's ``sandbox`` section and its environment's needs (a Harbor
+    task's ``[agent] user`` and ``[environment]`` settings): the ``SandboxSpec`` fields it sets, None where it sets
+    none. ``sandbox/job_spec.py`` lays them over the job's."""
+
+    user: str | None = None
+    workdir: str | None = None
+    cpus: float | None = None
+    memory: str | None = None  # "512m"
+    workspace_size: str | None = None  # the workspace tmpfs's cap, "256m"
+    home: str | None = None
+    scratch: tuple[str, ...] | None = None  # capped tmpfs folders a non-root agent may write
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields the task sets, by name."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if getattr(self, k) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TaskSandbox:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"task sandbox: unknown setting(s) {', '.join(sorted(unknown))} (known: "
+                             f"{', '.join(cls.__dataclass_fields__)})")
+        return cls(**{**d, **({"scratch": tuple(d["scratch"])} if d.get("scratch") is not None else {})})
+
+
 @dataclass
 class Task:
     """One task instance, as plain data: what the policy is told, how the sandbox is prepared, how it is graded.
 
     ``setup`` is environment-specific (e.g. files to create before the episode). ``checks`` lists verifier calls as
     ``{"verifier": name, **arguments}``; verifiers run them after the episode, from outside the policy's reach.
-    ``solution`` is a reference sequence of tool calls that solves the task.
+    ``solution`` is a reference sequence of tool calls that solves the task. What generic code reads of a task is a
+    field: ``image`` (the image it runs in where that is not its environment's: a Harbor task's own), ``sandbox``
+    (its own sandbox settings) and ``agent_timeout`` (seconds the agent may act, where the task sets it).
     """
 
     id: str
@@ -178,10 +207,23 @@ class Task:
     # the reward at or above which the episode counts as a success (an environment's ``success_at``, for a continuous
     # reward); None: the verifiers' own verdict (every check scored 1)
     success_at: float | None = None
+    image: str | None = None
+    sandbox: TaskSandbox = field(default_factory=TaskSandbox)
+    agent_timeout: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> Task:
-        return cls(**{**d, "solution": [ToolCall(**c) for c in d.get("solution", [])]})
+        """A task from its JSON form (``dataclasses.asdict``'s). Rows written before ``image``, ``sandbox`` and
+        ``agent_timeout`` were fields held them in ``setup``: they are read from there too."""
+        d = dict(d)
+        setup = dict(d.get("setup") or {})
+        for key in ("image", "sandbox", "agent_timeout"):
+            if key in setup and d.get(key) is None:
+                d[key] = setup.pop(key)
+        d["setup"] = setup
+        d["sandbox"] = TaskSandbox.from_dict(d.get("sandbox") or {}) if not isinstance(d.get("sandbox"), TaskSandbox) \
+            else d["sandbox"]
+        return cls(**{**d, "solution": [ToolCall(**c) if isinstance(c, dict) else c for c in d.get("solution", [])]})
 
 
 @dataclass

@@ -10,7 +10,7 @@ from sandforge.environments.base import ToolEnv
 from sandforge.environments.tools import tool
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.rollout.agent import EpisodeLimits
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.types import GenerateRequest, Message, Reward, Sample, Task, ToolCall
 
 CHAT = ChatFormat(ByteTokenizer())

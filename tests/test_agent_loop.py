@@ -277,7 +277,7 @@ def test_rollout_config_keys_reach_the_episode_limits():
     from pydantic import ValidationError
 
     from sandforge.config import RolloutConfig
-    from sandforge.rollout.agent import EpisodeLimits
+    from sandforge.rollout.episode import EpisodeLimits
 
     lim = EpisodeLimits.from_config(RolloutConfig(episode_timeout=30, max_tool_calls=2, max_tool_output=100), [1, 2])
     assert (lim.episode_timeout, lim.max_tool_calls, lim.max_tool_output, lim.stop_ids) == (30, 2, 100, [1, 2])

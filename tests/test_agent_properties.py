@@ -21,7 +21,8 @@ from sandforge.environments.tools import tool
 from sandforge.models.bpe import load_tokenizer
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.tool_calls import truncate_output
 from sandforge.types import GenerateRequest, Message, Sample, ToolCall
 

@@ -9,7 +9,7 @@ import torch
 
 from sandforge.types import GenerateRequest
 from sandforge.models.k3.model import PRESETS, K3Model
-from sandforge.rollout.agent import turn_seed
+from sandforge.rollout.episode import turn_seed
 from sandforge.engine import EngineCore
 
 CFG = replace(PRESETS["k3-nano"], vocab_size=512, max_seq_len=96)

@@ -5,6 +5,7 @@ log or `nohup` would. What reaches the file is what the user needs: no setuptool
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -21,13 +22,14 @@ NOISE = re.compile(r"setuptools|SetuptoolsDeprecationWarning|easy_install|Token 
 LONGEST_SILENCE_S = 33.0  # the heartbeat's 30 s, plus its 1 s tick and this test's polling
 
 
-def follow(cmd: list[str], log: Path, timeout: float) -> tuple[int, list[tuple[float, str]]]:
+def follow(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None
+           ) -> tuple[int, list[tuple[float, str]]]:
     """Run ``cmd`` with stdout and stderr into ``log``; (exit code, each line with the time it appeared)."""
     lines: list[tuple[float, str]] = []
     seen = 0
     start = time.monotonic()
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         while True:
             done = proc.poll() is not None
             text = log.read_bytes().decode(errors="replace")
@@ -47,9 +49,16 @@ def follow(cmd: list[str], log: Path, timeout: float) -> tuple[int, list[tuple[f
 @pytest.mark.docker
 @pytest.mark.slow
 def test_the_shortened_quickstart_redirected_to_a_file(tmp_path):
+    """...and ARCHITECTURE.md names every module the quickstart's processes import (the driver, the trainer rank, the
+    engine and the rollout workers: an import trace, tests/import_trace/sitecustomize.py)."""
     run_dir = tmp_path / "quickstart"
+    trace = tmp_path / "import_trace"
+    trace.mkdir()
+    env = dict(os.environ, SANDFORGE_TEST_IMPORT_TRACE=str(trace),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tests" / "import_trace"),
+                                                         os.environ.get("PYTHONPATH")])))
     code, lines = follow(["bash", "scripts/quickstart.sh", f"run.output_dir={run_dir}", *SHORT], tmp_path / "out.log",
-                         timeout=1500)
+                         timeout=1500, env=env)
     text = "\n".join(line for _, line in lines)
     assert code == 0, text[-4000:]
     noise = [line for _, line in lines if NOISE.search(line)]
@@ -69,3 +78,17 @@ def test_the_shortened_quickstart_redirected_to_a_file(tmp_path):
     assert all(p.is_file() and p.read_bytes().startswith(b"\x89PNG") for p in shots)
     page = (run_dir / "report.html").read_text()
     assert f'src="{browser[-1]["metadata"]["screenshots"][-1]}"' in page
+
+    traced = {name for f in trace.glob("*.txt") for name in f.read_text().split()}
+    # the trace reached every kind of process: the driver, a trainer rank, the engine, a rollout worker
+    assert {"sandforge.job.run", "sandforge.trainer.rank", "sandforge.engine.llama", "sandforge.rollout.worker"} <= traced
+    assert not unnamed_in_architecture(traced), unnamed_in_architecture(traced)
+
+
+def unnamed_in_architecture(traced: set[str]) -> list[str]:
+    """The files of the ``traced`` modules (packages' ``__init__.py`` aside) whose path ARCHITECTURE.md never names."""
+    from test_layering import modules
+
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    paths = {str(path.relative_to(ROOT)) for name, path in modules(ROOT).items() if name in traced}
+    return sorted(p for p in paths if not p.endswith("__init__.py") and p not in text)

@@ -26,7 +26,8 @@ from sandforge.environments.gym_registry import GYM_IDS, gym_id, register_enviro
 from containers import list_run_containers
 from sandforge.environments.tools import tool
 from sandforge.registry import environment
-from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.gym_envs import DEFAULT_MAX_OBSERVATION
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall

@@ -24,9 +24,10 @@ from sandforge.sandbox.images import ImageError, build_images
 from containers import list_run_containers
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.policy_client import scripted_policy
-from sandforge.types import ToolCall, ZeroScore
+from sandforge.types import TaskSandbox, ToolCall, ZeroScore
 from sandforge.verifiers.checks import score_task
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +42,8 @@ def test_a_task_directory_becomes_a_task_with_its_solution_and_tests():
     task = load_task(TASKS / "hello-file")
     assert task.id == "harbor/hello-file" and task.env == "harbor" and task.family == "files"
     assert task.instruction == (TASKS / "hello-file" / "instruction.md").read_text().strip()
-    assert task.setup == {"image": "harbor/hello-file", "sandbox": {"user": "root"}, "agent_timeout": 120.0,
-                          "harbor_dir": str(TASKS / "hello-file")}
+    assert task.setup == {"harbor_dir": str(TASKS / "hello-file")}
+    assert task.image == "harbor/hello-file" and task.sandbox == TaskSandbox(user="root") and task.agent_timeout == 120.0
     assert task.solution == [ToolCall("bash", {"command": (TASKS / "hello-file/solution/solve.sh").read_text()}),
                              ToolCall("submit")]
     (check,) = task.checks
@@ -87,7 +88,7 @@ def harbor_images(docker_client) -> dict[str, str]:
 
 
 def _env(task, images, run_id, client) -> HarborEnv:
-    spec = SandboxSpec(image=images[task.setup["image"]], **HarborEnv.sandbox_defaults)
+    spec = SandboxSpec(image=images[task.image], **HarborEnv.sandbox_defaults)
     return HarborEnv(task, spec, run_id, exec_timeout=20, client=client)
 
 
@@ -314,7 +315,7 @@ def test_schema_1_1_keys_are_honoured_and_the_task_env_goes_to_every_exec():
 
     named = load_task(HARBOR_025 / "named-rewards")  # schema_version, [task], os, mcp_servers = []: nothing flagged
     assert "not_honoured" not in named.setup, named.setup["not_honoured"]
-    assert named.setup["sandbox"] == {"user": "root", "cpus": 1.0, "memory": "512m", "workspace_size": "256m"}
+    assert named.sandbox.overrides() == {"user": "root", "cpus": 1.0, "memory": "512m", "workspace_size": "256m"}
     task = load_task(HARBOR_025 / "env-vars")
     assert "not_honoured" not in task.setup, task.setup["not_honoured"]
     # test.sh and solve.sh see [environment] env under their own tables (which win), as in Harbor
@@ -418,8 +419,8 @@ def test_a_multi_step_task_is_refused_in_one_line_naming_it_and_the_steps_key():
     row = check_task(SHAPES / "two-step", "root", None, SandboxConfig(), client=None)  # refused before any Docker
     assert (row.reason, row.image, row.oracle, row.noop, row.ok) == (TWO_STEP_REFUSAL, "-", None, None, False)
     compile_and_run = load_task(SHAPES / "compile-and-run")  # its neighbour, single-step, loads
-    assert compile_and_run.setup["sandbox"] == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "512m",
-                                                "workspace_size": "64m"}
+    assert compile_and_run.sandbox.overrides() == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "512m",
+                                                            "workspace_size": "64m"}
 
 
 @pytest.mark.docker
@@ -451,7 +452,7 @@ def test_a_grader_that_builds_a_program_in_tmp_and_runs_it_scores_the_oracle(mod
     assert (row.oracle, row.noop) == (1.0, 0.0), row
     [task], images = load_tasks(SHAPES / "compile-and-run", mode)
     tags = build_images([], client=docker_client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    spec = sandbox_spec(SandboxConfig(), tags[task.image], HarborEnv, task.sandbox, docker_client)
     solved = _episode(task, HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client), task.solution)
     assert not solved.failed, solved.failure
     assert (solved.reward.value, solved.reward.success) == (1.0, True), solved.reward.reason

@@ -55,9 +55,9 @@ def test_the_oracle_command_runs_solve_sh_as_a_file_with_harbors_env_and_log():
 
 def test_a_hardened_agents_home_is_its_own_and_a_root_agents_is_roots():
     """HOME was the WORKDIR for a non-root agent, so `ssh-keygen -f ~/.ssh/id_rsa` wrote into /app/.ssh."""
-    hardened = load_task(SHAPES / "oracle-as-harbor", "hardened").setup["sandbox"]
-    assert hardened["home"] == "/home/sandbox" and "/home/sandbox" in hardened["scratch"]
-    assert "home" not in load_task(SHAPES / "oracle-as-harbor", "root").setup["sandbox"]  # job_spec: root's /root
+    hardened = load_task(SHAPES / "oracle-as-harbor", "hardened").sandbox
+    assert hardened.home == "/home/sandbox" and "/home/sandbox" in hardened.scratch
+    assert load_task(SHAPES / "oracle-as-harbor", "root").sandbox.home is None  # job_spec: root's /root
 
 
 def test_the_warm_start_replays_a_solve_sh_by_its_shebang():

@@ -30,9 +30,9 @@ SANDFORGE = Path(sys.executable).parent / "sandforge"
 
 def test_task_toml_is_honoured_and_what_is_not_is_named():
     task = load_task(PINNED)
-    assert task.setup["sandbox"] == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "768m",
-                                     "workspace_size": "1024m"}
-    assert task.setup["agent_timeout"] == 120.0 and task.setup["solution_env"] == {"GREETING": "hello from the oracle"}
+    assert task.sandbox.overrides() == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "768m",
+                                                 "workspace_size": "1024m"}
+    assert task.agent_timeout == 120.0 and task.setup["solution_env"] == {"GREETING": "hello from the oracle"}
     (check,) = task.checks
     assert (check["timeout"], check["user"], check["env"], check["workdir"]) == (60.0, "root", {"EXPECTED_LINES": "4"},
                                                                                "/app")
@@ -42,7 +42,7 @@ def test_task_toml_is_honoured_and_what_is_not_is_named():
     assert s.verifier_timeout == 600.0  # Harbor's default, not 120
     assert s.not_honoured == ["[environment] allow_internet = true (sandboxes have no network)",
                               "[environment] gpus (sandboxes get no GPU)", "[agent] model", "[extras]"]
-    assert load_task(PINNED, mode="hardened").setup["sandbox"]["user"] == "sandbox"
+    assert load_task(PINNED, mode="hardened").sandbox.user == "sandbox"
 
 
 def test_from_images_are_kept_mapped_or_refused_in_one_line():
@@ -161,7 +161,7 @@ def test_a_training_episode_runs_as_the_tasks_user_in_its_workdir(mode, uid, doc
 
     [task], images = load_tasks(PINNED, mode)
     tags = build_images([], client=docker_client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    spec = sandbox_spec(SandboxConfig(), tags[task.image], HarborEnv, task.sandbox, docker_client)
     assert (spec.workdir, spec.memory, spec.cpus) == ("/app", "768m", 1.0)
     env = HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client)
     work = "pwd; id -u; words > out/result.txt && echo 'hello from the oracle' >> out/result.txt"
@@ -219,7 +219,7 @@ def test_a_hardened_agent_owns_its_workdir_but_cannot_replace_the_venvs_in_it_or
     def as_agent(folder: Path, script: str) -> str:
         [t], images = load_tasks(folder, "hardened")
         tags = build_images([], client=docker_client, show_progress=False, contexts=images)
-        spec = sandbox_spec(SandboxConfig(), tags[t.setup["image"]], HarborEnv, t.setup["sandbox"], docker_client)
+        spec = sandbox_spec(SandboxConfig(), tags[t.image], HarborEnv, t.sandbox, docker_client)
         env = HarborEnv(t, spec, run_id, exec_timeout=20, client=docker_client)
         scripted = replace(t, solution=[ToolCall("bash", {"command": script}), ToolCall("submit")])
         traj = asyncio.run(run_episode(t, env, scripted_policy(scripted, CHAT), CHAT, limits(max_turns=3), "g"))

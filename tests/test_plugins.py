@@ -22,7 +22,8 @@ from sandforge import registry
 from sandforge.sandbox.docker_sandbox import SandboxSpec
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import ToolCall
 

@@ -27,7 +27,8 @@ from sandforge.sandbox.images import build_images
 from containers import list_run_containers
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.policy_client import scripted_policy
 from sandforge.types import Task, ToolCall
 from sandforge.verifiers.checks import score_task

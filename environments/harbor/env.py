@@ -11,7 +11,7 @@ from sandforge.types import ExecResult
 
 class HarborEnv(TerminalEnv):
     """A terminal in the image the task's ``environment/Dockerfile`` builds (the rollout worker picks the pool by
-    ``task.setup["image"]``). The policy runs as the task's user (``task.setup["sandbox"]["user"]``: root unless
+    ``task.image``). The policy runs as the task's user (``task.sandbox.user``: root unless
     ``[agent] user``, or the non-root ``sandbox`` user in hardened mode) in the image's WORKDIR
     (``workdir_from_image``; task.toml's ``[environment] workdir`` wins). Each of its commands gets the task's
     ``[environment] env`` (``task.setup["env"]``), set again before every command, as Harbor passes it to every

@@ -75,7 +75,7 @@ class HarborSettings:
     not_honoured: list[str] = field(default_factory=list)  # "[environment] allow_internet = true (...)", unknown keys
 
     def sandbox(self) -> dict:
-        """The task's part of its sandbox's spec (``task.setup["sandbox"]``)."""
+        """The task's part of its sandbox's spec (``Task.sandbox``'s fields)."""
         out: dict = {"user": self.agent_user}
         if self.workdir:
             out["workdir"] = self.workdir

@@ -33,7 +33,7 @@ from sandforge.sandbox.images import BuildContext
 from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings, shell_exports
 from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
 from sandforge.grading import shadows
-from sandforge.types import Task, ToolCall
+from sandforge.types import Task, TaskSandbox, ToolCall
 
 FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`environments[i].tasks` in the job)
 SPLITS = ("train", "heldout")
@@ -211,9 +211,7 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         check["env"] = settings.verifier_env
     if settings.workdir:
         check["workdir"] = settings.workdir
-    setup = {"image": image_name(task_dir), "sandbox": sandbox, "harbor_dir": str(task_dir)}
-    if settings.agent_timeout:
-        setup["agent_timeout"] = settings.agent_timeout
+    setup = {"harbor_dir": str(task_dir)}
     compose = [f"environment/{n}" for n in COMPOSE_FILES if (task_dir / "environment" / n).is_file()]
     if compose and (note := compose_note(task_dir / compose[0], compose[0])):
         settings.not_honoured.insert(0, note)
@@ -235,6 +233,9 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         checks=[check],
         solution=solution,
         split=split,
+        image=image_name(task_dir),
+        sandbox=TaskSandbox.from_dict(sandbox),
+        agent_timeout=settings.agent_timeout or None,
     )
 
 
@@ -255,7 +256,7 @@ def load_tasks(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[li
         dockerfile = env_dir / "Dockerfile"
         build = HarborBuild(task.id, str(dockerfile) if dockerfile.is_file() else None, mode,
                             image=task.setup.get("docker_image"))
-        images[task.setup["image"]] = BuildContext(env_dir if env_dir.is_dir() else d.resolve(), build,
+        images[task.image] = BuildContext(env_dir if env_dir.is_dir() else d.resolve(), build,
                                                    user=AGENT_USER if mode == "hardened" else None)
     return tasks, images
 

@@ -19,7 +19,8 @@ from seeded import terminal_task as make_task
 from sandforge.environments.terminal.env import TerminalEnv
 from sandforge.models.bpe import load_tokenizer
 from sandforge.models.chat import ChatFormat
-from sandforge.rollout.agent import EpisodeLimits, run_episode
+from sandforge.rollout.agent import run_episode
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.types import GenerateRequest, Message, Sample, ToolCall
 
 pytestmark = [pytest.mark.chaos, pytest.mark.docker, pytest.mark.slow]

@@ -40,7 +40,7 @@ def grader(task, images, run_id, client):
     from sandforge.sandbox.job_spec import sandbox_spec
 
     tags = build_images([], client=client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], client)
+    spec = sandbox_spec(SandboxConfig(), tags[task.image], HarborEnv, task.sandbox, client)
 
     def run(*commands):
         env = HarborEnv(task, spec, run_id, exec_timeout=20, client=client)

@@ -151,7 +151,7 @@ def test_a_planted_pytest_does_not_grade_a_harbor_task(repo_spec, run_id, docker
         "echo $r > /logs/verifier/reward.txt\n")
     [task], images = load_tasks(task_dir, "hardened")
     tags = build_images([], client=docker_client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    spec = sandbox_spec(SandboxConfig(), tags[task.image], HarborEnv, task.sandbox, docker_client)
 
     def run(calls):
         env = HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client)
@@ -209,7 +209,7 @@ def test_an_honest_solution_named_like_a_standard_module_scores_1(repo_spec, run
         "echo $r > /logs/verifier/reward.txt\n")
     [task], images = load_tasks(task_dir, "hardened")
     tags = build_images([], client=docker_client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    spec = sandbox_spec(SandboxConfig(), tags[task.image], HarborEnv, task.sandbox, docker_client)
 
     def run(command):
         env = HarborEnv(task, spec, run_id, exec_timeout=20, client=docker_client)

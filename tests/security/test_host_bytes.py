@@ -134,7 +134,7 @@ def test_a_harbor_workspace_is_capped_and_starts_with_the_images_files(mode, tmp
     toml.write_text(toml.read_text().replace("storage_mb = 1024", "storage_mb = 64"))
     [task], images = load_tasks(task_dir, mode)
     tags = build_images([], client=docker_client, show_progress=False, contexts=images)
-    spec = sandbox_spec(SandboxConfig(), tags[task.setup["image"]], HarborEnv, task.setup["sandbox"], docker_client)
+    spec = sandbox_spec(SandboxConfig(), tags[task.image], HarborEnv, task.sandbox, docker_client)
     env = HarborEnv(task, spec, run_id, exec_timeout=60, client=docker_client)
     fill = ("stat -c '%U %n' data/words.txt out; head -c 200m /dev/zero > /app/fill; df -k /app | tail -1; "
             "for d in /var/tmp /run/lock /home/sandbox; do head -c 200m /dev/zero > $d/fill; done; words | wc -l")

@@ -24,7 +24,7 @@ from difflib import SequenceMatcher
 from sandforge.environments.vf.tasks import load_tasks
 from sandforge.models.chat import ChatFormat
 from sandforge.models.tokenizer import ByteTokenizer
-from sandforge.rollout.agent import EpisodeLimits
+from sandforge.rollout.episode import EpisodeLimits
 from sandforge.rollout.proxy import ProxyBudget
 from sandforge.rollout.vf_episode import VerifiersEnvs, agent_limits, run_vf_episode
 from sandforge.types import GenerateRequest, Message, Sample
