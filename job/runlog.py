@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from sandforge.config import JobConfig
+from sandforge.registry import environment
 from sandforge.types import Trajectory
 
 
@@ -33,6 +34,7 @@ class RunLogger:
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self.trajectories_path = self.output_dir / "trajectories.jsonl"
         self.samples = cfg.logging.sample_trajectories
+        self.entries = {env.name: environment(env.name) for env in cfg.environments}  # their log_task hooks
         self.run = None
         wb = cfg.logging.wandb
         if wb.mode != "disabled":
@@ -68,12 +70,12 @@ class RunLogger:
         ``screenshots/<phase>-<step>/``, the row naming them (``metadata.screenshots``, relative to the run directory)."""
         for i, t in enumerate(trajectories):
             self._write_screenshots(t, f"{phase}-{step}", i)
-        from sandforge.environments.harbor.tasks import compact_checks
-
         with self.trajectories_path.open("a") as f:
             for t in trajectories:
                 row = t.to_dict()
-                row["task"] = compact_checks(row["task"])  # a Harbor task's tests by hash, not in every row
+                entry = self.entries.get(row["task"]["env"])
+                if entry is not None:  # a Harbor task's tests by hash, not in every row
+                    row["task"] = entry.logged_task(row["task"])
                 f.write(json.dumps({"step": step, "phase": phase, **row}) + "\n")
         if self.run is not None and self.samples and trajectories:
             import wandb

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
 from sandforge.config import DrawPhase, EnvironmentConfig
 from sandforge.environments.task_sources import TaskSourceError, open_source
@@ -62,13 +62,16 @@ class TaskSampler:
         return [i for i, (env, source, families) in enumerate(zip(self.envs, self.sources, self.families))
                 if env.draw_weight(phase) > 0 and not has_reference(source, families)]
 
-    def images(self) -> dict[str, Path]:
-        """Images the tasks it can draw need beyond their environments' own: image name -> folder with its
-        Dockerfile (a Harbor task's; tasks of families the job leaves out are not built)."""
+    def images(self, base_map: dict[str, str] | None = None) -> dict[str, Any]:
+        """Images the tasks it can draw need beyond their environments' own: image name -> its build context (a
+        Harbor task's folder and Dockerfile, its FROM images mapped by the job's ``base_map``; tasks of families the
+        job leaves out are not built)."""
         found = {}
-        for source, families in zip(self.sources, self.families):
+        for env, source, families in zip(self.envs, self.sources, self.families):
             drawn = {t.image for t in getattr(source, "tasks", []) if t.family in families}
-            found |= {name: ctx for name, ctx in source.images.items() if name in drawn}
+            entry = environment(env.name)
+            found |= {name: entry.job_image_context(ctx, base_map) for name, ctx in source.images.items()
+                      if name in drawn}
         return found
 
 

@@ -42,6 +42,11 @@ LIBRARY_ENVIRONMENTS = {"verifiers": "sandforge.environments.vf.tasks:load_tasks
 SHARED_IMAGES = {"slack": "apps", "notion": "apps"}  # the mock apps: one image, the app's code goes in at reset
 # Built-in envs whose `tasks:` paths are folders of their own format, read by this ``FolderLoader``.
 FOLDER_LOADERS = {"harbor": "sandforge.environments.harbor.tasks:load_folder"}
+# Built-in envs' hooks on what generic code does with their tasks, each "module:function": ``log_task``, (a task as a
+# dict) -> what a trajectory row keeps of it (Harbor's: its tests by hash, not their contents); ``job_image``, (an image's
+# build context, the job's ``sandbox.base_map``) -> the context to build (Harbor's: its FROM images mapped by it).
+TASK_HOOKS = {"harbor": {"log_task": "sandforge.environments.harbor.tasks:compact_checks",
+                         "job_image": "sandforge.environments.harbor.tasks:with_base_map"}}
 # Built-in verifiers by the name checks give them, each a ``(sandbox, args)`` function imported on first use, so the
 # check runner (sandforge.verifiers.checks) imports none of them. Properties are attributes of the function:
 # ``partial_credit = True``, ``default_timeout(args)``.
@@ -133,6 +138,16 @@ class EnvironmentEntry:
     image_package: str | None = None  # the package whose folder holds that image's Dockerfile
     folder_loader: str | None = None  # "module:function", a FolderLoader; None: `tasks:` is a JSONL file
     library_loader: str | None = None  # "module:function", a LibraryLoader: another library runs its episodes
+    log_task: str | None = None  # "module:function": a task's dict as a trajectory row keeps it (TASK_HOOKS)
+    job_image: str | None = None  # "module:function": a task image's build context as the job builds it (TASK_HOOKS)
+
+    def logged_task(self, task: dict) -> dict:
+        """``task`` (a Task's dict) as a row of trajectories.jsonl keeps it."""
+        return resolve(self.log_task)(task) if self.log_task else task
+
+    def job_image_context(self, context: Any, base_map: dict[str, str] | None) -> Any:
+        """The build context of an image this env's tasks bring, with the job's ``sandbox.base_map`` applied."""
+        return resolve(self.job_image)(context, base_map) if self.job_image else context
 
     def env_class(self) -> type:
         if self.env_path is None:
@@ -199,7 +214,8 @@ def _builtin(name: str, env_path: str, tasks_module: str) -> EnvironmentEntry:
     spec = importlib.util.find_spec(package)
     has_image = spec is not None and any((Path(p) / "Dockerfile").is_file() for p in spec.submodule_search_locations)
     return EnvironmentEntry(name, env_path, tasks_module, image_name=image if has_image else None,
-                            image_package=package if has_image else None, folder_loader=FOLDER_LOADERS.get(name))
+                            image_package=package if has_image else None, folder_loader=FOLDER_LOADERS.get(name),
+                            **TASK_HOOKS.get(name, {}))
 
 
 def _distribution(ep: EntryPoint) -> str:

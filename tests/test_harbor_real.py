@@ -116,6 +116,22 @@ def test_held_out_split_by_a_stable_hash_and_compact_trajectory_rows():
     assert set(files["test.sh"]) == {"sha256", "bytes"} and len(json.dumps(row)) < 2000
 
 
+def test_generic_code_reaches_harbors_hooks_through_its_registry_entry():
+    """The run log and the fleet's image list name no environment: each asks the task's registry entry."""
+    from dataclasses import asdict
+
+    from sandforge.registry import environment
+
+    tasks, images = load_tasks(REAL / "digest-pinned")
+    row = json.loads(json.dumps(asdict(tasks[0])))
+    kept = environment("harbor").logged_task(row)
+    assert set(kept["checks"][0]["files"]["test.sh"]) == {"sha256", "bytes"}
+    assert environment("terminal").logged_task(row) is row  # an env without the hook: the row as it is
+    (context,) = images.values()
+    assert environment("harbor").job_image_context(context, {"x:*": "base"}).prepare.base_map == {"x:*": "base"}
+    assert environment("terminal").job_image_context(context, {"x:*": "base"}) is context
+
+
 # --- in containers ----------------------------------------------------------------------------------------------------
 
 

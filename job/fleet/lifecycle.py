@@ -81,15 +81,12 @@ def job_images(cfg: JobConfig) -> dict[str, Any]:
     from sandforge.job.task_sampler import TaskSampler
     from sandforge.registry import environment
 
-    from sandforge.environments.harbor.tasks import with_base_map
-
     contexts = {}
     for env in cfg.environments:
         entry = environment(env.name)
         if entry.image_name is not None:
             contexts[entry.image_name] = entry.image_context()
-    for name, ctx in TaskSampler(cfg.environments, cfg.run.seed).images().items():
-        contexts[name] = with_base_map(ctx, cfg.sandbox.base_map)  # a Harbor task's FROM images, mapped as configured
+    contexts |= TaskSampler(cfg.environments, cfg.run.seed).images(cfg.sandbox.base_map)
     return contexts
 
 
