@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 from sandforge.registry import environments
 from sandforge.types import Task
+from sandforge.environments.seeding import SPLITS
 
-SPLITS = ("train", "heldout")
 _NUMBER_OR_NULL = (int, float, type(None))
 _TASK_FIELDS = {"id": str, "env": str, "family": str, "seed": int, "instruction": str, "setup": dict, "checks": list,
                 "solution": list, "split": str, "success_at": _NUMBER_OR_NULL, "image": (str, type(None)),

@@ -20,9 +20,10 @@ from __future__ import annotations
 import random
 import zlib
 
+from sandforge.environments.seeding import SPLITS
+
 SYLLABLES = ("ba be bi bo bu da de di do du fa fe fi fo ga ge go gu ka ke ki ko ku la le li lo lu ma me mi mo mu na "
              "ne ni no nu pa pe pi po ra re ri ro ru sa se si so su ta te ti to tu va ve vi vo za ze zi zo").split()
-SPLITS = ("train", "heldout")
 HELDOUT_SHARE = 5  # one word in five is held out
 VALUE_SYLLABLES = (2, 3)  # what tasks ask for: one-syllable words are too few (57) not to repeat
 

@@ -21,10 +21,10 @@ from typing import Callable
 
 from sandforge.environments.browser.env import SITE_DB, SITE_URL
 from sandforge.environments.recovery import stumble
+from sandforge.environments.seeding import SPLITS, task_start  # noqa: F401 - SPLITS: the task module's
 from sandforge.environments.words import distinct, split_of
 from sandforge.types import Task, ToolCall
 
-SPLITS = ("train", "heldout")
 _PRODUCTS = {
     "train": ["Tea mug", "Desk lamp", "Wool socks", "Notebook", "Water bottle", "Pencil case", "Phone stand",
               "Rain hat", "Bath towel", "Cutting board"],
@@ -36,10 +36,7 @@ _TIMES = ["17:30", "18:00", "18:30", "19:00", "19:30", "20:00", "20:30", "21:00"
 
 
 def _start(family: str, seed: int, split: str) -> tuple[random.Random, str]:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
-    task_id = f"browser/{family}/{seed}" if split == "train" else f"browser/{family}/{split}/{seed}"
-    return random.Random(f"browser/{family}/{seed}"), task_id
+    return task_start("browser", family, seed, split)
 
 
 def _names(rng: random.Random, split: str, n: int, words: int = 1) -> list[str]:

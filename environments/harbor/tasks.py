@@ -34,9 +34,9 @@ from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSetti
 from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
 from sandforge.grading import shadows
 from sandforge.types import Task, TaskSandbox, ToolCall
+from sandforge.environments.seeding import SPLITS
 
 FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`environments[i].tasks` in the job)
-SPLITS = ("train", "heldout")
 DEFAULT_TEST_TIMEOUT = VERIFIER_TIMEOUT  # Harbor's 600 s
 REQUIRED = ("instruction.md", "environment/Dockerfile", "tests/test.sh")
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")

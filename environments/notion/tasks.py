@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sandforge.environments.apps.tasks import start
+from sandforge.environments.seeding import task_start as start
 from sandforge.environments.notion.env import NotionEnv
 from sandforge.environments.words import distinct
 from sandforge.types import Task, ToolCall

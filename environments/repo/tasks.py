@@ -28,6 +28,7 @@ import sys
 from typing import Any, Callable
 
 from sandforge.environments.recovery import stumble
+from sandforge.environments.seeding import SPLITS, task_start  # noqa: F401 - SPLITS: the task module's
 from sandforge.environments.repo.functions import (
     FUNCTIONS,
     MODULES,
@@ -39,7 +40,6 @@ from sandforge.environments.repo.functions import (
 from sandforge.environments.words import distinct
 from sandforge.types import Task, ToolCall
 
-SPLITS = ("train", "heldout")
 # names a package, module, function or parameter must not take: a package named `site` or `time` in /workspace
 # would shadow the standard library's for pytest itself
 _RESERVED = set(sys.stdlib_module_names) | set(keyword.kwlist) | set(dir(builtins)) | {"same", "tests"}
@@ -151,10 +151,7 @@ def _symptom(name: str, args: tuple, want: Any, got: tuple[bool, Any]) -> str:
 
 
 def repo_task(family: str, seed: int, split: str = "train") -> Task:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
-    rng = random.Random(f"repo/{family}/{split}/{seed}")
-    task_id = f"repo/{family}/{seed}" if split == "train" else f"repo/{family}/{split}/{seed}"
+    rng, task_id = task_start("repo", family, seed, split, key=f"repo/{family}/{split}/{seed}")  # as first written
     taken = set(_RESERVED)  # every name in the package differs from every other and from Python's own
     (package,) = distinct(rng, split, 1, taken, SHORT)
     target = rng.choice([f for f in FUNCTIONS if family in f.bugs])

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sandforge.environments.apps.tasks import start
+from sandforge.environments.seeding import task_start as start
 from sandforge.environments.slack.env import SlackEnv
 from sandforge.environments.words import distinct, split_of
 from sandforge.types import Task, ToolCall

@@ -10,17 +10,14 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+from sandforge.environments.seeding import SPLITS, task_start  # noqa: F401 - SPLITS: the task module's
 from sandforge.environments.words import fresh, phrase
 from sandforge.types import Task, ToolCall
 
-SPLITS = ("train", "heldout")
 
 
 def _start(family: str, seed: int, split: str) -> tuple[random.Random, str]:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split '{split}': use one of {', '.join(SPLITS)}")
-    task_id = f"terminal/{family}/{seed}" if split == "train" else f"terminal/{family}/{split}/{seed}"
-    return random.Random(seed), task_id
+    return task_start("terminal", family, seed, split, key=seed)  # seeded by the seed alone, as first written
 
 
 def write_file_task(seed: int, split: str = "train") -> Task:
