@@ -114,7 +114,7 @@ def save_checkpoint(job, step: int) -> str:
 
     directory = str(job.output_dir / "checkpoints")
     state = {"step": step, "policy_version": job.version, "run_id": job.run_id}
-    paths = ray.get([rank.save_checkpoint.remote(directory, f"step_{step}", state) for rank in job.ranks])
+    paths = job.ranks.each("save_checkpoint", directory, f"step_{step}", state)
     where = checkpoint_dir(job.output_dir, step)
     save_driver_state(where, {
         **state,
@@ -143,9 +143,8 @@ def restore_checkpoint(job, step: int) -> None:
         console.print(f"[yellow]resume: the config differs from the one {where} was written with (beyond "
                       "run.output_dir, trainer.steps, trainer.checkpoint_every, logging); continuing anyway[/]")
     reference = checkpoint_dir(job.output_dir, 0) / "policy"  # the policy RL started from: the KL reference
-    ray.get([rank.load_checkpoint.remote(str(job.output_dir / "checkpoints"), where.name,
-                                         str(reference) if reference.is_dir() else None)
-             for rank in job.ranks])
+    job.ranks.each("load_checkpoint", str(job.output_dir / "checkpoints"), where.name,
+                   str(reference) if reference.is_dir() else None)
     job.sampler.rng.setstate(driver["sampler_rng"])
     job.rng.setstate(driver["driver_rng"])
     torch.set_rng_state(driver["torch_rng"])

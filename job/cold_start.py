@@ -13,7 +13,6 @@ import random
 import time
 from typing import Callable
 
-from sandforge.job.fleet import trainer_ranks
 from sandforge.job.checkpoint import save_checkpoint
 from sandforge.job.console import JobError
 from sandforge.job.rl_job import RLJob, training_rows
@@ -35,12 +34,12 @@ def pretrain(job: RLJob) -> None:
     """Synthetic pretraining: the policy learns to copy values into tool calls."""
     p = job.cfg.pretrain
     copies = copy_source(job, "pretrain")
-    trainer_ranks.set_lr(job.ranks, p.lr)
+    job.ranks.set_lr(p.lr)
     bar = job.bar.add_task("pretraining: copying into tool calls", total=p.steps)
     losses = []
     for step in range(p.steps):
         t0 = time.monotonic()
-        m = trainer_ranks.train(job.ranks, copies(p.batch_size), mode="sft")
+        m = job.ranks.train(copies(p.batch_size), mode="sft")
         job.tick("pretrain", 1, time.monotonic() - t0)
         losses.append(m["loss"])
         job.logger.log("pretrain", {"pretrain/step": step, "pretrain/loss": m["loss"]})
@@ -143,12 +142,10 @@ def epoch_batches(n: int, batch_size: int, steps: int, rng: random.Random) -> li
 def warmup(job: RLJob) -> None:
     """SFT on verified reference episodes (``warmup.copy_rows`` generated exchanges mixed into each step), then the
     policy becomes the KL reference and a new version on the engine."""
-    import ray
-
     w = job.cfg.warmup
     demos, tried = verified_demonstrations(job) if w.episodes else ([], 0)
     items = [training_rows([imitated(d)]) for d in demos] + [[row] for row in conversation_rows(job)]
-    trainer_ranks.set_lr(job.ranks, w.lr)
+    job.ranks.set_lr(w.lr)
     what = " and ".join(x for x in (f"{len(demos)} verified episodes" * bool(w.episodes),
                                     f"{len(items) - len(demos)} conversations" * bool(w.data)) if x)
     bar = job.bar.add_task(f"warm start: SFT on {what}", total=w.steps)
@@ -157,7 +154,7 @@ def warmup(job: RLJob) -> None:
     for step, picks in enumerate(epoch_batches(len(items), w.batch_size, w.steps, job.rng)):
         batch = [row for i in picks for row in items[i]]
         t0 = time.monotonic()
-        m = trainer_ranks.train(job.ranks, batch + (copies(w.copy_rows) if copies else []), mode="sft")
+        m = job.ranks.train(batch + (copies(w.copy_rows) if copies else []), mode="sft")
         job.tick("sft", 1, time.monotonic() - t0)
         losses.append(m["loss"])
         job.logger.log("warmup", {"warmup/step": step, "warmup/loss": m["loss"], "warmup/grad_norm": m["grad_norm"]})
@@ -166,8 +163,8 @@ def warmup(job: RLJob) -> None:
     data = f"{len(items) - len(demos)} conversations from {w.data}" if w.data else ""
     job.bar.console.print(f"warm start: {'; '.join(x for x in (verified, data) if x)}; SFT loss {losses[0]:.3f} -> "
                           f"{losses[-1]:.3f} in {w.steps} steps", soft_wrap=True)
-    trainer_ranks.set_lr(job.ranks, job.cfg.trainer.lr)
-    ray.get([rank.reset_reference.remote() for rank in job.ranks])
+    job.ranks.set_lr(job.cfg.trainer.lr)
+    job.ranks.each("reset_reference")
     job.version += 1
     job.push_weights()
 
@@ -211,7 +208,5 @@ def before_rl(job: RLJob, rl_follows: bool = True) -> None:
 def fresh_optimizer(job: RLJob) -> None:
     """RL starts from a fresh optimizer (``trainer.fresh_optimizer``): the moments the supervised steps left would
     otherwise go on moving the policy SFT's way, and their second moment would shrink RL's own steps."""
-    import ray
-
-    reset = ray.get([rank.reset_optimizer.remote() for rank in job.ranks])
+    reset = job.ranks.each("reset_optimizer")
     job.logger.log("rl_start", {"rl_start/optimizer_states_reset": float(sum(reset))})

@@ -19,7 +19,6 @@ from typing import Iterator
 from rich.progress import Progress
 
 from sandforge.config import JobConfig
-from sandforge.job.fleet import trainer_ranks
 from sandforge.job.console import JobError, console
 from sandforge.job.eta import RunClock
 from sandforge.job.evaluation import eval_line, evaluation, metric_row
@@ -157,7 +156,7 @@ class RLJob:
 
     def update(self, rows: list[TrainingRow]) -> dict[str, float]:
         t = self.cfg.trainer
-        return trainer_ranks.update(self.ranks, rows, t.mini_batches, self.rng, t.epochs)
+        return self.ranks.update(rows, t.mini_batches, self.rng, t.epochs)
 
     def sample_groups(self, step: int) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
         """G episodes for each of ``rollout.tasks_per_step`` tasks: (every episode, the ones to train on, metrics).
@@ -211,7 +210,7 @@ class RLJob:
         values, successes = [t.reward.value for t in ok], self.successes(ok)
         signal = signal_rewards(s.reward_signal, values, successes)
         mini = self.cfg.trainer.mini_batches > 1 or self.cfg.trainer.epochs > 1  # later steps: the start's log-probs
-        scores = trainer_ranks.score(self.ranks, rows) if s.needs_scores or mini else None
+        scores = self.ranks.score(rows) if s.needs_scores or mini else None
         adv, returns = token_advantages(
             s.algorithm.advantages,
             [r + p for r, p in zip(signal, penalties)],

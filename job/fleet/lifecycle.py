@@ -29,6 +29,7 @@ from sandforge.config import JobConfig
 from sandforge.job.console import console, phase
 from sandforge.models.device import engine_dtype
 from sandforge.job.fleet.placement import Placement, cluster_gpus, describe, placement_group, resolve_placement
+from sandforge.job.fleet.trainer_ranks import TrainerRanks
 
 ALL_PARTS = frozenset({"trainer", "engine", "workers"})
 
@@ -48,7 +49,7 @@ class Fleet:
     run_id: str
     parts: frozenset[str] = ALL_PARTS
     images: dict[str, str] = field(default_factory=dict)  # image name -> tag, every image the job's tasks use
-    ranks: list = field(default_factory=list)
+    ranks: TrainerRanks = field(default_factory=TrainerRanks)
     engine: Any = None  # the engine actor; None with engine.remote
     workers: list = field(default_factory=list)
     sync: Any = None
@@ -131,7 +132,7 @@ def start_ray(cfg: JobConfig, runtime_env: dict | None = None) -> None:
              runtime_env=runtime_env)
 
 
-def start_trainer_ranks(cfg: JobConfig, placement: Placement, bundles: Any = None) -> list:
+def start_trainer_ranks(cfg: JobConfig, placement: Placement, bundles: Any = None) -> TrainerRanks:
     """``trainer.world_size`` DeepSpeed ranks, one torch.distributed group (gloo on CPU, NCCL on GPUs), each where
     ``placement`` puts it."""
     import ray
@@ -142,9 +143,9 @@ def start_trainer_ranks(cfg: JobConfig, placement: Placement, bundles: Any = Non
     threads = max(1, (os.cpu_count() or 1) // world)
     port, shape = free_port(), RolloutShape.of(cfg.rollout)
     rank_actor = ray.remote(TrainerRank)
-    return [rank_actor.options(**placement.rank_options(r, bundles)).remote(
+    return TrainerRanks([rank_actor.options(**placement.rank_options(r, bundles)).remote(
         r, world, "127.0.0.1", port, cfg.model, cfg.trainer, shape, cfg.run.seed, threads, placement.trainer)
-        for r in range(world)]
+        for r in range(world)])
 
 
 def start_engine(cfg: JobConfig, run_id: str, policy_config: dict, placement: Placement, bundles: Any = None):
@@ -164,7 +165,7 @@ def state_placement(fleet: Fleet) -> str:
     starts)."""
     import ray
 
-    ranks = ray.get([rank.device_name.remote() for rank in fleet.ranks])
+    ranks = fleet.ranks.each("device_name")
     engine = ray.get(fleet.engine.device_name.remote()) if fleet.engine is not None else None
     line = describe(fleet.placement, ranks, engine, engine_dtype(fleet.cfg.engine.dtype, fleet.placement.engine))
     console.print(line, soft_wrap=True)
@@ -250,13 +251,13 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
         if "trainer" in parts:
             with phase("starting the trainer ranks (DeepSpeed)"):
                 fleet.ranks = start_trainer_ranks(cfg, placement, fleet.bundles)
-                ray.get([rank.device_name.remote() for rank in fleet.ranks])
+                fleet.ranks.each("device_name")
         if cfg.engine.remote is not None:  # a separate server: no engine here, the weights go through disk
             fleet.sync = remote_engine(cfg, fleet.ranks)
         elif fleet.ranks:
             from sandforge.job.fleet.weight_sync import WeightSync
 
-            fleet.engine = start_engine(cfg, run_id, ray.get(fleet.ranks[0].model_config_dict.remote()), placement,
+            fleet.engine = start_engine(cfg, run_id, fleet.ranks[:1].each("model_config_dict")[0], placement,
                                         fleet.bundles)
             spread = model_spread(cfg.trainer)
             fleet.sync = WeightSync(placement.weight_sync(cfg.trainer.weight_sync, spread), fleet.ranks, fleet.engine,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sandforge.config import RemoteEngineConfig
+from sandforge.job.fleet.trainer_ranks import TrainerRanks
 
 
 class WeightSync:
@@ -45,7 +46,7 @@ class WeightSync:
             raise ValueError("weight_sync colocated needs the whole model on rank 0; with expert_parallel > 1 or "
                              "zero_stage 3 it is spread over the ranks: use weight_sync collective")
         self.mode = mode
-        self.ranks = ranks if gather_all else ranks[:1]
+        self.ranks = TrainerRanks(ranks if gather_all else ranks[:1])
         self.engine = engine
         if self.mode == "collective":
             ray.get([ranks[0].open_weight_channel.remote(host, port), engine.open_weight_channel.remote(host, port)])
@@ -55,13 +56,13 @@ class WeightSync:
         import ray
 
         if self.mode == "collective":
-            sends = [rank.send_weights.remote(version) for rank in self.ranks]
+            sends = self.ranks.calls("send_weights", version)
             served = ray.get(self.engine.receive_weights.remote())
             ray.get(sends)
         elif self.mode == "colocated":  # the handles travel; the engine copies out of rank 0's memory before answering
             served = ray.get(self.engine.load_shared.remote(self.ranks[0].share_weights.remote(), version))
         else:
-            weights = [rank.get_weights.remote() for rank in self.ranks]
+            weights = self.ranks.calls("get_weights")
             served = ray.get(self.engine.load_weights.remote(weights[0], version))
             if len(weights) > 1:
                 ray.wait(weights[1:], num_returns=len(weights) - 1)  # the other ranks' copies are not fetched
@@ -77,7 +78,7 @@ class DiskWeightSync:
 
     def __init__(self, remote: RemoteEngineConfig, ranks: list[Any], gather_all: bool, weights_dir: Path):
         self.remote = remote
-        self.ranks = ranks if gather_all else ranks[:1]
+        self.ranks = TrainerRanks(ranks if gather_all else ranks[:1])
         self.weights_dir = Path(weights_dir).resolve()
         self.previous: Path | None = None
 
@@ -85,15 +86,13 @@ class DiskWeightSync:
         """Write the ranks' current weights as ``version`` and have the server load them; returns the version it
         serves. A server that cannot take them (down after the retries, refusing the files) raises JobError: one line
         naming the URL and what it answered."""
-        import ray
-
         from sandforge.job.console import JobError
         from sandforge.engine.remote import RemoteEngineError
 
         path = self.weights_dir / f"version_{version}"
         if path.exists():  # a resumed run writes this version again
             shutil.rmtree(path)
-        ray.get([rank.save_policy.remote(str(path)) for rank in self.ranks])
+        self.ranks.each("save_policy", str(path))
         try:
             served = asyncio.run(load_remote_weights(self.remote, path, version))
         except RemoteEngineError as e:
