@@ -35,14 +35,15 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def runnable(cfg: JobConfig, source: str) -> JobConfig:
-    """The checks a job must pass before anything starts (job/preflight.py), and its model's weights found locally."""
-    validate_job(cfg, source)
+def runnable(cfg: JobConfig, source: str):
+    """The checks a job must pass before anything starts (job/preflight.py), and its model's weights found locally:
+    (the job, its task sources opened once, a ``TaskSampler`` the run goes on with)."""
+    sampler = validate_job(cfg, source)
     check_host(cfg, source)
     if cfg.ray.address is None:  # the sandboxes run on this host
         for line in sticky_guard_warnings():
             typer.echo(f"warning: {line}", err=True)
-    return local_model(cfg, source)
+    return local_model(cfg, source), sampler
 
 
 @app.command()
@@ -58,7 +59,7 @@ def train(
     if resume and len(run_dirs) == 1:  # `--resume DIR`: the run directory, not an override
         overrides = [o for o in overrides if "=" in o] + [f"run.output_dir={run_dirs[0]}"]
     try:
-        cfg = runnable(load_config(config, overrides), str(config))
+        cfg, sampler = runnable(load_config(config, overrides), str(config))
     except ConfigError as e:
         fail(str(e))
     if resume:
@@ -68,7 +69,7 @@ def train(
             resume_point(cfg.run.output_dir)
         except ResumeError as e:
             fail(str(e))
-    _run(cfg, resume=resume)
+    _run(cfg, resume=resume, sampler=sampler)
 
 
 @app.command()
@@ -80,12 +81,12 @@ def sft(
     keep the episodes the verifiers accept, and train on their assistant tokens. Writes the checkpoint
     `sandforge train` starts from (model.init_from=<run.output_dir>/checkpoints/step_0/policy)."""
     try:
-        cfg = runnable(load_config(config, list(overrides or [])), str(config))
+        cfg, sampler = runnable(load_config(config, list(overrides or [])), str(config))
         if not cfg.warmup.steps:
             raise ConfigError(f"{config}: 'warmup.steps' is 0: sandforge sft needs some SFT steps")
     except ConfigError as e:
         fail(str(e))
-    _run(cfg, sft_only=True)
+    _run(cfg, sft_only=True, sampler=sampler)
 
 
 @app.command("eval")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sandforge.config import JobConfig
 
@@ -34,8 +35,11 @@ class RunPlan:
     update_in_sft_steps: float = 0.0
 
     @classmethod
-    def of(cls, cfg: JobConfig, start: int = 0, warm: bool = True, sft_only: bool = False) -> RunPlan:
-        """The work of ``cfg`` from RL step ``start`` on (``warm``: the warm start still to do)."""
+    def of(cls, cfg: JobConfig, start: int = 0, warm: bool = True, sft_only: bool = False,
+           sampler: Any = None) -> RunPlan:
+        """The work of ``cfg`` from RL step ``start`` on (``warm``: the warm start still to do; ``sampler``: the job's
+        opened task sources, a ``TaskSampler``, to count held-out tasks in)."""
+        sources = sampler.sources if sampler is not None else None
         w, r, e, t = cfg.warmup, cfg.rollout, cfg.eval, cfg.trainer
         units = {"pretrain": 0, "scripted": 0, "sft": 0, "base": 0, "episode": 0, "update": 0}
         if warm:
@@ -55,23 +59,24 @@ class RunPlan:
         if e.tasks_per_family:
             evals = 1 + (len([s for s in range(start + 1, t.steps) if e.every and s % e.every == 0]))
             evals += 1 if t.steps > start else 0
-            units["episode"] += evals * eval_episodes(cfg)
+            units["episode"] += evals * eval_episodes(cfg, sources=sources)
             if warm and e.base:
-                units["base"] = eval_episodes(cfg, e.base_tasks_per_family, e.base_samples)
+                units["base"] = eval_episodes(cfg, e.base_tasks_per_family, e.base_samples, sources)
         return cls(units, update_in_sft)
 
 
-def eval_episodes(cfg: JobConfig, per_family: int | None = None, samples: int | None = None) -> int:
+def eval_episodes(cfg: JobConfig, per_family: int | None = None, samples: int | None = None,
+                  sources: list | None = None) -> int:
     """Episodes of one held-out evaluation (generated families; a task file's count is known only once read);
     ``per_family``: that many tasks of every family, ``samples``: that many sampled episodes of each (the base
-    evaluation's)."""
+    evaluation's); ``sources``: the environments' opened task sources, in order."""
     from sandforge.environments.task_sources import FiniteSource
     from sandforge.job.task_sampler import env_source
 
     n = 0
-    for env in cfg.environments:
+    for i, env in enumerate(cfg.environments):
         try:
-            source = env_source(env)
+            source = sources[i] if sources is not None else env_source(env)
             families = env.families or source.families()
             tasks = per_family if per_family is not None else env.eval_tasks(cfg.eval.tasks_per_family)
             if isinstance(source, FiniteSource):

@@ -28,14 +28,15 @@ from sandforge.job.task_sampler import env_source, with_reward_rule, with_succes
 from sandforge.types import Task, Trajectory
 
 
-def heldout_tasks(envs: list[EnvironmentConfig], per_family: int) -> list[Task]:
+def heldout_tasks(envs: list[EnvironmentConfig], per_family: int, sources: list | None = None) -> list[Task]:
     """``per_family`` held-out tasks (an environment's ``eval_tasks_per_family`` where set) of every family of every
     configured environment, in a fixed order: seeds 0..n-1 of a generator, or the first n held-out tasks of a task
-    file or folder (a family without held-out tasks there is left out)."""
+    file or folder (a family without held-out tasks there is left out). ``sources``: the environments' task sources,
+    in order, as the run opened them (opened here when not given)."""
     tasks: list[Task] = []
-    for env in envs:
+    for i, env in enumerate(envs):
         n = env.eval_tasks(per_family)
-        source = env_source(env)
+        source = sources[i] if sources is not None else env_source(env)
         for family in env.families or source.families():
             if isinstance(source, FiniteSource):
                 found = [t for t in source.tasks if t.family == family and t.split == "heldout"][:n]
@@ -152,14 +153,14 @@ class HeldoutRun:
 
 
 def heldout_run(cfg: JobConfig, tag: str, greedy: bool = False, per_family: int | None = None,
-                samples: int | None = None) -> HeldoutRun:
+                samples: int | None = None, sources: list | None = None) -> HeldoutRun:
     """``eval.samples`` episodes of each held-out task at ``eval_temperature``; ``greedy``: one episode per task at
     temperature 0 (more would repeat it). ``per_family``: that many tasks of every family of every environment
     instead of the configured numbers; ``samples``: that many sampled episodes of each instead of ``eval.samples``."""
     envs = cfg.environments
     if per_family is not None:
         envs = [env.model_copy(update={"eval_tasks_per_family": per_family}) for env in envs]
-    tasks = tuple(heldout_tasks(envs, cfg.eval.tasks_per_family))
+    tasks = tuple(heldout_tasks(envs, cfg.eval.tasks_per_family, sources))
     if greedy:
         return HeldoutRun(tag, tasks, 1, 0.0)
     return HeldoutRun(tag, tasks, samples or cfg.eval.samples, eval_temperature(cfg))
@@ -184,14 +185,16 @@ def heldout_episodes(runs: list[HeldoutRun], collect: Callable[..., list[Traject
 
 
 def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]], tag: str,
-               per_family: int | None = None, samples: int | None = None) -> tuple[list[Trajectory], dict]:
+               per_family: int | None = None, samples: int | None = None, sources: list | None = None
+               ) -> tuple[list[Trajectory], dict]:
     """One held-out evaluation as configured: at ``eval.temperature`` (the rollout temperature unless set), plus
     greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended), both in one pass of the
     workers. ``per_family``: that many tasks per family everywhere, ``samples``: that many sampled episodes of each (the
-    base evaluation's ``eval.base_tasks_per_family`` and ``eval.base_samples``)."""
-    runs = [heldout_run(cfg, tag, per_family=per_family, samples=samples)]
+    base evaluation's ``eval.base_tasks_per_family`` and ``eval.base_samples``); ``sources``: the run's opened task
+    sources (``heldout_tasks``)."""
+    runs = [heldout_run(cfg, tag, per_family=per_family, samples=samples, sources=sources)]
     if cfg.eval.greedy:
-        runs.append(heldout_run(cfg, f"{tag}g", greedy=True, per_family=per_family))
+        runs.append(heldout_run(cfg, f"{tag}g", greedy=True, per_family=per_family, sources=sources))
     (trajs, summary), *greedy = heldout_episodes(runs, collect)
     if greedy:
         more, summary["greedy"] = greedy[0]

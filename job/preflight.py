@@ -9,9 +9,10 @@ from pathlib import Path
 from sandforge.config import ConfigError, JobConfig
 
 
-def validate_job(cfg: JobConfig, source: str = "config", warm_start: bool = True) -> None:
+def validate_job(cfg: JobConfig, source: str = "config", warm_start: bool = True):
     """Checks that need the registry (environment names, task families); still no heavy imports. ``warm_start``:
-    the command runs the config's warm start (``train``, ``sft``; not ``eval``)."""
+    the command runs the config's warm start (``train``, ``sft``; not ``eval``). Returns the job's ``TaskSampler``:
+    its task sources, opened here once for the whole run."""
     from sandforge.job.task_sampler import TaskSampler
     from sandforge.registry import PluginError
 
@@ -44,6 +45,7 @@ def validate_job(cfg: JobConfig, source: str = "config", warm_start: bool = True
     if ep > 1 and n_experts % ep:
         raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep} must divide the model's n_experts "
                           f"({n_experts}); change model.k3.n_experts or trainer.expert_parallel")
+    return sampler
 
 
 def local_model(cfg: JobConfig, source: str = "config") -> JobConfig:

@@ -75,12 +75,12 @@ class RLJob:
     """A run's driver state over its fleet (job/fleet/lifecycle.py): what a step, the cold start and a checkpoint need."""
 
     def __init__(self, cfg: JobConfig, fleet: Fleet, logger: RunLogger, bar: Progress,
-                 clock: RunClock | None = None):
+                 clock: RunClock | None = None, sampler: TaskSampler | None = None):
         self.cfg, self.fleet, self.logger, self.bar = cfg, fleet, logger, bar
         self.run_id = fleet.run_id
         self.clock = clock  # the whole run's ETA (job/eta.py), fed with what each kind of work costs
         self.rng = random.Random(cfg.run.seed)
-        self.sampler = TaskSampler(cfg.environments, cfg.run.seed)
+        self.sampler = sampler or TaskSampler(cfg.environments, cfg.run.seed)  # the run's task sources, opened once
         self.output_dir = Path(cfg.run.output_dir).resolve()
         self.settings = resolve(cfg.trainer, RolloutShape.of(cfg.rollout).response_budget)
         self.version = 0
@@ -131,7 +131,8 @@ class RLJob:
         collect = functools.partial(self.collect, kind="base") if base else self.collect
         e = self.cfg.eval
         per_family, samples = (e.base_tasks_per_family, e.base_samples) if base else (None, None)
-        trajs, summary = evaluation(self.cfg, collect, "base" if base else f"eval{step}", per_family, samples)
+        trajs, summary = evaluation(self.cfg, collect, "base" if base else f"eval{step}", per_family, samples,
+                                    sources=self.sampler.sources)
         phase = "eval_base" if base else "eval"
         self.logger.log_trajectories(step, phase, trajs)
         summary = {"step": step, "policy_version": self.version, **({"base": True} if base else {}), **summary}

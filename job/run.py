@@ -20,6 +20,7 @@ from sandforge.job.fleet.lifecycle import open_fleet
 from sandforge.job.no_signal import SilentStreak, silent_in
 from sandforge.job.rl_job import RLJob, rl_steps, step_line
 from sandforge.job.runlog import RunLogger
+from sandforge.job.task_sampler import TaskSampler
 
 
 def _write_report(out: Path) -> None:
@@ -76,22 +77,25 @@ def start_run(cfg: JobConfig, resume: bool) -> tuple[Path, str, int]:
     return out, run_id, start
 
 
-def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False) -> Path:
+def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False, sampler: TaskSampler | None = None) -> Path:
     """Run a whole job; returns the run directory. Ctrl-C (or SIGTERM) stops cleanly and removes the run's containers.
 
     ``resume``: continue the run in ``run.output_dir`` from its newest complete checkpoint (same run id and wandb run;
     rows logged after that checkpoint are dropped, the killed run's containers reaped). ``sft_only`` (``sandforge
     sft``): the supervised cold start alone, ending with the checkpoint ``sandforge train`` can start from.
     With ``eval.tasks_per_family``, held-out success is measured before RL, every ``eval.every`` steps and at the end
-    (``eval`` rows, eval.json)."""
+    (``eval`` rows, eval.json). ``sampler``: the job's task sources as the preflight opened them (opened here
+    otherwise); every part of the run draws from these, none opens them again."""
     import ray
 
+    sampler = sampler or TaskSampler(cfg.environments, cfg.run.seed)
     out, run_id, start = start_run(cfg, resume)
     logger = None
     try:
-        with open_fleet(cfg, run_id) as fleet, progress() as bar:
+        with open_fleet(cfg, run_id, sampler=sampler) as fleet, progress() as bar:
             logger = RunLogger(out, cfg, run_id, resume=resume)
-            job = RLJob(cfg, fleet, logger, bar, RunClock(RunPlan.of(cfg, start, warm=not resume, sft_only=sft_only)))
+            plan = RunPlan.of(cfg, start, warm=not resume, sft_only=sft_only, sampler=sampler)
+            job = RLJob(cfg, fleet, logger, bar, RunClock(plan), sampler=sampler)
             bar.console.print(job.clock.line(), soft_wrap=True)
             record = None if sft_only else run_record(cfg, out, resume, start)
             if resume:

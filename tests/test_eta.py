@@ -69,6 +69,7 @@ def test_the_jobs_base_evaluation_is_priced_as_its_own_kind(monkeypatch, tmp_pat
     from types import SimpleNamespace
 
     from sandforge.job import rl_job
+    from sandforge.job.task_sampler import TaskSampler
     from sandforge.types import Reward, Trajectory
 
     def episodes(workers, tasks, groups, *args):
@@ -80,6 +81,7 @@ def test_the_jobs_base_evaluation_is_priced_as_its_own_kind(monkeypatch, tmp_pat
     logger = SimpleNamespace(log_trajectories=lambda *a: None, log=lambda *a: None)
     job_ = rl_job.RLJob.__new__(rl_job.RLJob)
     job_.cfg, job_.fleet, job_.logger, job_.bar, job_.version = cfg, SimpleNamespace(workers=[]), logger, quiet, 0
+    job_.sampler = TaskSampler(cfg.environments, cfg.run.seed)
     job_.clock = RunClock(RunPlan.of(cfg))
     job_.evaluate(0, base=True)
     assert job_.clock.done == {"base": 2 * 2}

@@ -151,6 +151,29 @@ def test_harbor_folder_from_the_config_brings_its_images(tmp_path):
     assert set(sampler.images()) == {"harbor/hello-file", "harbor/count-lines"}
 
 
+def test_a_run_opens_its_task_sources_once(tmp_path, jsonl, monkeypatch):
+    """The preflight opens the job's sources (``validate_job`` returns its TaskSampler); the fleet's image list, the
+    ETA's count of held-out episodes and every held-out evaluation take them from it and open none again."""
+    from sandforge.job import task_sampler
+    from sandforge.job.eta import eval_episodes
+    from sandforge.job.evaluation import heldout_tasks
+    from sandforge.job.fleet.lifecycle import job_images
+    from sandforge.job.preflight import validate_job
+
+    cfg = load_config(_config(tmp_path, f"environments:\n  - name: terminal\n    tasks: {jsonl}\n"
+                                        f"  - name: harbor\n    tasks: {HARBOR}\n"
+                                        "eval:\n  tasks_per_family: 1\nwarmup:\n  steps: 0\n"))
+    opened = []
+    real = task_sampler.open_source
+    monkeypatch.setattr(task_sampler, "open_source", lambda *a, **k: opened.append(a[0].name) or real(*a, **k))
+    sampler = validate_job(cfg)
+    assert opened == ["terminal", "harbor"]
+    assert set(job_images(cfg, sampler)) >= {"harbor/hello-file"}
+    assert eval_episodes(cfg, sources=sampler.sources) > 0
+    assert heldout_tasks(cfg.environments, 1, sampler.sources)
+    assert opened == ["terminal", "harbor"]  # nothing opened again
+
+
 def test_config_errors_name_the_key_and_file(tmp_path, jsonl):
     missing = _config(tmp_path, "environments:\n  - name: terminal\n    tasks: nowhere.jsonl\n")
     with pytest.raises(ConfigError, match=r"job.yaml: invalid value for 'environments\[0\].tasks': .*no such file"):

@@ -76,9 +76,10 @@ class Fleet:
             console.print(f"[yellow]workers did not close cleanly: {e}[/]")
 
 
-def job_images(cfg: JobConfig) -> dict[str, Any]:
+def job_images(cfg: JobConfig, sampler: Any = None) -> dict[str, Any]:
     """Every image the job's tasks run in (image name -> folder with its Dockerfile): each environment's own (a
-    plugin's may live in its package, or reuse a built-in's), plus the ones tasks bring (a Harbor task's)."""
+    plugin's may live in its package, or reuse a built-in's), plus the ones tasks bring (a Harbor task's; ``sampler``:
+    the job's task sources, a ``TaskSampler``, opened here when not given)."""
     from sandforge.job.task_sampler import TaskSampler
     from sandforge.registry import environment
 
@@ -87,11 +88,11 @@ def job_images(cfg: JobConfig) -> dict[str, Any]:
         entry = environment(env.name)
         if entry.image_name is not None:
             contexts[entry.image_name] = entry.image_context()
-    contexts |= TaskSampler(cfg.environments, cfg.run.seed).images(cfg.sandbox.base_map)
+    contexts |= (sampler or TaskSampler(cfg.environments, cfg.run.seed)).images(cfg.sandbox.base_map)
     return contexts
 
 
-def build_job_images(cfg: JobConfig) -> dict[str, str]:
+def build_job_images(cfg: JobConfig, sampler: Any = None) -> dict[str, str]:
     """Reap dead drivers' containers, then build (or find up to date) every image the job needs: name -> tag."""
     from sandforge.sandbox.daemon import docker_client
     from sandforge.sandbox.images import build_images
@@ -102,7 +103,7 @@ def build_job_images(cfg: JobConfig) -> dict[str, str]:
     for run, n in sorted(reap_dead_runs(client).items()):
         console.print(f"reaped {n} container(s) of dead run {run}", soft_wrap=True, markup=False, highlight=False)
     images = build_images([], base_image=cfg.sandbox.base_image, client=client, mirror=cfg.sandbox.mirror,
-                          contexts=job_images(cfg))
+                          contexts=job_images(cfg, sampler))
     if cfg.agent.harness is not None:  # the harness installed on top of every image its episodes run in
         from sandforge.sandbox.images import layered_images
         from sandforge.rollout.harnesses import find_harness
@@ -228,11 +229,12 @@ def _interrupts_raise() -> None:
 
 @contextlib.contextmanager
 def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
-               policy: dict | None = None) -> Iterator[Fleet]:
+               policy: dict | None = None, sampler: Any = None) -> Iterator[Fleet]:
     """Start the ``parts`` of the job's fleet (see the module docstring) and stop all of it when the block ends.
 
     ``policy``: the engine's weights when the fleet has no trainer ranks (``checkpoint_policy``: they are served as
     version 0); with ranks, the engine is built like rank 0's policy and the caller pushes weights (``push_weights``).
+    ``sampler``: the job's opened task sources (``TaskSampler``), whose tasks' own images are built.
     """
     import ray
 
@@ -242,7 +244,7 @@ def open_fleet(cfg: JobConfig, run_id: str, parts: frozenset[str] = ALL_PARTS,
     try:
         if "workers" in parts:
             with phase("building the sandbox images"):
-                fleet.images = build_job_images(cfg)
+                fleet.images = build_job_images(cfg, sampler)
         with phase("starting Ray"):
             start_ray(cfg)
         _interrupts_raise()  # ray.init installs handlers of its own
