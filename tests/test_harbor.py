@@ -329,6 +329,26 @@ def test_schema_1_1_keys_are_honoured_and_the_task_env_goes_to_every_exec():
     assert s.not_honoured == ["[environment] env B = ${HOST_B} (the host's variables do not reach sandboxes)"]
 
 
+@pytest.mark.parametrize("meta, error", [
+    ({"agent": {"timeout_sec": 0}}, "t.toml: [agent] timeout_sec must be a positive number, got 0"),
+    ({"verifier": {"timeout_sec": "30"}}, "t.toml: [verifier] timeout_sec must be a positive number, got '30'"),
+    ({"environment": {"cpus": True}}, "t.toml: [environment] cpus must be a positive number, got True"),
+    ({"agent": 5}, "t.toml: [agent] must be a table, got 5"),
+    ({"solution": {"env": ["A=1"]}}, "t.toml: [solution] env must be a table of NAME = value"),
+])
+def test_task_toml_is_read_by_phase_and_a_wrong_value_names_its_file_and_key(meta, error):
+    from sandforge.environments.harbor.settings import HarborSettingsError, TaskToml, read_settings
+
+    with pytest.raises(HarborSettingsError) as e:
+        read_settings(meta, "t.toml")
+    assert str(e.value) == error
+    toml = TaskToml.model_validate({"agent": {"timeout_sec": 90, "user": "agent"}, "verifier": {"timeout_sec": 30},
+                                    "environment": {"cpus": 2, "workdir": "/app"}, "metadata": {"category": "x"}})
+    assert (toml.agent.timeout_sec, toml.agent.user, toml.verifier.timeout_sec, toml.verifier.user) == (90, "agent", 30,
+                                                                                                       "root")
+    assert (toml.environment.cpus, toml.environment.workdir, toml.solution.env) == (2.0, "/app", None)
+
+
 def test_what_schema_1_1_asks_for_that_sandforge_cannot_do_is_named_exactly():
     from sandforge.environments.harbor.settings import read_settings
 

@@ -1,5 +1,7 @@
 """A Harbor task's ``task.toml``, read as Harbor (0.25, schema_version 1.0 to 1.4) reads it: what sandforge honours,
-and a warning naming what it does not (never ignored silently).
+and a warning naming what it does not (never ignored silently). The file is typed by phase with pydantic, as Harbor's
+own model types it (``TaskToml``: ``[agent]``, ``[verifier]``, ``[solution]``, ``[environment]``); a value of the
+wrong kind names the file and the key.
 
 Honoured: ``[agent] timeout_sec`` (the episode's time limit) and ``user``; ``[verifier] timeout_sec`` (Harbor's
 default 600 s), ``user`` and ``env`` (test.sh's environment); ``[solution] env`` (solve.sh's); ``[environment] env``
@@ -20,6 +22,9 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 VERIFIER_TIMEOUT = 600.0  # Harbor's default
 AGENT_TIMEOUT = None  # none: the job's rollout limits apply
@@ -88,12 +93,6 @@ class HarborSettings:
         return out
 
 
-def _number(value, where: str, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise HarborSettingsError(f"{where}: {key} must be a positive number, got {value!r}")
-    return float(value)
-
-
 def _env(value, where: str, key: str, s: HarborSettings) -> dict[str, str]:
     """A table of NAME = value; a ``${VAR:-default}`` value takes its default, a ``${VAR}`` one is left out (and
     named in ``s.not_honoured``): the host's variables do not reach sandboxes."""
@@ -151,36 +150,95 @@ def _not_honoured(meta: dict, s: HarborSettings) -> None:
             s.not_honoured += [f"[{section}] {k}" for k in sorted(value) if k not in KNOWN[section]]
 
 
+class _Phase(BaseModel):
+    """One table of task.toml, typed as Harbor's own model types it; a key sandforge does not read stays (it is named
+    in ``not_honoured``), and a value it reads of the wrong kind names the file and the key."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @field_validator("timeout_sec", "cpus", "memory_mb", "storage_mb", mode="before", check_fields=False)
+    @classmethod
+    def _positive(cls, value):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"must be a positive number, got {value!r}")
+        return value
+
+    @field_validator("user", "workdir", "docker_image", mode="before", check_fields=False)
+    @classmethod
+    def _text(cls, value):
+        return None if value is None else str(value)
+
+
+class AgentPhase(_Phase):
+    timeout_sec: float | None = AGENT_TIMEOUT
+    user: str = "root"
+
+
+class VerifierPhase(_Phase):
+    timeout_sec: float = VERIFIER_TIMEOUT
+    user: str = "root"
+    env: Any = None  # a table of NAME = value, read by ``_env`` (host templates, names bash can export)
+
+
+class SolutionPhase(_Phase):
+    env: Any = None
+
+
+class EnvironmentPhase(_Phase):
+    cpus: float | None = None
+    memory_mb: float | None = None
+    storage_mb: float | None = None
+    memory: Any = None  # Harbor's deprecated sizes, "512M"
+    storage: Any = None
+    workdir: str | None = None
+    docker_image: str | None = None
+    env: Any = None
+
+
+class TaskToml(BaseModel):
+    """task.toml by phase: the agent's, the verifier's, the solution's and the environment's tables; the rest (``[task]``,
+    ``[metadata]``, ``schema_version``, ...) describes the task."""
+
+    model_config = ConfigDict(extra="allow")
+    agent: AgentPhase = Field(default_factory=AgentPhase)
+    verifier: VerifierPhase = Field(default_factory=VerifierPhase)
+    solution: SolutionPhase = Field(default_factory=SolutionPhase)
+    environment: EnvironmentPhase = Field(default_factory=EnvironmentPhase)
+
+
+def _toml(meta: dict, where: Path | str) -> TaskToml:
+    try:
+        return TaskToml.model_validate(meta)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        key = f"[{loc[0]}] {' '.join(loc[1:])}".strip()
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            message = f"must be a table, got {first.get('input')!r}"
+        elif first["type"].startswith(("float_", "string_", "int_")):
+            message = f"must be a {'number' if not first['type'].startswith('string') else 'string'}, got " \
+                      f"{first.get('input')!r}"
+        raise HarborSettingsError(f"{where}: {key} {message}") from None
+
+
 def read_settings(meta: dict, where: Path | str) -> HarborSettings:
     """``meta``: task.toml parsed; ``where``: the file, for messages."""
-    s = HarborSettings()
-    agent, verifier = meta.get("agent", {}), meta.get("verifier", {})
-    solution, env = meta.get("solution", {}), meta.get("environment", {})
-    if "timeout_sec" in agent:
-        s.agent_timeout = _number(agent["timeout_sec"], where, "[agent] timeout_sec")
-    if "user" in agent:
-        s.agent_user = str(agent["user"])
-    if "timeout_sec" in verifier:
-        s.verifier_timeout = _number(verifier["timeout_sec"], where, "[verifier] timeout_sec")
-    if "user" in verifier:
-        s.verifier_user = str(verifier["user"])
-    if "env" in env:
-        s.env = _env(env["env"], where, "[environment] env", s)
-    s.verifier_env = {**s.env, **_env(verifier.get("env", {}), where, "[verifier] env", s)}
-    s.solution_env = {**s.env, **_env(solution.get("env", {}), where, "[solution] env", s)}
-    if "cpus" in env:
-        s.cpus = _number(env["cpus"], where, "[environment] cpus")
-    if "memory" in env:
-        s.memory_mb = _size_mb(env["memory"], where, "[environment] memory")
-    if "memory_mb" in env:
-        s.memory_mb = int(_number(env["memory_mb"], where, "[environment] memory_mb"))
-    if "workdir" in env:
-        s.workdir = str(env["workdir"])
-    if "docker_image" in env:
-        s.docker_image = str(env["docker_image"])
-    if "storage" in env:
-        s.storage_mb = _size_mb(env["storage"], where, "[environment] storage")
-    if "storage_mb" in env:
-        s.storage_mb = int(_number(env["storage_mb"], where, "[environment] storage_mb"))
+    toml = _toml(meta, where)
+    agent, verifier, solution, env = toml.agent, toml.verifier, toml.solution, toml.environment
+    s = HarborSettings(agent_timeout=agent.timeout_sec, agent_user=agent.user, verifier_timeout=verifier.timeout_sec,
+                       verifier_user=verifier.user, cpus=env.cpus, workdir=env.workdir, docker_image=env.docker_image)
+    if env.env is not None:
+        s.env = _env(env.env, where, "[environment] env", s)
+    s.verifier_env = {**s.env, **_env({} if verifier.env is None else verifier.env, where, "[verifier] env", s)}
+    s.solution_env = {**s.env, **_env({} if solution.env is None else solution.env, where, "[solution] env", s)}
+    if env.memory is not None:
+        s.memory_mb = _size_mb(env.memory, where, "[environment] memory")
+    if env.memory_mb is not None:
+        s.memory_mb = int(env.memory_mb)
+    if env.storage is not None:
+        s.storage_mb = _size_mb(env.storage, where, "[environment] storage")
+    if env.storage_mb is not None:
+        s.storage_mb = int(env.storage_mb)
     _not_honoured(meta, s)
     return s
