@@ -46,7 +46,7 @@ def test_a_change_to_the_fleet_set_up_reaches_train_sft_eval_and_serve(tmp_path,
         started.append(cfg.run.name)
         raise JobError(f"the fleet refused to start Ray for {cfg.run.name}")
 
-    monkeypatch.setattr(fleet, "build_job_images", lambda cfg: {})  # no Docker needed to get as far as Ray
+    monkeypatch.setattr(fleet, "build_job_images", lambda cfg, sampler=None: {})  # no Docker needed to get as far as Ray
     monkeypatch.setattr(fleet, "start_ray", refuse)
     runner = CliRunner()
     out = f"run.output_dir={tmp_path / 'run'}"
