@@ -132,6 +132,15 @@ def test_no_module_imports_itself_back():
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_architecture_md_names_every_module_by_its_path():
+    """The map newcomers read names every source file of the package (packages' ``__init__.py`` aside), so a new
+    module comes with its line there; tests/test_first_hour.py checks the quickstart's own files against an import
+    trace of its processes."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    paths = sorted(str(p.relative_to(ROOT)) for p in modules(ROOT).values() if p.name != "__init__.py")
+    assert len(paths) > 100 and not [p for p in paths if p not in text], [p for p in paths if p not in text]
+
+
 def test_the_rules_cover_every_part():
     assert set(read_rules(ROOT / "ARCHITECTURE.md")) == set(PARTS)
 
