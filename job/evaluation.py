@@ -4,25 +4,24 @@ episodes each, summarised per environment.
 
 The task set is the same every time it is built (seeds 0..n-1 of every family, split "heldout"), so numbers before
 and after training compare the same tasks, and are compared task by task (``paired``: the mean and standard error of
-each task's change in success rate). Success counts every episode (a failed one is a failure: it did not solve the
-task); pass@k uses the unbiased estimator of Chen et al. (2021) from n samples with c successes. Sampled episodes run at
-``eval.temperature`` (the rollout temperature unless set), greedy ones at 0.
+each task's change in success rate: job/eval_compare.py). A pass's results are an ``EvalSummary``
+(job/eval_summary.py), eval.json holds their JSON form. Sampled episodes run at ``eval.temperature`` (the rollout
+temperature unless set), greedy ones at 0.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import dataclass
-from math import comb, sqrt
 from pathlib import Path
-from statistics import fmean, stdev
 from typing import Callable
 
 from rich.table import Table
 
 from sandforge.config import EnvironmentConfig, JobConfig
 from sandforge.job.console import JobError
+from sandforge.job.eval_compare import PairedComparison, Points, paired, points, rl_trained
+from sandforge.job.eval_summary import EvalSummary, summarize
 from sandforge.environments.task_sources import FiniteSource
 from sandforge.job.task_sampler import env_source, with_reward_rule, with_success_at
 from sandforge.types import Task, Trajectory
@@ -47,80 +46,23 @@ def heldout_tasks(envs: list[EnvironmentConfig], per_family: int, sources: list 
     return tasks
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """P(at least one of k samples drawn from n, c of them correct, is correct)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def stderr(wins: list[float]) -> float:
-    """The standard error of a success rate over these episodes, treated as independent draws (samples of one task are
-    not quite, so this is a lower bound): the spread a second evaluation of the same policy would show from sampling
-    alone. 0 for fewer than two episodes."""
-    n = len(wins)
-    if n < 2:
-        return 0.0
-    p = fmean(wins)
-    return (p * (1 - p) / (n - 1)) ** 0.5
-
-
-def won(t: Trajectory) -> bool:
-    """The episode solved its task (a failed episode did not)."""
-    return not t.failed and t.reward is not None and t.reward.success
-
-
-def reward_of(t: Trajectory) -> float:
-    """The episode's reward as its verifiers gave it (a continuous one included); a failed episode's is 0."""
-    return 0.0 if t.failed or t.reward is None else float(t.reward.value)
-
-
-def summarize(trajs: list[Trajectory], k: int) -> dict:
-    """{"success", "pass@k", "reward" (the mean reward, continuous ones included, with "reward_stderr"), "episodes",
-    "failed", "per_env": {env: {...same...}}, "per_task": {task id: {"env", "wins", "episodes", "reward_sum"}}} over
-    the episodes of held-out tasks (grouped by task id; each task should have the same
-    number of samples n >= k). ``per_task`` is what ``paired`` compares between two evaluations."""
-    by_task: dict[str, list[Trajectory]] = defaultdict(list)
-    for t in trajs:
-        by_task[t.task.id].append(t)
-
-    def block(tasks: dict[str, list[Trajectory]]) -> dict:
-        episodes = [t for ts in tasks.values() for t in ts]
-        wins = [float(won(t)) for t in episodes]
-        rewards = [reward_of(t) for t in episodes]
-        passes = [pass_at_k(len(ts), sum(not t.failed and t.reward.success for t in ts), min(k, len(ts)))
-                  for ts in tasks.values()]
-        return {"success": fmean(wins) if wins else 0.0, "pass@k": fmean(passes) if passes else 0.0,
-                "stderr": stderr(wins), "reward": fmean(rewards) if rewards else 0.0,
-                "reward_stderr": stdev(rewards) / sqrt(len(rewards)) if len(rewards) >= 2 else 0.0,
-                "tasks": len(tasks), "episodes": len(episodes), "failed": sum(t.failed for t in episodes)}
-
-    envs: dict[str, dict[str, list[Trajectory]]] = defaultdict(dict)
-    for task_id, ts in by_task.items():
-        envs[ts[0].task.env][task_id] = ts
-    per_task = {task_id: {"env": ts[0].task.env, "wins": sum(map(won, ts)), "episodes": len(ts),
-                          "reward_sum": round(sum(map(reward_of, ts)), 6)}
-                for task_id, ts in sorted(by_task.items())}
-    return {"k": k, **block(by_task), "per_env": {env: block(tasks) for env, tasks in sorted(envs.items())},
-            "per_task": per_task}
-
-
-def metric_row(summary: dict) -> dict[str, float]:
+def metric_row(summary: EvalSummary) -> dict[str, float]:
     """The summary as flat metrics (``eval/success``, ``eval/success/<env>``, ``eval/pass@k/<env>``, ...; with a
     greedy evaluation ``eval/greedy/success`` and ``eval/greedy/success/<env>``)."""
-    row = {"eval/success": summary["success"], "eval/pass@k": summary["pass@k"], "eval/k": summary["k"],
-           "eval/failed": summary["failed"], "eval/stderr": summary["stderr"]}
-    if "reward" in summary:
-        row["eval/reward"] = summary["reward"]
-    for env, s in summary["per_env"].items():
-        row[f"eval/success/{env}"] = s["success"]
-        row[f"eval/pass@k/{env}"] = s["pass@k"]
-        if "reward" in s:
-            row[f"eval/reward/{env}"] = s["reward"]
-    if "greedy" in summary:
-        row["eval/greedy/success"] = summary["greedy"]["success"]
-        for env, s in summary["greedy"]["per_env"].items():
-            row[f"eval/greedy/success/{env}"] = s["success"]
+    r = summary.rates
+    row = {"eval/success": r.success, "eval/pass@k": r.pass_at_k, "eval/k": summary.k, "eval/failed": r.failed,
+           "eval/stderr": r.stderr}
+    if r.reward is not None:
+        row["eval/reward"] = r.reward
+    for env, e in summary.per_env.items():
+        row[f"eval/success/{env}"] = e.success
+        row[f"eval/pass@k/{env}"] = e.pass_at_k
+        if e.reward is not None:
+            row[f"eval/reward/{env}"] = e.reward
+    if summary.greedy is not None:
+        row["eval/greedy/success"] = summary.greedy.rates.success
+        for env, e in summary.greedy.per_env.items():
+            row[f"eval/greedy/success/{env}"] = e.success
     return row
 
 
@@ -167,7 +109,7 @@ def heldout_run(cfg: JobConfig, tag: str, greedy: bool = False, per_family: int 
 
 
 def heldout_episodes(runs: list[HeldoutRun], collect: Callable[..., list[Trajectory]]
-                     ) -> list[tuple[list[Trajectory], dict]]:
+                     ) -> list[tuple[list[Trajectory], EvalSummary]]:
     """Run every pass of ``runs`` in one ``collect(tasks, groups, scripted, label, temperature)`` call, a temperature
     per episode: the workers start the longest episodes of all of them first, so the passes share one tail instead of
     each ending on its own slowest episodes. Per pass: its episodes and their summary (which records the
@@ -180,64 +122,77 @@ def heldout_episodes(runs: list[HeldoutRun], collect: Callable[..., list[Traject
     out = []
     for run in runs:
         mine = [t for t in trajs if t.group.startswith(f"{run.tag}/")]
-        out.append((mine, {"temperature": run.temperature, **summarize(mine, run.samples)}))
+        out.append((mine, summarize(mine, run.samples, run.temperature)))
     return out
 
 
 def evaluation(cfg: JobConfig, collect: Callable[..., list[Trajectory]], tag: str,
                per_family: int | None = None, samples: int | None = None, sources: list | None = None
-               ) -> tuple[list[Trajectory], dict]:
+               ) -> tuple[list[Trajectory], EvalSummary]:
     """One held-out evaluation as configured: at ``eval.temperature`` (the rollout temperature unless set), plus
-    greedy with ``eval.greedy`` (its summary under ``"greedy"``, its episodes appended), both in one pass of the
-    workers. ``per_family``: that many tasks per family everywhere, ``samples``: that many sampled episodes of each (the
-    base evaluation's ``eval.base_tasks_per_family`` and ``eval.base_samples``); ``sources``: the run's opened task
-    sources (``heldout_tasks``)."""
+    greedy with ``eval.greedy`` (its summary the sampled one's ``greedy``, its episodes appended), both in one pass of
+    the workers. ``per_family``: that many tasks per family everywhere, ``samples``: that many sampled episodes of each
+    (the base evaluation's ``eval.base_tasks_per_family`` and ``eval.base_samples``); ``sources``: the run's opened
+    task sources (``heldout_tasks``)."""
     runs = [heldout_run(cfg, tag, per_family=per_family, samples=samples, sources=sources)]
     if cfg.eval.greedy:
         runs.append(heldout_run(cfg, f"{tag}g", greedy=True, per_family=per_family, sources=sources))
     (trajs, summary), *greedy = heldout_episodes(runs, collect)
     if greedy:
-        more, summary["greedy"] = greedy[0]
+        more, summary_g = greedy[0]
+        summary = summary.at(greedy=summary_g)
         trajs = trajs + more
     return trajs, summary
 
 
-def compared(summary: dict, earlier: dict, source: str) -> dict:
-    """``sandforge eval --against``: this evaluation against an earlier one of another checkpoint on the same held-out
-    tasks, task by task (``paired``: this minus the earlier, in points) and overall (``delta_points``)."""
-    check_comparable(earlier, source)
-    return {"file": source, "delta_points": points(summary, earlier), "paired": paired(summary, earlier)}
+@dataclass(frozen=True)
+class Against:
+    """``sandforge eval --against``: this evaluation against an earlier one of another checkpoint on the same
+    held-out tasks, task by task (``paired``: this minus the earlier, in points) and overall (``delta``)."""
+
+    file: str
+    delta: Points
+    paired: PairedComparison
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "delta_points": self.delta.to_json(), "paired": self.paired.to_json()}
+
+    def lines(self) -> list[str]:
+        """The comparison in words, for the end of ``sandforge eval --against``."""
+        lines = [f"against {self.file}: {self.paired.success.words()}"]
+        if self.paired.greedy is not None:
+            lines.append(f"  greedy: {self.paired.greedy.success.words()}")
+        return lines + [f"  {env}: {p.words()}" for env, p in self.paired.per_env.items()]
 
 
-def check_comparable(earlier: dict, source: str) -> None:
-    """Refuse an ``--against`` file without per-task results (nothing to pair with)."""
-    if "per_task" not in earlier:
+def compared(summary: EvalSummary, earlier: EvalSummary, source: str) -> Against:
+    pair = paired(summary, earlier)
+    if pair is None:
         raise JobError(f"--against {source}: it holds no per-task results (not a `sandforge eval` summary, or one "
                        "written before summaries kept them)")
+    return Against(source, points(summary, earlier), pair)
 
 
-def against_lines(cmp: dict) -> list[str]:
-    """The comparison in words, for the end of ``sandforge eval --against``."""
-    pair = cmp["paired"]
-    lines = [f"against {cmp['file']}: {share(pair['success'])}"]
-    if "greedy" in pair:
-        lines.append(f"  greedy: {share(pair['greedy']['success'])}")
-    lines += [f"  {env}: {share(p)}" for env, p in pair["per_env"].items()]
-    return lines
+def read_against(path: Path) -> EvalSummary:
+    """An earlier ``sandforge eval`` summary to compare with; refused in one line when it cannot be one (read before
+    the fleet starts, not after the episodes)."""
+    try:
+        earlier = EvalSummary.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise JobError(f"--against {path}: cannot read it as an evaluation summary ({e})") from None
+    if earlier.per_task is None:
+        raise JobError(f"--against {path}: it holds no per-task results (not a `sandforge eval` summary, or one "
+                       "written before summaries kept them)")
+    return earlier
 
 
-def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path, against: Path | None = None) -> dict:
+def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path, against: Path | None = None
+                        ) -> EvalSummary:
     """``sandforge eval``: ``cfg.eval.samples`` episodes of each held-out task with the policy in ``checkpoint``, on the
     same fleet a run starts (without trainer ranks); writes the summary (success and pass@k, overall and per
     environment) to ``out_file`` and returns it. ``against``: an earlier ``sandforge eval`` summary (another
-    checkpoint, the same config), compared task by task (``compared``, under ``against`` in the summary)."""
-    earlier = None
-    if against is not None:
-        try:
-            earlier = json.loads(against.read_text())
-        except (OSError, ValueError) as e:
-            raise JobError(f"--against {against}: cannot read it as JSON ({e})") from None
-        check_comparable(earlier, str(against))  # refused before the fleet starts, not after the episodes
+    checkpoint, the same config), compared task by task (``compared``, under ``against`` in the file)."""
+    earlier = None if against is None else read_against(against)
     from sandforge.job.console import console, make_run_id, progress
     from sandforge.job.fleet.lifecycle import checkpoint_policy, open_fleet
     from sandforge.job.fleet.rollout_workers import collect_episodes, stop_if_all_failed
@@ -252,178 +207,81 @@ def evaluate_checkpoint(cfg: JobConfig, checkpoint: Path, out_file: Path, agains
             return trajs
 
         _, summary = evaluation(cfg, collect, "eval")
-    summary = {"checkpoint": str(checkpoint), **summary}
-    if earlier is not None:
-        summary["against"] = compared(summary, earlier, str(against))
+    summary = summary.at(checkpoint=str(checkpoint))
+    cmp = None if earlier is None else compared(summary, earlier, str(against))
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(summary, indent=1) + "\n")
+    out_file.write_text(json.dumps(summary.to_json() | ({"against": cmp.to_json()} if cmp else {}), indent=1) + "\n")
     console.print(summary_table(summary))
-    if earlier is not None:
-        console.print("\n".join(against_lines(summary["against"])), soft_wrap=True, markup=False)
+    if cmp is not None:
+        console.print("\n".join(cmp.lines()), soft_wrap=True, markup=False)
     console.print(f"[green]done[/]: {out_file}")
     return summary
 
 
-def summary_table(summary: dict) -> Table:
-    k = summary["k"]
-    at = f" at temperature {summary['temperature']:g}" if "temperature" in summary else ""
-    table = Table(title=f"held-out success{at}: {summary['tasks']} tasks x "
-                        f"{summary['episodes'] // max(summary['tasks'], 1)} episodes")
-    for column in ("environment", "tasks", "success (pass@1)", f"pass@{k}", "mean reward", "failed episodes"):
+def summary_table(summary: EvalSummary) -> Table:
+    r = summary.rates
+    at = f" at temperature {summary.temperature:g}" if summary.temperature is not None else ""
+    table = Table(title=f"held-out success{at}: {r.tasks} tasks x {r.episodes // max(r.tasks, 1)} episodes")
+    for column in ("environment", "tasks", "success (pass@1)", f"pass@{summary.k}", "mean reward", "failed episodes"):
         table.add_column(column)
-    greedy = summary.get("greedy")
-    if greedy:
+    greedy = summary.greedy
+    if greedy is not None:
         table.add_column("greedy")
-    rows = [*summary["per_env"].items(), ("all", summary)]
-    for env, s in rows:
-        g = greedy if env == "all" else (greedy or {}).get("per_env", {}).get(env)
-        reward = f"{s['reward']:.3f} ± {s['reward_stderr']:.3f}" if "reward" in s else "—"
-        table.add_row(env, str(s["tasks"]), f"{100 * s['success']:.1f}% ± {100 * s['stderr']:.1f}",
-                      f"{100 * s['pass@k']:.1f}%", reward, str(s["failed"]),
-                      *([f"{100 * g['success']:.1f}%"] if g else []))
+    for env, e in [*summary.per_env.items(), ("all", r)]:
+        g = None if greedy is None else greedy.rates if env == "all" else greedy.per_env.get(env)
+        reward = "—" if e.reward is None else f"{e.reward:.3f} ± {e.reward_stderr or 0.0:.3f}"
+        table.add_row(env, str(e.tasks), f"{100 * e.success:.1f}% ± {100 * e.stderr:.1f}",
+                      f"{100 * e.pass_at_k:.1f}%", reward, str(e.failed),
+                      *([f"{100 * g.success:.1f}%" if g else "—"] if greedy is not None else []))
     return table
 
 
-def eval_line(summary: dict) -> str:
+def eval_line(summary: EvalSummary) -> str:
     """One evaluation during a run, in one line."""
-    envs = "  ".join(f"{env} {s['success']:.2f}" for env, s in summary["per_env"].items())
-    when = "of the pretrained base" if summary.get("base") else f"after step {summary['step']}"
-    if "temperature" in summary:
-        when += f" (T={summary['temperature']:g})"
-    greedy = f"  greedy {summary['greedy']['success']:.2f}" if "greedy" in summary else ""
-    reward = f"  reward {summary['reward']:.3f}" if "reward" in summary else ""
-    return (f"held-out eval {when}: success {summary['success']:.2f} ± {summary['stderr']:.2f}{greedy}{reward}  "
-            f"pass@{summary['k']} {summary['pass@k']:.2f}  ({envs})")
+    r = summary.rates
+    envs = "  ".join(f"{env} {e.success:.2f}" for env, e in summary.per_env.items())
+    when = "of the pretrained base" if summary.base else f"after step {summary.step}"
+    if summary.temperature is not None:
+        when += f" (T={summary.temperature:g})"
+    greedy = f"  greedy {summary.greedy.rates.success:.2f}" if summary.greedy is not None else ""
+    reward = f"  reward {r.reward:.3f}" if r.reward is not None else ""
+    return (f"held-out eval {when}: success {r.success:.2f} ± {r.stderr:.2f}{greedy}{reward}  "
+            f"pass@{summary.k} {r.pass_at_k:.2f}  ({envs})")
 
 
-def eval_summary(result: dict) -> str:
-    """Before -> after held-out success per environment (an ``EvalRecord``), for the end of a run."""
-    if "before" not in result:
+def eval_summary(record: EvalRecord) -> str:
+    """Before -> after held-out success per environment (a run's ``EvalRecord``), for the end of a run."""
+    if not record.history:
         return "held-out eval: nothing measured"
-    b, a, base = result["before"], result["after"], result.get("base")
+    b, a, base = record.history[0], record.history[-1], record.base
+    delta, pair, head = points(a, b), paired(a, b), rl_trained(a, b, record.trained)
 
-    def pct(s: dict | None, env: str | None = None) -> str:
-        if s is not None and env is not None:
-            s = s["per_env"].get(env)
-        return "—" if s is None else f"{100 * s['success']:.1f}%"
+    def pct(s: EvalSummary | None, env: str | None = None) -> str:
+        rates = None if s is None else s.rates if env is None else s.per_env.get(env)
+        return "—" if rates is None else f"{100 * rates.success:.1f}%"
 
     first = f"{pct(base)} pretrained base -> " if base else ""
-    pair = result.get("paired") or {}
-    lines = [f"held-out success (eval.json): {first}{pct(b)} after step {b['step']} -> {pct(a)} after step "
-             f"{a['step']} ({result['delta_points']['success']:+.1f} points over RL)"]
+    lines = [f"held-out success (eval.json): {first}{pct(b)} after step {b.step} -> {pct(a)} after step "
+             f"{a.step} ({delta.success:+.1f} points over RL)"]
     if pair:
-        lines.append(f"  RL's share: {share(pair['success'])}")
-    if "reward" in a and "reward" in b:  # a continuous reward reads here where success stays at 0
-        paired_reward = f"; RL's share {share(pair['reward'])} (reward x 100)" if "reward" in pair else ""
-        lines.append(f"  mean reward: {b['reward']:.3f} -> {a['reward']:.3f}{paired_reward}")
-    if "greedy" in a and "greedy" in b:
-        paired_greedy = f"; RL's share {share(pair['greedy']['success'])}" if "greedy" in pair else ""
-        lines.append(f"  greedy: {pct(b['greedy'])} -> {pct(a['greedy'])} "
-                     f"({result['delta_points']['greedy']:+.1f} points over RL){paired_greedy}")
-    if head := result.get("rl_trained"):
-        greedy = head.get("greedy")
-        lines.append(f"  the environments RL trained on ({', '.join(head['environments'])}): {head['before']:.1f}% -> "
-                     f"{head['after']:.1f}%, RL's share {share(head['paired'])}"
-                     + (f"; greedy {greedy['before']:.1f}% -> {greedy['after']:.1f}%, RL's share "
-                        f"{share(greedy['paired'])}" if greedy else ""))
-    for env, delta in result["delta_points"]["per_env"].items():
+        lines.append(f"  RL's share: {pair.success.words()}")
+    if a.rates.reward is not None and b.rates.reward is not None:  # a continuous reward reads here where success
+        paired_reward = f"; RL's share {pair.reward.words()} (reward x 100)" if pair else ""  # stays at 0
+        lines.append(f"  mean reward: {b.rates.reward:.3f} -> {a.rates.reward:.3f}{paired_reward}")
+    if a.greedy is not None and b.greedy is not None:
+        paired_greedy = f"; RL's share {pair.greedy.success.words()}" if pair and pair.greedy else ""
+        lines.append(f"  greedy: {pct(b.greedy)} -> {pct(a.greedy)} ({delta.greedy:+.1f} points over RL)"
+                     f"{paired_greedy}")
+    if head:
+        g = head.greedy
+        lines.append(f"  the environments RL trained on ({', '.join(head.environments)}): {head.sampled.before:.1f}% "
+                     f"-> {head.sampled.after:.1f}%, RL's share {head.sampled.paired.words()}"
+                     + (f"; greedy {g.before:.1f}% -> {g.after:.1f}%, RL's share {g.paired.words()}" if g else ""))
+    for env, change in delta.per_env.items():
         start = f"{pct(base, env)} -> " if base else ""
-        paired_env = f"; RL's share {share(pair['per_env'][env])}" if env in pair.get("per_env", {}) else ""
-        lines.append(f"  {env}: {start}{pct(b, env)} -> {pct(a, env)} ({delta:+.1f}{paired_env})")
+        paired_env = f"; RL's share {pair.per_env[env].words()}" if pair and env in pair.per_env else ""
+        lines.append(f"  {env}: {start}{pct(b, env)} -> {pct(a, env)} ({change:+.1f}{paired_env})")
     return "\n".join(lines)
-
-
-def share(p: dict) -> str:
-    """A paired comparison in words: "+x.x ± y.y points (paired over N tasks)"."""
-    if p["mean_points"] is None:
-        return f"no task measured both times ({p['left_out']} on one side only)"
-    se = "" if p["stderr_points"] is None else f" ± {p['stderr_points']:.1f}"
-    left = f"; {p['left_out']} measured once left out" if p["left_out"] else ""
-    return f"{p['mean_points']:+.1f}{se} points (paired over {p['tasks']} task{'s' * (p['tasks'] != 1)}{left})"
-
-
-def points(after: dict, before: dict) -> dict:
-    """after - before in percentage points: overall, per environment, and greedy where both have it."""
-    envs = sorted(set(before["per_env"]) | set(after["per_env"]))
-    out = {"success": round(100 * (after["success"] - before["success"]), 2),
-           "per_env": {env: round(100 * (after["per_env"].get(env, {}).get("success", 0.0)
-                                         - before["per_env"].get(env, {}).get("success", 0.0)), 2) for env in envs}}
-    if "greedy" in after and "greedy" in before:
-        out["greedy"] = points(after["greedy"], before["greedy"])["success"]
-    return out
-
-
-def paired_difference(after: dict[str, float], before: dict[str, float]) -> dict:
-    """RL's share task by task: over the tasks both evaluations measured, d_t = after_t - before_t (success rates, in
-    points); its mean, its standard error sd(d)/sqrt(n) (None under two tasks), n (``tasks``), and how many tasks only
-    one side measured (``left_out``). Pairing takes out how much tasks differ from each other, which the difference
-    of two unpaired means carries in its spread."""
-    both = sorted(after.keys() & before.keys())
-    d = [100 * (after[t] - before[t]) for t in both]
-    return {"mean_points": round(fmean(d), 2) if d else None,
-            "stderr_points": round(stdev(d) / sqrt(len(d)), 2) if len(d) >= 2 else None,
-            "tasks": len(both), "left_out": len(after.keys() ^ before.keys())}
-
-
-def task_rates(summary: dict, env: str | None = None, envs: frozenset[str] | None = None) -> dict[str, float]:
-    """Task id -> success rate in one evaluation (its episodes' wins / episodes), of ``env``'s tasks alone if given,
-    or of the environments in ``envs``."""
-    return {task: s["wins"] / s["episodes"] for task, s in summary["per_task"].items()
-            if s["episodes"] and env in (None, s["env"]) and (envs is None or s["env"] in envs)}
-
-
-def task_rewards(summary: dict, env: str | None = None) -> dict[str, float]:
-    """Task id -> mean reward in one evaluation, of ``env``'s tasks alone if given (tasks an older eval.json kept
-    without rewards are left out)."""
-    return {task: s["reward_sum"] / s["episodes"] for task, s in summary["per_task"].items()
-            if s["episodes"] and "reward_sum" in s and env in (None, s["env"])}
-
-
-def success_over(summary: dict, envs: frozenset[str]) -> float:
-    """Success over the episodes of the environments in ``envs`` (an evaluation's summary)."""
-    blocks = [s for env, s in summary["per_env"].items() if env in envs]
-    episodes = sum(s["episodes"] for s in blocks)
-    return sum(s["success"] * s["episodes"] for s in blocks) / episodes if episodes else 0.0
-
-
-def rl_trained(after: dict, before: dict, envs: list[str]) -> dict | None:
-    """eval.json's ``rl_trained``: the environments RL drew tasks from (``envs``), before and after, and RL's share
-    over their tasks alone, paired (sampled, and greedy where both have it). The headline when the warm start covers
-    environments RL leaves out (at their floor, say): their tasks cannot move, and would only dilute the comparison.
-    None when RL trained on every evaluated environment or a summary has no ``per_task``."""
-    chosen = frozenset(envs)
-    evaluated = {env for s in (after, before) for env in s["per_env"]}
-    if not chosen or evaluated <= chosen or "per_task" not in after or "per_task" not in before:
-        return None
-    out = {"environments": sorted(chosen), "before": round(100 * success_over(before, chosen), 2),
-           "after": round(100 * success_over(after, chosen), 2),
-           "paired": paired_difference(task_rates(after, envs=chosen), task_rates(before, envs=chosen))}
-    if "greedy" in after and "greedy" in before and "per_task" in after["greedy"] and "per_task" in before["greedy"]:
-        g_after, g_before = after["greedy"], before["greedy"]
-        out["greedy"] = {"before": round(100 * success_over(g_before, chosen), 2),
-                         "after": round(100 * success_over(g_after, chosen), 2),
-                         "paired": paired_difference(task_rates(g_after, envs=chosen),
-                                                     task_rates(g_before, envs=chosen))}
-    return out
-
-
-def paired(after: dict, before: dict) -> dict | None:
-    """eval.json's ``paired``: ``paired_difference`` overall (``success``), per environment (``per_env``), and the
-    same for greedy (``greedy``) where both evaluations have it. None when either summary has no ``per_task`` (an
-    eval.json written before summaries kept it)."""
-    if "per_task" not in after or "per_task" not in before:
-        return None
-    envs = sorted({s["env"] for s in [*after["per_task"].values(), *before["per_task"].values()]})
-    out = {"success": paired_difference(task_rates(after), task_rates(before)),
-           "per_env": {env: paired_difference(task_rates(after, env), task_rates(before, env)) for env in envs},
-           # the mean reward (continuous ones as they are), in points of reward x 100
-           "reward": paired_difference(task_rewards(after), task_rewards(before)),
-           "reward_per_env": {env: paired_difference(task_rewards(after, env), task_rewards(before, env))
-                              for env in envs}}
-    greedy = paired(after["greedy"], before["greedy"]) if "greedy" in after and "greedy" in before else None
-    if greedy is not None:
-        out["greedy"] = greedy
-    return out
 
 
 class EvalRecord:
@@ -435,23 +293,27 @@ class EvalRecord:
         self.path = Path(path)
         self.k, self.per_family = k, per_family
         self.trained = trained or []  # the environments RL draws from: ``rl_trained``
-        saved = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        self.history: list[dict] = saved.get("history", [])
-        self.base: dict | None = saved.get("base")  # the pretrained policy before any training (``eval.base``)
+        try:
+            saved = json.loads(self.path.read_text()) if self.path.is_file() else {}
+            self.history = [EvalSummary.from_json(h, f"history[{i}].") for i, h in enumerate(saved.get("history", []))]
+            # the pretrained policy before any training (``eval.base``)
+            self.base = EvalSummary.from_json(saved["base"], "base.") if saved.get("base") else None
+        except (OSError, ValueError, AttributeError) as e:
+            raise JobError(f"{self.path}: not a run's eval.json ({e}); move it away to start the record anew") from None
 
     def resume_from(self, step: int) -> None:
         """A run resumed after ``step`` RL steps redoes everything after it: evaluations of later steps go."""
-        self.history = [h for h in self.history if h["step"] <= step]
+        self.history = [h for h in self.history if h.step is not None and h.step <= step]
         self._write()
 
     def has(self, step: int) -> bool:
-        return any(h["step"] == step for h in self.history)
+        return any(h.step == step for h in self.history)
 
-    def add(self, summary: dict) -> None:
+    def add(self, summary: EvalSummary) -> None:
         self.history.append(summary)
         self._write()
 
-    def set_base(self, summary: dict) -> None:
+    def set_base(self, summary: EvalSummary) -> None:
         self.base = summary
         self._write()
 
@@ -460,19 +322,19 @@ class EvalRecord:
         (the pretrained policy, with ``eval.base``); ``delta_points``: after - before, in points (RL's own share), and
         ``over_base``: after - base (all training); ``paired``: after vs before task by task (``paired``);
         ``rl_trained``: the same over the environments RL trained on, where it left some out (``rl_trained``)."""
-        out: dict = {"k": self.k, "tasks_per_family": self.per_family, "history": self.history}
+        out: dict = {"k": self.k, "tasks_per_family": self.per_family, "history": [h.to_json() for h in self.history]}
         if self.base is not None:
-            out["base"] = self.base
+            out["base"] = self.base.to_json()
         if self.history:
             before, after = self.history[0], self.history[-1]
-            out["before"], out["after"] = before, after
-            out["delta_points"] = points(after, before)
+            out["before"], out["after"] = before.to_json(), after.to_json()
+            out["delta_points"] = points(after, before).to_json()
             if (pair := paired(after, before)) is not None:
-                out["paired"] = pair
+                out["paired"] = pair.to_json()
             if (head := rl_trained(after, before, self.trained)) is not None:
-                out["rl_trained"] = head
+                out["rl_trained"] = head.to_json()
             if self.base is not None:
-                out["over_base"] = points(after, self.base)
+                out["over_base"] = points(after, self.base).to_json()
         return out
 
     def _write(self) -> None:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sandforge.job.eval_summary import EvalSummary, RunEvals
 from sandforge.rundir import check_run_dir, read_episodes, read_eval, read_metrics, run_id
 from sandforge.job.show import clip_observation
 
@@ -57,27 +58,21 @@ def suffixes(rows: list[dict], prefix: str, skip: tuple[str, ...] = ()) -> list[
 BASE_X = -1  # where the pretrained base's markers sit: left of RL step 0 (the warm start's evaluation)
 
 
-def eval_markers(summary: dict) -> list[Series]:
+def eval_markers(evals: RunEvals) -> list[Series]:
     """eval.json's held-out success, per environment and overall, as markers on the held-out panel: the pretrained
     base (left of step 0), the warm start RL begins from (before) and the end of RL (after)."""
     out = []
     for style in ("base", "before", "after"):
-        point = summary.get(style)
-        if not isinstance(point, dict) or not isinstance(point.get("step"), (int, float)):
+        point: EvalSummary | None = getattr(evals, style)
+        if point is None or (point.step is None and style != "base"):
             continue
-        if style == "base":
-            point = {**point, "step": BASE_X}
-        per_env = point.get("per_env") or {}
-        blocks = {"all": point} | {env: v for env, v in per_env.items() if isinstance(v, dict)}
-        for env, block in blocks.items():
-            value, err = block.get("success"), block.get("stderr")
-            if isinstance(value, (int, float)):
-                out.append(Series(f"{env} {style}", [point["step"]], [value], env, style,
-                                  [err] if isinstance(err, (int, float)) else None))
+        x = BASE_X if style == "base" else point.step
+        for env, rates in {"all": point.rates, **point.per_env}.items():
+            out.append(Series(f"{env} {style}", [x], [rates.success], env, style, [rates.stderr]))
     return out
 
 
-def panels(metrics: dict[str, list[dict]], summary: dict) -> list[Panel]:
+def panels(metrics: dict[str, list[dict]], evals: RunEvals) -> list[Panel]:
     rl, ev, warm = metrics.get("rl", []), metrics.get("eval", []), metrics.get("warmup", [])
     success = Panel("success per environment", "no rl rows with success/<env> in metrics.jsonl")
     for env in suffixes(rl, "success/", skip=("rate",)):
@@ -87,7 +82,7 @@ def panels(metrics: dict[str, list[dict]], summary: dict) -> list[Panel]:
     held = Panel("held-out success: base, warm start, RL", "no eval rows in metrics.jsonl and no eval.json")
     for env in suffixes(ev, "eval/success/"):
         held.series += curve(ev, f"eval/success/{env}", env, env)
-    held.series += curve(ev, "eval/success", "all envs", "all") + eval_markers(summary)
+    held.series += curve(ev, "eval/success", "all envs", "all") + eval_markers(evals)
     for s in curve(ev, "eval/greedy/success", "all envs, greedy", "all"):
         s.style = "dotted"
         held.series.append(s)
@@ -181,7 +176,8 @@ def fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "—"
 
 
-def summary_rows(run_dir: Path, metrics: dict[str, list[dict]], summary: dict, episodes: list[dict]) -> list[tuple]:
+def summary_rows(run_dir: Path, metrics: dict[str, list[dict]], evals: RunEvals, episodes: list[dict]
+                 ) -> list[tuple]:
     """(label, value) rows of the page's summary table."""
     rl, warm = metrics.get("rl", []), metrics.get("warmup", [])
     last = rl[-1] if rl else {}
@@ -193,22 +189,20 @@ def summary_rows(run_dir: Path, metrics: dict[str, list[dict]], summary: dict, e
                                             f"({len(warm)} steps)"))
     failed = sum(1 for e in episodes if e.get("failed"))
     rows.append(("episodes recorded", f"{len(episodes)} ({failed} failed)"))
-    before, after = summary.get("before") or {}, summary.get("after") or {}
-    k = summary.get("k", "k")
-    base = summary.get("base") or {}
+    before, after, base, k = evals.before, evals.after, evals.base, evals.k or "k"
     if base:
-        rows.append(("held-out success, pretrained base", fmt(base.get("success"))))
-    if isinstance(before.get("greedy"), dict) and isinstance(after.get("greedy"), dict):
-        rows.append(("held-out success, greedy", f"{fmt(before['greedy'].get('success'))} → "
-                                                 f"{fmt(after['greedy'].get('success'))}"))
-    if "reward" in before and "reward" in after:
-        rows.append(("held-out mean reward", f"{fmt(before['reward'])} → {fmt(after['reward'])}"))
-    for env in ["all"] + sorted(set(before.get("per_env") or {}) | set(after.get("per_env") or {})):
-        b = before if env == "all" else (before.get("per_env") or {}).get(env, {})
-        a = after if env == "all" else (after.get("per_env") or {}).get(env, {})
+        rows.append(("held-out success, pretrained base", fmt(base.rates.success)))
+    if before and after and before.greedy and after.greedy:
+        rows.append(("held-out success, greedy", f"{fmt(before.greedy.rates.success)} → "
+                                                 f"{fmt(after.greedy.rates.success)}"))
+    if before and after and before.rates.reward is not None and after.rates.reward is not None:
+        rows.append(("held-out mean reward", f"{fmt(before.rates.reward)} → {fmt(after.rates.reward)}"))
+    envs = sorted({env for s in (before, after) if s for env in s.per_env})
+    for env in ["all"] + envs:
+        b, a = (None if s is None else s.rates if env == "all" else s.per_env.get(env) for s in (before, after))
         if b or a:
-            rows.append((f"held-out success, {env}", f"{fmt(b.get('success'))} → {fmt(a.get('success'))}  "
-                                                    f"(pass@{k} {fmt(b.get('pass@k'))} → {fmt(a.get('pass@k'))})"))
+            rows.append((f"held-out success, {env}", f"{fmt(b and b.success)} → {fmt(a and a.success)}  (pass@{k} "
+                                                    f"{fmt(b and b.pass_at_k)} → {fmt(a and a.pass_at_k)})"))
     return rows
 
 
@@ -301,8 +295,9 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     import matplotlib.pyplot as plt
 
     run_dir = check_run_dir(run_dir)
-    metrics, summary, episodes = read_metrics(run_dir), read_eval(run_dir), read_episodes(run_dir)
-    panel_list = panels(metrics, summary)
+    metrics, episodes = read_metrics(run_dir), read_episodes(run_dir)
+    evals = RunEvals.from_json(read_eval(run_dir))
+    panel_list = panels(metrics, evals)
     fig = plot_curves(panel_list)
     png = run_dir / "report.png"
     fig.savefig(png, dpi=100)
@@ -310,7 +305,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
 
     e = html.escape
     table = "".join(f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>"
-                    for k, v in summary_rows(run_dir, metrics, summary, episodes))
+                    for k, v in summary_rows(run_dir, metrics, evals, episodes))
     empty = [p.title for p in panel_list if not p.series]
     note = f"<p>No data yet for: {e(', '.join(empty))}.</p>" if empty else ""
     picks = sample_episodes(episodes)

@@ -21,6 +21,7 @@ from rich.progress import Progress
 from sandforge.config import JobConfig
 from sandforge.job.console import JobError, console
 from sandforge.job.eta import RunClock
+from sandforge.job.eval_summary import EvalSummary
 from sandforge.job.evaluation import eval_line, evaluation, metric_row
 from sandforge.job.fleet.lifecycle import Fleet
 from sandforge.job.rollout_metrics import rollout_metrics
@@ -124,7 +125,7 @@ class RLJob:
         if self.clock is not None:
             self.clock.add(kind, units, seconds)
 
-    def evaluate(self, step: int, base: bool = False) -> dict:
+    def evaluate(self, step: int, base: bool = False) -> EvalSummary:
         """Held-out success of the current policy after ``step`` RL steps (job/evaluation.py): logged as an ``eval``
         row and its episodes; returns the summary. ``base``: the pretrained policy before any training, logged as an
         ``eval_base`` row (its own phase: it is no point of the RL curve)."""
@@ -135,7 +136,7 @@ class RLJob:
                                     sources=self.sampler.sources)
         phase = "eval_base" if base else "eval"
         self.logger.log_trajectories(step, phase, trajs)
-        summary = {"step": step, "policy_version": self.version, **({"base": True} if base else {}), **summary}
+        summary = summary.at(step=step, policy_version=self.version, base=base)
         row = metric_row(summary)  # the base's keys are its own, so no RL curve in wandb gets its point
         self.logger.log(phase, {"step": step, **({f"eval_base/{k[5:]}": v for k, v in row.items()} if base else row)})
         self.bar.console.print(eval_line(summary), soft_wrap=True)

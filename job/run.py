@@ -111,7 +111,7 @@ def run(cfg: JobConfig, resume: bool = False, sft_only: bool = False, sampler: T
                 return out
             policy = rl_phase(job, bar, record, start)
         if record is not None:
-            console.print(eval_summary(record.as_dict()), soft_wrap=True)
+            console.print(eval_summary(record), soft_wrap=True)
         console.print(f"[green]done[/]: metrics in {out / 'metrics.jsonl'}, policy in {policy}", soft_wrap=True)
         _write_report(out)
     except KeyboardInterrupt:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from sandforge.config import EnvironmentConfig, JobConfig
-from sandforge.job.evaluation import (EvalRecord, eval_summary, evaluation, heldout_tasks, metric_row, paired,
-                                      paired_difference, pass_at_k, summarize)
+from sandforge.job.eval_compare import paired, paired_difference
+from sandforge.job.eval_summary import EvalSummary, pass_at_k, summarize
+from sandforge.job.evaluation import EvalRecord, eval_summary, evaluation, heldout_tasks, metric_row
 from sandforge.types import Reward, Task, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,12 +36,13 @@ def test_summary_per_environment_counts_failed_episodes_as_failures():
              + [_traj("repo", "c", True), _traj("repo", "c", True, failed=True), _traj("repo", "c", False),
                 _traj("repo", "c", True)])
     s = summarize(trajs, k=4)
-    assert s["per_env"]["terminal"] == {"success": 0.125, "pass@k": 0.5, "tasks": 2, "episodes": 8, "failed": 0,
-                                        "stderr": pytest.approx((0.125 * 0.875 / 7) ** 0.5), "reward": 0.125,
-                                        "reward_stderr": pytest.approx(0.125)}
-    assert s["per_env"]["repo"]["success"] == 0.5 and s["per_env"]["repo"]["failed"] == 1
-    assert s["per_env"]["repo"]["reward"] == 0.5  # the failed episode's 1.0 counts 0, as its success does
-    assert s["success"] == pytest.approx(3 / 12) and s["tasks"] == 3
+    assert s.per_env["terminal"].to_json() == {
+        "success": 0.125, "pass@k": 0.5, "tasks": 2, "episodes": 8, "failed": 0,
+        "stderr": pytest.approx((0.125 * 0.875 / 7) ** 0.5), "reward": 0.125, "reward_stderr": pytest.approx(0.125)}
+    assert s.per_env["repo"].success == 0.5 and s.per_env["repo"].failed == 1
+    assert s.per_env["repo"].reward == 0.5  # the failed episode's 1.0 counts 0, as its success does
+    assert s.rates.success == pytest.approx(3 / 12) and s.rates.tasks == 3
+    assert EvalSummary.from_json(json.loads(json.dumps(s.to_json()))) == s  # its JSON form reads back the same
     row = metric_row(s)
     assert row["eval/success/repo"] == 0.5 and row["eval/pass@k/terminal"] == 0.5 and row["eval/k"] == 4
 
@@ -60,16 +62,16 @@ def test_a_continuous_reward_is_reported_beside_success_and_paired(tmp_path):
 
     before = run({"a": [0.1, 0.2], "b": [0.0, 0.1], "c": [0.3, 0.3]})
     after = run({"a": [0.5, 0.6], "b": [0.2, 0.2], "c": [0.4, 0.6]})
-    assert before["success"] == after["success"] == 0.0
-    assert after["reward"] == pytest.approx((0.5 + 0.6 + 0.2 + 0.2 + 0.4 + 0.6) / 6)
-    assert after["per_env"]["vf"]["reward_stderr"] > 0 and metric_row(after)["eval/reward/vf"] == after["reward"]
-    pair = paired(after, before)["reward"]
-    assert pair["tasks"] == 3 and pair["mean_points"] == pytest.approx(100 * (0.4 + 0.15 + 0.2) / 3, abs=0.01)
+    assert before.rates.success == after.rates.success == 0.0
+    assert after.rates.reward == pytest.approx((0.5 + 0.6 + 0.2 + 0.2 + 0.4 + 0.6) / 6)
+    assert after.per_env["vf"].reward_stderr > 0 and metric_row(after)["eval/reward/vf"] == after.rates.reward
+    pair = paired(after, before).reward
+    assert pair.tasks == 3 and pair.mean_points == pytest.approx(100 * (0.4 + 0.15 + 0.2) / 3, abs=0.01)
     record = EvalRecord(tmp_path / "eval.json", k=2, per_family=3)
-    record.add({"step": 0, **before})
-    record.add({"step": 5, **after})
-    text = eval_summary(record.as_dict())
-    assert f"mean reward: {before['reward']:.3f} -> {after['reward']:.3f}; RL's share +25.0" in text, text
+    record.add(before.at(step=0))
+    record.add(after.at(step=5))
+    text = eval_summary(record)
+    assert f"mean reward: {before.rates.reward:.3f} -> {after.rates.reward:.3f}; RL's share +25.0" in text, text
 
 
 def test_heldout_tasks_are_fixed_and_held_out():
@@ -83,8 +85,8 @@ def test_eval_record_before_after_and_resume(tmp_path):
     path = tmp_path / "eval.json"
     record = EvalRecord(path, k=2, per_family=1)
     for step, success in ((0, 0.1), (5, 0.3), (10, 0.6)):
-        record.add({"step": step, "success": success, "pass@k": success, "k": 2,
-                    "per_env": {"terminal": {"success": success}}})
+        record.add(EvalSummary.from_json({"step": step, "success": success, "pass@k": success, "k": 2,
+                                          "per_env": {"terminal": {"success": success}}}))
     saved = json.loads(path.read_text())
     assert saved["before"]["step"] == 0 and saved["after"]["step"] == 10
     assert saved["delta_points"] == {"success": 50.0, "per_env": {"terminal": 50.0}}
@@ -94,16 +96,17 @@ def test_eval_record_before_after_and_resume(tmp_path):
     assert resumed.has(5) and not resumed.has(10)
 
 
-def _summary(step: int, success: float, greedy: float | None = None, **envs: float) -> dict:
+def _summary(step: int, success: float, greedy: float | None = None, **envs: float) -> EvalSummary:
     out = {"step": step, "success": success, "pass@k": success, "k": 2,
            "per_env": {env: {"success": v, "pass@k": v} for env, v in envs.items()}}
-    return out | ({"greedy": _summary(step, greedy, **envs)} if greedy is not None else {})
+    return EvalSummary.from_json(out | ({"greedy": _summary(step, greedy, **envs).to_json()} if greedy is not None
+                                        else {}))
 
 
 def test_eval_json_keeps_the_base_and_reports_rl_s_share_and_all_training_greedy_included(tmp_path):
     path = tmp_path / "eval.json"
     record = EvalRecord(path, k=2, per_family=1)
-    record.set_base(_summary(0, 0.0, 0.0, terminal=0.0, repo=0.0) | {"base": True})
+    record.set_base(_summary(0, 0.0, 0.0, terminal=0.0, repo=0.0).at(base=True))
     record.add(_summary(0, 0.4, 0.5, terminal=0.5, repo=0.3))  # after the warm start: RL begins here
     record.add(_summary(10, 0.6, 0.75, terminal=0.75, repo=0.45))
     saved = json.loads(path.read_text())
@@ -113,10 +116,11 @@ def test_eval_json_keeps_the_base_and_reports_rl_s_share_and_all_training_greedy
     again = EvalRecord(path, k=2, per_family=1)  # a resumed run keeps the base it measured
     again.resume_from(0)
     assert json.loads(path.read_text())["base"]["success"] == 0.0 and "over_base" in json.loads(path.read_text())
-    text = eval_summary(again.as_dict() | {"after": saved["after"], "delta_points": saved["delta_points"]})
+    again.add(EvalSummary.from_json(saved["after"]))  # the run's last evaluation, redone
+    text = eval_summary(again)
     assert "0.0% pretrained base -> 40.0% after step 0 -> 60.0% after step 10" in text
     assert "greedy: 50.0% -> 75.0% (+25.0 points over RL)" in text
-    row = metric_row({**_summary(10, 0.6, 0.75, terminal=0.75), "failed": 0, "stderr": 0.1})
+    row = metric_row(_summary(10, 0.6, 0.75, terminal=0.75))
     assert row["eval/greedy/success"] == 0.75 and row["eval/greedy/success/terminal"] == 0.75
 
 
@@ -146,13 +150,13 @@ def test_eval_temperature_reaches_the_episodes_and_is_recorded():
     [(temperatures, n, label)] = calls
     assert n == 2 * 2 * 3 + 2 * 2 and temperatures == [0.7] * (2 * 2 * 3) + [0.0] * (2 * 2)
     assert label == "held-out eval at T=0.7: 4 tasks x 3, greedy: 4 tasks x 1"
-    assert summary["temperature"] == 0.7 and summary["greedy"]["temperature"] == 0.0
+    assert summary.temperature == 0.7 and summary.greedy.temperature == 0.0
     # the passes are told apart by group, whatever order the episodes came back in
-    assert summary["episodes"] == 12 and summary["greedy"]["episodes"] == 4 and len(trajs) == 16
-    assert summary["success"] == 0.5 and summary["greedy"]["success"] == 1.0
+    assert summary.rates.episodes == 12 and summary.greedy.rates.episodes == 4 and len(trajs) == 16
+    assert summary.rates.success == 0.5 and summary.greedy.rates.success == 1.0
     calls.clear()
     _, summary = evaluation(_eval_job(), _fake_collect(calls), "eval0")  # unset: the rollout temperature, as before
-    assert sorted(set(calls[0][0])) == [0.0, 1.0] and summary["temperature"] == 1.0
+    assert sorted(set(calls[0][0])) == [0.0, 1.0] and summary.temperature == 1.0
     with pytest.raises(ValueError, match="temperature"):
         _eval_job(temperature=-0.1)
 
@@ -171,7 +175,7 @@ def test_the_base_evaluation_can_take_fewer_tasks_everywhere():
     calls.clear()
     _, summary = evaluation(cfg, _fake_collect(calls), "base", per_family=1, samples=1)  # eval.base_samples: 1
     assert [c[1] for c in calls] == [3 * 1 + 3]  # one sampled episode of each task, and the greedy one
-    assert summary["episodes"] == 3 and summary["greedy"]["episodes"] == 3
+    assert summary.rates.episodes == 3 and summary.greedy.rates.episodes == 3
 
 
 def test_the_worker_samples_eval_episodes_at_the_temperature_it_is_given(monkeypatch):
@@ -271,28 +275,29 @@ def test_paired_difference_on_known_per_task_numbers():
     after = {"a": 0.5, "b": 0.5, "c": 1.0, "d": 0.75, "only_after": 1.0}
     p = paired_difference(after, before)  # d = 50, 0, 75, -25 points
     sd = ((25 ** 2 + 25 ** 2 + 50 ** 2 + 50 ** 2) / 3) ** 0.5
-    assert p == {"mean_points": 25.0, "stderr_points": pytest.approx(round(sd / 2, 2)), "tasks": 4, "left_out": 2}
-    assert p["stderr_points"] == pytest.approx(22.82)
+    assert p.to_json() == {"mean_points": 25.0, "stderr_points": pytest.approx(round(sd / 2, 2)), "tasks": 4,
+                           "left_out": 2}
+    assert p.stderr_points == pytest.approx(22.82)
     one = paired_difference({"a": 1.0, "x": 0.0}, {"a": 0.25})  # one task in common: no standard error
-    assert one == {"mean_points": 75.0, "stderr_points": None, "tasks": 1, "left_out": 1}
-    assert paired_difference({"x": 1.0}, {"y": 0.0})["mean_points"] is None
+    assert one.to_json() == {"mean_points": 75.0, "stderr_points": None, "tasks": 1, "left_out": 1}
+    assert paired_difference({"x": 1.0}, {"y": 0.0}).mean_points is None
 
 
-def _evaluated(wins: dict[str, tuple[str, list[bool]]]) -> dict:
+def _evaluated(wins: dict[str, tuple[str, list[bool]]]) -> EvalSummary:
     """A summary made from episodes: task id -> (env, each episode's success)."""
     trajs = [_traj(env, task, s) for task, (env, outcomes) in wins.items() for s in outcomes]
     return summarize(trajs, k=2)
 
 
 def test_eval_json_pairs_before_and_after_task_by_task(tmp_path):
-    before = {"step": 0, **_evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
-                                       "t/2": ("terminal", [False, False]), "r/0": ("repo", [True, True]),
-                                       "r/gone": ("repo", [True, True])})}
-    after = {"step": 10, **_evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
-                                       "t/2": ("terminal", [True, False]), "r/0": ("repo", [False, True])})}
-    before["greedy"] = _evaluated({"t/0": ("terminal", [False]), "t/1": ("terminal", [True])})
-    after["greedy"] = _evaluated({"t/0": ("terminal", [True]), "t/1": ("terminal", [True])})
-    assert before["per_task"]["t/1"] == {"env": "terminal", "wins": 1, "episodes": 2, "reward_sum": 1.0}
+    before = _evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
+                         "t/2": ("terminal", [False, False]), "r/0": ("repo", [True, True]),
+                         "r/gone": ("repo", [True, True])}).at(step=0)
+    after = _evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
+                        "t/2": ("terminal", [True, False]), "r/0": ("repo", [False, True])}).at(step=10)
+    before = before.at(greedy=_evaluated({"t/0": ("terminal", [False]), "t/1": ("terminal", [True])}))
+    after = after.at(greedy=_evaluated({"t/0": ("terminal", [True]), "t/1": ("terminal", [True])}))
+    assert before.to_json()["per_task"]["t/1"] == {"env": "terminal", "wins": 1, "episodes": 2, "reward_sum": 1.0}
     record = EvalRecord(tmp_path / "eval.json", k=2, per_family=3)
     record.add(before)
     record.add(after)
@@ -307,7 +312,7 @@ def test_eval_json_pairs_before_and_after_task_by_task(tmp_path):
     assert p["per_env"]["repo"] == {"mean_points": -50.0, "stderr_points": None, "tasks": 1, "left_out": 1}
     assert p["greedy"]["success"] == {"mean_points": 50.0, "stderr_points": 50.0, "tasks": 2, "left_out": 0}
     assert set(saved["delta_points"]) == {"success", "per_env", "greedy"}  # the unpaired numbers stay as they were
-    text = eval_summary(saved)
+    text = eval_summary(EvalRecord(tmp_path / "eval.json", k=2, per_family=3))  # as a resumed run reads it back
     assert f"RL's share: +25.0 ± {round(sd / 2, 2):.1f} points (paired over 4 tasks; 1 measured once left out)" in text
     assert ("greedy: 50.0% -> 100.0% (+50.0 points over RL); RL's share +50.0 ± 50.0 points (paired over 2 tasks)"
             in text)
@@ -317,14 +322,16 @@ def test_eval_json_pairs_before_and_after_task_by_task(tmp_path):
 def test_eval_json_headlines_the_environments_rl_trained_on(tmp_path):
     """Repo left to the warm start (rl_weight 0) is evaluated and reported, but RL's headline share is over the
     environments RL drew from."""
-    before = {"step": 0, **_evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
-                                       "s/0": ("slack", [False, True]), "r/0": ("repo", [False, False]),
-                                       "r/1": ("repo", [False, False])})}
-    after = {"step": 12, **_evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
-                                       "s/0": ("slack", [True, True]), "r/0": ("repo", [False, False]),
-                                       "r/1": ("repo", [False, False])})}
-    before["greedy"] = _evaluated({"t/0": ("terminal", [False]), "s/0": ("slack", [True]), "r/0": ("repo", [False])})
-    after["greedy"] = _evaluated({"t/0": ("terminal", [True]), "s/0": ("slack", [True]), "r/0": ("repo", [False])})
+    before = _evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
+                         "s/0": ("slack", [False, True]), "r/0": ("repo", [False, False]),
+                         "r/1": ("repo", [False, False])}).at(step=0)
+    after = _evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
+                        "s/0": ("slack", [True, True]), "r/0": ("repo", [False, False]),
+                        "r/1": ("repo", [False, False])}).at(step=12)
+    before = before.at(greedy=_evaluated({"t/0": ("terminal", [False]), "s/0": ("slack", [True]),
+                                          "r/0": ("repo", [False])}))
+    after = after.at(greedy=_evaluated({"t/0": ("terminal", [True]), "s/0": ("slack", [True]),
+                                        "r/0": ("repo", [False])}))
     record = EvalRecord(tmp_path / "eval.json", k=2, per_family=2, trained=["terminal", "slack"])
     record.add(before)
     record.add(after)
@@ -338,7 +345,7 @@ def test_eval_json_headlines_the_environments_rl_trained_on(tmp_path):
     assert saved["paired"]["success"]["tasks"] == 5 and saved["paired"]["success"]["mean_points"] == 30.0
     assert head["greedy"]["before"] == 50.0 and head["greedy"]["after"] == 100.0
     assert head["greedy"]["paired"] == {"mean_points": 50.0, "stderr_points": 50.0, "tasks": 2, "left_out": 0}
-    assert "the environments RL trained on (slack, terminal): 33.3% -> 83.3%, RL's share +50.0" in eval_summary(saved)
+    assert "the environments RL trained on (slack, terminal): 33.3% -> 83.3%, RL's share +50.0" in eval_summary(record)
     # RL on every evaluated environment: the overall numbers are the headline, no second block
     everything = EvalRecord(tmp_path / "all.json", k=2, per_family=2, trained=["terminal", "slack", "repo"])
     everything.add(before)
@@ -346,23 +353,28 @@ def test_eval_json_headlines_the_environments_rl_trained_on(tmp_path):
     assert "rl_trained" not in json.loads((tmp_path / "all.json").read_text())
 
 
-def test_eval_against_an_earlier_evaluation_pairs_task_by_task():
+def test_eval_against_an_earlier_evaluation_pairs_task_by_task(tmp_path):
     """``sandforge eval --against``: a checkpoint's summary compared with an earlier one's, task by task."""
     from sandforge.job.console import JobError
-    from sandforge.job.evaluation import against_lines, compared
+    from sandforge.job.evaluation import compared, read_against
 
     earlier = _evaluated({"t/0": ("terminal", [False, False]), "t/1": ("terminal", [True, False]),
                           "s/0": ("slack", [False, True])})
     now = _evaluated({"t/0": ("terminal", [True, True]), "t/1": ("terminal", [True, False]),
                       "s/0": ("slack", [True, True])})
     cmp = compared(now, earlier, "warm.json")
-    assert cmp["paired"]["success"]["mean_points"] == 50.0 and cmp["paired"]["success"]["tasks"] == 3
-    assert cmp["delta_points"]["success"] == pytest.approx(100 * (5 / 6 - 2 / 6), abs=0.01)
-    lines = against_lines(cmp)
+    assert cmp.paired.success.mean_points == 50.0 and cmp.paired.success.tasks == 3
+    assert cmp.to_json()["delta_points"]["success"] == pytest.approx(100 * (5 / 6 - 2 / 6), abs=0.01)
+    lines = cmp.lines()
     assert lines[0].startswith("against warm.json: +50.0 ± 28.9 points (paired over 3 tasks)")
     assert any(line.startswith("  terminal: +50.0") for line in lines)
-    with pytest.raises(JobError, match="--against old.json: it holds no per-task results"):
-        compared(now, {"success": 0.5, "per_env": {}}, "old.json")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"success": 0.5, "per_env": {}}))
+    with pytest.raises(JobError, match="--against .*old.json: it holds no per-task results"):
+        read_against(old)
+    old.write_text(json.dumps({"success": "half", "per_env": {}}))
+    with pytest.raises(JobError, match="cannot read it as an evaluation summary .*success must be a number"):
+        read_against(old)
 
 
 def test_an_environment_can_evaluate_more_or_fewer_tasks_than_the_eval():
@@ -374,13 +386,14 @@ def test_an_environment_can_evaluate_more_or_fewer_tasks_than_the_eval():
 
 
 def test_an_eval_json_without_per_task_results_has_no_paired_block(tmp_path):
-    old = {"step": 0, "success": 0.5, "pass@k": 0.5, "k": 2, "per_env": {"terminal": {"success": 0.5}}}
+    old = EvalSummary.from_json({"step": 0, "success": 0.5, "pass@k": 0.5, "k": 2,
+                                 "per_env": {"terminal": {"success": 0.5}}})
     assert paired(old, old) is None
     record = EvalRecord(tmp_path / "eval.json", k=2, per_family=1)
     record.add(old)
-    record.add({**old, "step": 5})
+    record.add(old.at(step=5))
     saved = json.loads((tmp_path / "eval.json").read_text())
-    assert "paired" not in saved and "RL's share" not in eval_summary(saved)
+    assert "paired" not in saved and "RL's share" not in eval_summary(record)
 
 
 def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:

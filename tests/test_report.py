@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from sandforge.job.report import panels, plot_curves, rolling_mean, write_report
+from sandforge.job.eval_summary import RunEvals
 from sandforge.rundir import read_eval, read_metrics
 
 SAMPLE = Path(__file__).parent / "data" / "run_sample"
@@ -79,7 +80,7 @@ def test_summary_shows_final_metrics_and_eval_before_after(reported):
 def test_curves_follow_the_metrics_rows():
     metrics, summary = read_metrics(SAMPLE), read_eval(SAMPLE)
     rl = metrics["rl"]
-    p = panels(metrics, summary)
+    p = panels(metrics, RunEvals.from_json(summary))
     reward = panel(p, "reward").series
     assert reward[0].x == [r["step"] for r in rl] and reward[0].y == [r["reward/mean"] for r in rl]
     success = {s.label: s.y for s in panel(p, "success per environment").series}
@@ -93,17 +94,17 @@ def test_curves_follow_the_metrics_rows():
     with_base = {**summary, "base": {**summary["before"], "success": 0.05, "stderr": 0.02,
                                      "per_env": {"terminal": {"success": 0.1, "stderr": 0.04}}}}
     rows = [{**r, "eval/greedy/success": r["eval/success"] + 0.1} for r in metrics["eval"]]
-    held = panel(panels({**metrics, "eval": rows}, with_base), "held-out success: base, warm start, RL").series
+    held = panel(panels({**metrics, "eval": rows}, RunEvals.from_json(with_base)), "held-out success: base, warm start, RL").series
     marks = {s.label: (s.style, s.x, s.y) for s in held}
     assert marks["all base"] == ("base", [-1], [0.05]) and marks["terminal base"] == ("base", [-1], [0.1])
     errs = {s.label: s.err for s in held}  # eval.json's standard errors become the markers' error bars
     assert errs["all base"] == [0.02] and errs["terminal base"] == [0.04] and errs["all envs"] is None
     assert marks["all envs, greedy"][0] == "dotted" and marks["all envs, greedy"][1] == [0, 5, 10]
-    plot_curves(panels({**metrics, "eval": rows}, with_base))  # draws every style
+    plot_curves(panels({**metrics, "eval": rows}, RunEvals.from_json(with_base)))  # draws every style
     sft = panel(p, "cold start: pretraining, then SFT loss").series[0]  # the sample run has no pretraining rows
     assert sft.x == [0, 1, 2, 3, 4] and sft.y[0] > sft.y[-1]
     both = panel(panels({"pretrain": [{"pretrain/step": i, "pretrain/loss": 5.0 - i} for i in range(3)],
-                         "warmup": [{"warmup/step": i, "warmup/loss": 1.0} for i in range(2)]}, {}),
+                         "warmup": [{"warmup/step": i, "warmup/loss": 1.0} for i in range(2)]}, RunEvals()),
                  "cold start: pretraining, then SFT loss").series
     assert [(s.label, s.x) for s in both] == [("pretraining", [0, 1, 2]), ("warm-start SFT", [3, 4])]
 
@@ -111,7 +112,7 @@ def test_curves_follow_the_metrics_rows():
 def test_long_noisy_curves_are_drawn_smoothed_over_the_raw_values():
     assert rolling_mean([0, 3, 0, 3, 0, 3], 3) == [1.5, 1, 2, 1, 2, 1.5]
     rows = [{"phase": "rl", "step": s, "reward/mean": float(s % 2)} for s in range(40)]
-    ax = plot_curves(panels({"rl": rows}, {})).axes[0]
+    ax = plot_curves(panels({"rl": rows}, RunEvals())).axes[0]
     raw, smooth = ax.lines
     assert list(raw.get_ydata()) == [float(s % 2) for s in range(40)]
     middle = smooth.get_ydata()[5:-5]  # the ends average fewer points
@@ -124,7 +125,7 @@ def test_panels_without_data_say_so(tmp_path):
         line + "\n" for line in (SAMPLE / "metrics.jsonl").read_text().splitlines() if '"warmup"' in line)
         + '{"phase": "rl", "step": 0, "reward/m')  # and a torn last line, as a killed run leaves
     metrics = read_metrics(tmp_path)
-    p = panels(metrics, read_eval(tmp_path))
+    p = panels(metrics, RunEvals.from_json(read_eval(tmp_path)))
     fig = plot_curves(p)
     texts = {ax.get_title(): " ".join(t.get_text() for t in ax.texts) for ax in fig.axes}
     assert len(texts) == 8
@@ -210,11 +211,11 @@ def test_the_held_out_mean_reward_is_drawn_and_listed():
 
     metrics, summary = read_metrics(SAMPLE), read_eval(SAMPLE)
     ev = [{**r, "eval/reward": 0.1 * (i + 1)} for i, r in enumerate(metrics["eval"])]
-    held = panel(panels({**metrics, "eval": ev}, summary), "held-out success: base, warm start, RL").series
+    held = panel(panels({**metrics, "eval": ev}, RunEvals.from_json(summary)), "held-out success: base, warm start, RL").series
     (reward,) = [s for s in held if s.style == "reward"]
     assert reward.label == "all envs, mean reward" and reward.y == pytest.approx([0.1, 0.2, 0.3])
-    plot_curves(panels({**metrics, "eval": ev}, summary))
+    plot_curves(panels({**metrics, "eval": ev}, RunEvals.from_json(summary)))
     with_reward = {**summary, "before": {**summary["before"], "reward": 0.12},
                    "after": {**summary["after"], "reward": 0.34}}
-    rows = dict(summary_rows(SAMPLE, metrics, with_reward, []))
+    rows = dict(summary_rows(SAMPLE, metrics, RunEvals.from_json(with_reward), []))
     assert rows["held-out mean reward"] == "0.120 → 0.340"
