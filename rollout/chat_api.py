@@ -6,15 +6,23 @@ list of ``{"type": "text"}`` parts), ``tools`` of type function, assistant ``too
 choice (``n`` 1). A ``stream: true`` request is answered as server-sent events once the whole reply is generated
 (``completion_events``: one chunk with the message, one with the finish reason, the usage if asked, ``[DONE]``), since
 clients such as verifiers' chat program only speak streaming; tokens are not sent as they come. Sampling settings
-the harness sends (temperature, top_p) are recorded but not used: an RL episode samples at the job's temperature,
+the harness sent (temperature, top_p) are recorded but not used: an RL episode samples at the job's temperature,
 which is what the trainer's ratio assumes.
+
+The body is the policy's doing, so it is read by pydantic models (``ChatBody`` and its parts, ``JsonSchema`` for a
+tool's parameters) and whatever they refuse, however odd or deeply nested, is a ``BadRequest`` that names the field
+as the harness wrote it (``messages[2].tool_calls[0] needs function.name``); keys the proxy does not read are ignored.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator,
+                      StrictBool, StrictInt, StrictStr, TypeAdapter, ValidationError, WrapValidator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from sandforge.types import Message, ToolCall
 
@@ -53,21 +61,116 @@ REFUSED = {  # keys whose non-default value would change the completion; value: 
     "echo": (None, False), "best_of": (None, 1), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]),
 }
+ASKED = ("model", "temperature", "top_p", "seed")  # recorded as sent, not used
+MAX_SCHEMA_DEPTH = 16  # nested objects in a tool's parameters
 
 
-def _text(content: Any, where: str) -> str:
+def _shown(value: Any) -> str:
+    """``value`` as the harness sent it (JSON), cut short; never fails, however deep or odd the value."""
+    try:
+        return json.dumps(value)[:40]
+    except (TypeError, ValueError, RecursionError):
+        return type(value).__name__
+
+
+def _str(value: Any) -> str:
+    """``str(value)``, or the type's name where a value is too deep or too long to write out."""
+    try:
+        return str(value)
+    except (RecursionError, ValueError):
+        return type(value).__name__
+
+
+def _refused(text: str) -> PydanticCustomError:
+    return PydanticCustomError("bad_request", text)
+
+
+def _says(text: str, inside: bool = False) -> WrapValidator:
+    """The field refused in the proxy's words: ``text`` (``{got}``: the value sent, ``{kind}``: its type) replaces
+    pydantic's error about the value itself, or with ``inside`` any error within it; other errors within it (a message
+    of the list, a property of a schema) keep their own words."""
+
+    def check(value: Any, handler):
+        try:
+            return handler(value)
+        except ValidationError as e:
+            if inside or any(not err["loc"] for err in e.errors()):  # ``{got}`` last: what was sent is not re-read
+                raise _refused(text.replace("{kind}", type(value).__name__).replace("{got}", _shown(value))) from None
+            raise
+
+    return WrapValidator(check)
+
+
+def _read(adapter: TypeAdapter, value: Any, where: tuple = ()) -> Any:
+    """``value`` validated by ``adapter``; its first error as a BadRequest naming the field's path (``where`` first)
+    as the harness wrote it: ``messages[2].tool_calls[0] needs function.name``, ``tools[0].function.description must
+    be a string``, ``messages[1].content[0]: only text content parts are supported``."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        path = ""
+        for part in (*where, *err["loc"]):
+            path += f"[{part}]" if isinstance(part, int) else f".{str(part)[:40]}" if path else str(part)[:40]
+        says = "is required" if err["type"] == "missing" else err["msg"]
+        if not path:
+            raise BadRequest(says) from None
+        raise BadRequest(path + (" " if says.startswith(("must ", "needs ", "is ")) else ": ") + says) from None
+
+
+class _Sent(BaseModel):
+    """Part of a request as the harness sent it: keys the proxy does not read are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# --- messages ----------------------------------------------------------------------------------------------------
+
+
+class TextPart(_Sent):
+    type: Literal["text"]
+    text: StrictStr
+
+
+def _parts(content: Any) -> Any:
+    """Text content as parts: a string is one, null none."""
     if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
-                raise BadRequest(f"{where}: only text content parts are supported, got {str(p)[:80]}")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise BadRequest(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+        return []
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
+Content = Annotated[list[Annotated[TextPart, _says("only text content parts are supported, got {got}", inside=True)]],
+                    BeforeValidator(_parts), _says("must be a string or a list of text parts, got {kind}")]
+
+
+class CalledFunction(_Sent):
+    name: StrictStr
+    arguments: Any = None  # a JSON object, or its JSON text as OpenAI clients send it back (_arguments)
+
+
+class ChatToolCall(_Sent):
+    function: CalledFunction
+    id: Any = None
+
+
+class ChatMessage(_Sent):
+    role: Annotated[Literal["system", "developer", "user", "assistant", "tool"],
+                    _says("must be system, user, assistant or tool (or developer), got {got}")]
+    content: Content = []
+    reasoning_content: Any = None  # an assistant's reasoning, under either name; kept only when it is text
+    reasoning: Any = None
+    tool_calls: Annotated[list[Annotated[ChatToolCall, _says("needs function.name", inside=True)]],
+                          _says("must be a list")] | None = None
+    tool_call_id: Any = None  # a tool result's: the call it answers
+    name: Any = None  # a tool result's tool; unnamed, the tool of the call it answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _calls_are_the_assistants(cls, m: Any) -> Any:
+        """Only an assistant's ``tool_calls`` are read: what another role carries under that key is ignored."""
+        if isinstance(m, dict) and m.get("role") != "assistant" and "tool_calls" in m:
+            return {k: v for k, v in m.items() if k != "tool_calls"}
+        return m
 
 
 def _arguments(raw: Any) -> dict:
@@ -77,139 +180,186 @@ def _arguments(raw: Any) -> dict:
     if isinstance(raw, str):
         try:
             value = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or a number or nesting past what Python reads
             return {"__unparsed__": raw}  # compares unequal to anything the proxy returned: a new row
         return value if isinstance(value, dict) else {"__unparsed__": raw}
-    return {"__unparsed__": str(raw)}
+    return {"__unparsed__": _str(raw)}
 
 
-def _tool_calls(raw: Any, where: str) -> list[ToolCall]:
-    if raw in (None, []):
-        return []
-    if not isinstance(raw, list):
-        raise BadRequest(f"{where}.tool_calls must be a list")
-    calls = []
-    for j, c in enumerate(raw):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRequest(f"{where}.tool_calls[{j}] needs function.name")
-        calls.append(ToolCall(name=fn["name"], arguments=_arguments(fn.get("arguments")), id=str(c.get("id") or "")))
-    return calls
+def _message(m: ChatMessage, names: dict[str, str]) -> Message:
+    """A read message as a Message; an assistant's calls are added to ``names`` (call id -> tool name)."""
+    content = "".join(p.text for p in m.content)
+    if m.role == "assistant":
+        reasoning = m.reasoning_content or m.reasoning or ""
+        calls = [ToolCall(name=c.function.name, arguments=_arguments(c.function.arguments), id=_str(c.id or ""))
+                 for c in m.tool_calls or []]
+        names.update({c.id: c.name for c in calls if c.id})
+        return Message(role="assistant", content=content, reasoning=reasoning if isinstance(reasoning, str) else "",
+                       tool_calls=calls)
+    if m.role == "tool":
+        call_id = _str(m.tool_call_id or "")
+        return Message(role="tool", content=content, name=_str(m.name or names.get(call_id, "tool")),
+                       tool_call_id=call_id)
+    return Message(role="system" if m.role == "developer" else m.role, content=content)
+
+
+AnyMessage = Annotated[ChatMessage, _says("expected an object with role system, user, assistant or tool")]
+_MESSAGE = TypeAdapter(AnyMessage)
 
 
 def read_message(m: Any, i: int, names: dict[str, str]) -> Message:
     """``messages[i]`` as a Message. ``names``: tool-call id -> tool name, from the assistant turns before it (OpenAI
     tool results name their call, not always their tool)."""
-    where = f"messages[{i}]"
-    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-        raise BadRequest(f"{where}: expected an object with role system, user, assistant or tool")
-    role = "system" if m["role"] == "developer" else m["role"]
-    content = _text(m.get("content"), where)
-    if role == "assistant":
-        reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
-        msg = Message(role="assistant", content=content, reasoning=reasoning if isinstance(reasoning, str) else "",
-                      tool_calls=_tool_calls(m.get("tool_calls"), where))
-        names.update({c.id: c.name for c in msg.tool_calls if c.id})
-        return msg
-    if role == "tool":
-        call_id = str(m.get("tool_call_id") or "")
-        return Message(role="tool", content=content, name=str(m.get("name") or names.get(call_id, "tool")),
-                       tool_call_id=call_id)
-    return Message(role=role, content=content)
+    return _message(_read(_MESSAGE, m, ("messages", i)), names)
 
 
-def _tool_schema(t: Any, i: int) -> dict:
-    """A tool of the request as the chat templates render it, its shape checked (``_json_schema``): a template reads
-    a schema's ``properties`` as a mapping of objects and ``required`` as a list of names, and one that is not would
-    raise inside the template."""
-    fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise BadRequest(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
-    if "description" in fn and not isinstance(fn["description"], str):
-        raise BadRequest(f"tools[{i}].function.description must be a string")
-    if "parameters" in fn:
-        _json_schema(fn["parameters"], f"tools[{i}].function.parameters", 0)
-    return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+# --- tools -------------------------------------------------------------------------------------------------------
+
+Schema = Annotated["JsonSchema", _says("must be a JSON schema object, got {kind}")]
+
+
+class JsonSchema(_Sent):
+    """A tool's parameters as chat templates read them: ``properties`` a mapping of names to schemas, ``items`` a
+    schema, ``required`` and ``enum`` lists, ``type`` a name or a list of names, ``description`` and ``title``
+    strings (a template that reads one of another kind raises). Other keys pass as they are."""
+
+    description: Annotated[StrictStr, _says("must be a string")] = ""
+    title: Annotated[StrictStr, _says("must be a string")] = ""
+    type: Annotated[StrictStr | list[StrictStr] | None,
+                    _says("must be a type name or a list of them", inside=True)] = None
+    required: Annotated[list[Annotated[StrictStr, _says("must be a property name, got {got}")]],
+                        _says("must be a list")] = []
+    enum: Annotated[list[Any], _says("must be a list")] = []
+    properties: Annotated[dict[Any, Schema], _says("must be an object of named schemas")] = {}
+    items: Schema = None  # absent: no items; a null is refused, as any value that is not a schema
+
+
+_SCHEMA = TypeAdapter(Schema)
+
+
+def _depth_within(schema: Any) -> None:
+    """Refused if ``schema`` nests (through ``properties`` and ``items``) more than MAX_SCHEMA_DEPTH deep: measured
+    level by level before the schema is validated, so no schema recurses far."""
+    level, depth = [schema], 0
+    while level:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _refused(f"nested more than {MAX_SCHEMA_DEPTH} deep")
+        below = []
+        for node in level:
+            if isinstance(node, dict):
+                props = node.get("properties")
+                below += list(props.values()) if isinstance(props, dict) else []
+                below += [node["items"]] if "items" in node else []
+        level, depth = below, depth + 1
+
+
+def _as_sent(schema: Any) -> Any:
+    """A tool's parameters checked as a ``JsonSchema`` and kept as sent: the template renders the harness's own
+    object (its key order, keys the model does not name)."""
+    _depth_within(schema)
+    _SCHEMA.validate_python(schema)
+    return schema
+
+
+class FunctionSpec(_Sent):
+    name: Annotated[StrictStr, _says("must be a string, got {got}")]
+    description: Annotated[StrictStr, _says("must be a string")] = ""
+    parameters: Annotated[dict, PlainValidator(_as_sent)] = None  # absent: none; a null is refused
+
+
+class ChatTool(_Sent):
+    type: Annotated[Literal["function"], _says('must be "function" (the only kind of tool served), got {got}')] = \
+        "function"
+    function: Annotated[FunctionSpec, _says("must be an object with the function's name, got {kind}")]
+
+
+Tools = Annotated[list[Annotated[ChatTool, _says('expected {"type": "function", "function": {"name": ...}}')]],
+                  _says("must be a list")]
+_TOOLS = TypeAdapter(Tools)
+
+
+def _listed(tool: ChatTool) -> dict:
+    """A tool as environments list theirs: its function's name, and description and parameters where sent."""
+    fn = tool.function
+    return {k: getattr(fn, k) for k in ("name", "description", "parameters") if k in fn.model_fields_set}
 
 
 def read_tools(tools: Any) -> list[dict]:
     """A request's (or a conversation's) ``tools``, each checked as the chat templates read it; BadRequest if not."""
-    if not isinstance(tools, list):
-        raise BadRequest("tools must be a list")
-    return [_tool_schema(t, i) for i, t in enumerate(tools)]
+    return [_listed(t) for t in _read(_TOOLS, tools, ("tools",))]
 
 
-MAX_SCHEMA_DEPTH = 16  # nested objects in a tool's parameters
+# --- the request -------------------------------------------------------------------------------------------------
+
+def _zero_or_one(value: Any) -> Any:
+    """A JSON 0 or 1 for a token flag reads as false or true."""
+    return bool(value) if type(value) in (int, float) and value in (0, 1) else value
 
 
-def _json_schema(schema: Any, where: str, depth: int) -> None:
-    """BadRequest unless ``schema`` is a JSON schema object as templates read one: ``properties`` a mapping of names
-    to schemas, ``items`` a schema, ``required`` and ``enum`` lists, ``type`` a name or a list of names,
-    ``description`` and ``title`` strings; nested at most ``MAX_SCHEMA_DEPTH`` deep. Other keys pass as they are."""
-    if depth > MAX_SCHEMA_DEPTH:
-        raise BadRequest(f"{where}: nested more than {MAX_SCHEMA_DEPTH} deep")
-    if not isinstance(schema, dict):
-        raise BadRequest(f"{where} must be a JSON schema object, got {type(schema).__name__}")
-    for key in ("description", "title"):
-        if key in schema and not isinstance(schema[key], str):
-            raise BadRequest(f"{where}.{key} must be a string")
-    kind = schema.get("type")
-    if kind is not None and not (isinstance(kind, str) or isinstance(kind, list)
-                                 and all(isinstance(k, str) for k in kind)):
-        raise BadRequest(f"{where}.type must be a type name or a list of them")
-    for key in ("required", "enum"):
-        if key in schema and not isinstance(schema[key], list):
-            raise BadRequest(f"{where}.{key} must be a list")
-    if "required" in schema and not all(isinstance(r, str) for r in schema["required"]):
-        raise BadRequest(f"{where}.required must list property names")
-    if "properties" in schema:
-        props = schema["properties"]
-        if not isinstance(props, dict):
-            raise BadRequest(f"{where}.properties must be an object of named schemas")
-        for name, sub in props.items():
-            _json_schema(sub, f"{where}.properties.{str(name)[:40]}", depth + 1)
-    if "items" in schema:
-        _json_schema(schema["items"], f"{where}.items", depth + 1)
+Flag = Annotated[StrictBool, _says("must be true or false, got {got}")] | None  # stream: true or false, never guessed
+TokenFlag = Annotated[StrictBool, BeforeValidator(_zero_or_one), _says("must be true or false, got {got}")] | None
+
+
+class StreamOptions(_Sent):
+    include_usage: Any = False  # truthy: a last chunk with the usage
+
+
+def _no_top_logprobs(value: Any) -> Any:
+    if value not in (None, 0):
+        raise _refused("is not served: only the sampled token's log-prob (logprobs: true)")
+    return value
+
+
+class ChatBody(_Sent):
+    """A ``/v1/chat/completions`` body as the proxy serves it (the module's docstring says what that is)."""
+
+    messages: Annotated[list[AnyMessage], Field(min_length=1), _says("must be a non-empty list")]
+    tools: Annotated[Tools, BeforeValidator(lambda v: v or [])] = []  # null, {}, "": none
+    max_tokens: Annotated[StrictInt, Field(gt=0), _says("must be a positive integer, got {got}")] | None = Field(
+        None, validation_alias=AliasChoices("max_completion_tokens", "max_tokens"))  # the first, where both are sent
+    stream: Flag = None
+    stream_options: Annotated[StreamOptions, BeforeValidator(lambda v: v or {}), _says("must be an object")] = \
+        StreamOptions()  # null: none
+    top_logprobs: Annotated[Any, AfterValidator(_no_top_logprobs)] = None
+    logprobs: TokenFlag = None
+    return_tokens_as_token_ids: TokenFlag = None
+    return_token_ids: TokenFlag = None
+    model: Any = None  # ASKED: recorded where sent
+    temperature: Any = None
+    top_p: Any = None
+    seed: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise _refused("the body must be a JSON object")
+        for key, off in REFUSED.items():
+            if key in body and body[key] not in off:
+                raise _refused(f"{key}={_shown(body[key])} is not supported by the recording proxy (one choice, no "
+                               "stop strings or penalties)")
+        return body
+
+    @model_validator(mode="after")
+    def _not_prefilled(self) -> ChatBody:
+        if self.messages[-1].role == "assistant":
+            raise _refused("the last message is the assistant's: continuing a prefilled reply is not supported")
+        return self
+
+
+_BODY = TypeAdapter(ChatBody)
 
 
 def read_request(body: Any) -> ChatRequest:
     """A chat-completions body as a ChatRequest; BadRequest names what is not served."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    for key, off in REFUSED.items():
-        if key in body and body[key] not in off:
-            raise BadRequest(f"{key}={json.dumps(body[key])[:40]} is not supported by the recording proxy "
-                             "(one choice, no stop strings or penalties)")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest("messages must be a non-empty list")
+    sent: ChatBody = _read(_BODY, body)
     names: dict[str, str] = {}
-    messages = [read_message(m, i, names) for i, m in enumerate(raw)]
-    if messages[-1].role == "assistant":
-        raise BadRequest("the last message is the assistant's: continuing a prefilled reply is not supported")
-    tools = body.get("tools") or []
-    if not isinstance(tools, list):
-        raise BadRequest("tools must be a list")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if body.get("stream") not in (None, False, True):
-        raise BadRequest(f"stream must be true or false, got {json.dumps(body['stream'])[:40]}")
-    stream = body.get("stream") is True
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object")
-    if body.get("top_logprobs") not in (None, 0):
-        raise BadRequest("top_logprobs is not served: only the sampled token's log-prob (logprobs: true)")
-    flags = {k: body.get(k) for k in ("logprobs", "return_tokens_as_token_ids", "return_token_ids")}
-    for key, value in flags.items():
-        if value not in (None, False, True):
-            raise BadRequest(f"{key} must be true or false, got {json.dumps(value)[:40]}")
-    tokens = TokensAsked(bool(flags["logprobs"]), bool(flags["return_tokens_as_token_ids"]),
-                         bool(flags["return_token_ids"]))
-    asked = {k: body[k] for k in ("model", "temperature", "top_p", "seed") if k in body}
-    return ChatRequest(messages, [_tool_schema(t, i) for i, t in enumerate(tools)], max_tokens, asked, stream,
-                       stream and bool(options.get("include_usage")), tokens)
+    stream = sent.stream is True
+    return ChatRequest([_message(m, names) for m in sent.messages], [_listed(t) for t in sent.tools], sent.max_tokens,
+                       {k: getattr(sent, k) for k in ASKED if k in sent.model_fields_set}, stream,
+                       stream and bool(sent.stream_options.include_usage),
+                       TokensAsked(bool(sent.logprobs), bool(sent.return_tokens_as_token_ids),
+                                   bool(sent.return_token_ids)))
 
 
 def message_json(msg: Message) -> dict:

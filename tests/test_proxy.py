@@ -12,6 +12,7 @@ import openai
 import pytest
 from agent_fakes import CHAT, limits
 
+from sandforge.rollout.chat_api import ChatRequest, TokensAsked, read_request
 from sandforge.rollout.policy_client import PolicyError
 from sandforge.rollout.proxy import EpisodeProxy, ProxyBudget
 from sandforge.types import GenerateRequest, Message, Sample, ToolCall
@@ -256,3 +257,43 @@ def test_the_exact_tokens_come_back_when_asked_as_vllm_returns_them(served):
     refused = http.post("http://proxy/v1/chat/completions", headers=auth,
                         json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5})
     assert refused.status_code == 400 and "top_logprobs" in refused.json()["error"]["message"]
+
+
+def test_a_request_is_read_as_the_conversation_tools_and_settings_it_sends():
+    """rollout/chat_api.py ``read_request`` on honest requests, lenient where OpenAI clients differ: a developer
+    message is the system's, arguments come as an object or as JSON text (unparsable text kept, never refused), a tool
+    result is named by its call, a tool's schema is kept as sent (its key order, keys no template reads), settings
+    are recorded, and keys the proxy does not read are ignored."""
+    schema = {"required": ["command"], "type": "object", "additionalProperties": False,
+              "properties": {"command": {"type": "string", "description": "the command"}}}
+    body = {
+        "model": "policy", "temperature": 0.2, "seed": 9, "user": "me", "n": 1, "stop": [], "max_tokens": 99,
+        "max_completion_tokens": 7, "stream": True, "stream_options": {"include_usage": 1}, "logprobs": 1,
+        "return_token_ids": True, "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "List "}, {"type": "text", "text": "files."}]},
+            {"role": "assistant", "content": None, "reasoning_content": "ls it", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}},
+                {"id": 2, "function": {"name": "bash", "arguments": {"command": "pwd"}}},
+                {"function": {"name": "bash", "arguments": "ls -la"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+            {"role": "tool", "tool_call_id": "2", "name": "shell", "content": "/"},
+            {"role": "user", "content": None, "tool_calls": "only an assistant's are read"}],
+        "tools": [{"type": "function", "function": {"name": "bash", "description": "run", "parameters": schema,
+                                                    "strict": True}},
+                  {"function": {"name": "noop"}}]}
+    asked = read_request(body)
+    assert asked.messages == [
+        Message(role="system", content="Be brief."), Message(role="user", content="List files."),
+        Message(role="assistant", reasoning="ls it", tool_calls=[
+            ToolCall("bash", {"command": "ls"}, "c1"), ToolCall("bash", {"command": "pwd"}, "2"),
+            ToolCall("bash", {"__unparsed__": "ls -la"}, "")]),
+        Message(role="tool", content="a.txt", name="bash", tool_call_id="c1"),
+        Message(role="tool", content="/", name="shell", tool_call_id="2"), Message(role="user", content="")]
+    assert asked.tools == [{"name": "bash", "description": "run", "parameters": schema}, {"name": "noop"}]
+    assert list(asked.tools[0]["parameters"]) == ["required", "type", "additionalProperties", "properties"]
+    assert (asked.max_tokens, asked.asked) == (7, {"model": "policy", "temperature": 0.2, "seed": 9})
+    assert (asked.stream, asked.stream_usage, asked.tokens) == (True, True, TokensAsked(True, False, True))
+    plain = read_request({"messages": [{"role": "user", "content": "hi"}], "tools": None, "stream_options": None,
+                          "max_completion_tokens": None, "max_tokens": 5, "logprobs": False, "top_logprobs": 0})
+    assert plain == ChatRequest([Message(role="user", content="hi")], [], None, {}, False, False, TokensAsked())

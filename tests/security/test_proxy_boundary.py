@@ -4,8 +4,13 @@ broken. Attacks on a real proxy over its Unix socket, the harness's side."""
 
 from __future__ import annotations
 
+import copy
+import random
+
 import pytest
 from test_proxy import TOKEN, ScriptedEngine, _post, served  # noqa: F401 - served: the fixture
+
+from sandforge.rollout.chat_api import BadRequest, read_message, read_request, read_tools
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -100,3 +105,177 @@ def test_a_proxy_without_tools_ends_the_episode_on_a_request_that_offers_some(tm
         assert len(s.proxy.recorder.turns) == 1
     finally:
         s.close()
+
+
+# --- the request models themselves (rollout/chat_api.py): what any body of any shape is answered ------------------
+
+USER = {"role": "user", "content": "hi"}
+ASSISTANT_CALLS = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]}
+PYDANTIC_WORDS = ("Input should", "Field required", "Value error", "validation error", "Assertion failed")
+
+
+def params(schema) -> dict:
+    return {"messages": [USER], "tools": tool(parameters=schema)}
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("body, says", [
+    (5, "the body must be a JSON object"),
+    ({}, "messages is required"),
+    ({"messages": []}, "messages must be a non-empty list"),
+    ({"messages": "hi"}, "messages must be a non-empty list"),
+    ({"messages": [USER, 5]}, "messages[1]: expected an object with role system, user, assistant or tool"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 'messages[0].role must be system, user, assistant or tool'),
+    ({"messages": [{"content": "x"}]}, "messages[0].role is required"),
+    ({"messages": [{"role": "user", "content": 5}]},
+     "messages[0].content must be a string or a list of text parts, got int"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]},
+     'messages[0].content[1]: only text content parts are supported, got {"type": "image_url"}'),
+    ({"messages": [USER, {**ASSISTANT_CALLS, "tool_calls": "ls"}, USER]}, "messages[1].tool_calls must be a list"),
+    ({"messages": [USER, {**ASSISTANT_CALLS, "tool_calls": [*ASSISTANT_CALLS["tool_calls"], {"function": {}}]}, USER]},
+     "messages[1].tool_calls[1] needs function.name"),
+    ({"messages": [USER, {"role": "assistant", "tool_calls": [{"function": {"name": 3}}]}, USER]},
+     "messages[1].tool_calls[0] needs function.name"),
+    ({"messages": [USER, {"role": "assistant", "content": "Sure"}]},
+     "the last message is the assistant's: continuing a prefilled reply is not supported"),
+    ({"messages": [USER], "tools": {"bash": {}}}, "tools must be a list"),
+    ({"messages": [USER], "tools": ["bash"]}, 'tools[0]: expected {"type": "function", "function": {"name": ...}}'),
+    ({"messages": [USER], "tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+     'tools[0].type must be "function" (the only kind of tool served), got "retrieval"'),
+    ({"messages": [USER], "tools": [{"type": "function"}]}, "tools[0].function is required"),
+    ({"messages": [USER], "tools": [{"function": {"name": 5}}]}, "tools[0].function.name must be a string, got 5"),
+    ({"messages": [USER], "tools": tool(description=3)}, "tools[0].function.description must be a string"),
+    (params("object"), "tools[0].function.parameters must be a JSON schema object, got str"),
+    (params(None), "tools[0].function.parameters must be a JSON schema object, got NoneType"),
+    (params({"properties": ["command"]}), "tools[0].function.parameters.properties must be an object of named schemas"),
+    (params({"properties": {"command": "string"}}),
+     "tools[0].function.parameters.properties.command must be a JSON schema object, got str"),
+    (params({"required": "command"}), "tools[0].function.parameters.required must be a list"),
+    (params({"required": ["a", 1]}), "tools[0].function.parameters.required[1] must be a property name, got 1"),
+    (params({"type": ["string", 3]}), "tools[0].function.parameters.type must be a type name or a list of them"),
+    (params({"enum": "ab"}), "tools[0].function.parameters.enum must be a list"),
+    (params({"items": {"title": 1}}), "tools[0].function.parameters.items.title must be a string"),
+    (params({"items": None}), "tools[0].function.parameters.items must be a JSON schema object, got NoneType"),
+    (params(nested(17)), "tools[0].function.parameters: nested more than 16 deep"),
+    ({"messages": [USER], "max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
+    ({"messages": [USER], "max_tokens": True}, "max_tokens must be a positive integer, got true"),
+    ({"messages": [USER], "max_completion_tokens": "5"}, 'max_completion_tokens must be a positive integer, got "5"'),
+    ({"messages": [USER], "stream": "yes"}, 'stream must be true or false, got "yes"'),
+    ({"messages": [USER], "stream": 1}, "stream must be true or false, got 1"),
+    ({"messages": [USER], "logprobs": "yes"}, 'logprobs must be true or false, got "yes"'),
+    ({"messages": [USER], "stream_options": ["include_usage"]}, "stream_options must be an object"),
+    ({"messages": [USER], "top_logprobs": 5},
+     "top_logprobs is not served: only the sampled token's log-prob (logprobs: true)"),
+    ({"messages": [USER], "n": 2}, "n=2 is not supported by the recording proxy"),
+    ({"messages": [USER], "stop": ["\n"]}, 'stop=["\\n"] is not supported by the recording proxy'),
+    ({"messages": [USER], "response_format": {"type": "json_object"}},
+     'response_format={"type": "json_object"} is not supported'),
+])
+def test_a_malformed_body_is_a_bad_request_that_names_the_field(body, says):
+    with pytest.raises(BadRequest) as refused:
+        read_request(body)
+    assert str(refused.value).startswith(says), str(refused.value)
+
+
+def test_tools_and_messages_read_alone_name_their_place():
+    """How the warm start's data (job/sft_data.py) reads a conversation: one message, or the tools, at a time."""
+    with pytest.raises(BadRequest, match=r"^tools must be a list$"):
+        read_tools("bash")
+    with pytest.raises(BadRequest, match=r"^messages\[3\]: expected an object with role"):
+        read_message(["user", "hi"], 3, {})
+    assert read_tools([{"function": {"name": "f", "parameters": nested(16)}}])[0]["parameters"] == nested(16)
+
+
+def json_value(rng: random.Random, keys: tuple[str, ...], depth: int = 0):
+    """A random JSON value: scalars of every kind, and lists and objects (keyed from ``keys``) nested a few deep."""
+    pick = rng.random()
+    if depth > 3 or pick < 0.45:
+        return rng.choice([None, True, False, 0, 1, -1, 7, 2**70, 0.5, float("nan"), float("inf"), "", "x", "[]",
+                           '{"a": 1}', "text", "function", *keys])
+    if pick < 0.7:
+        return [json_value(rng, keys, depth + 1) for _ in range(rng.randrange(4))]
+    return {rng.choice(keys): json_value(rng, keys, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def one_field_corrupted(rng: random.Random, body, keys: tuple[str, ...]):
+    """``body`` (a copy) with one value, anywhere in it, replaced by a random one, or with its key dropped."""
+    body = copy.deepcopy(body)
+    places, stack = [], [body]
+    while stack:
+        value = stack.pop()
+        slots = list(value.items()) if isinstance(value, dict) else list(enumerate(value)) \
+            if isinstance(value, list) else []
+        places += [(value, k) for k, _ in slots]
+        stack += [v for _, v in slots]
+    if places:
+        parent, key = rng.choice(places)
+        if isinstance(parent, dict) and rng.random() < 0.2:
+            del parent[key]
+        else:
+            parent[key] = json_value(rng, keys)
+    return body
+
+
+CHAT_KEYS = ("messages", "role", "content", "type", "text", "tool_calls", "function", "name", "arguments", "id",
+             "tools", "parameters", "properties", "items", "required", "enum", "description", "max_tokens", "stream",
+             "stream_options", "include_usage", "n", "stop", "logprobs", "model", "user", "assistant", "tool")
+
+
+def test_no_body_of_any_shape_raises_anything_but_a_bad_request():
+    """A few thousand bodies: random JSON values, and honest requests (messages of every role, tool calls, tools with
+    nested schemas, settings) with one field corrupted. Each is read or refused with a BadRequest in the proxy's own
+    words; pydantic's errors, a TypeError or a RecursionError never reach the proxy."""
+    rng = random.Random(57)
+    honest = {"model": "m", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
+              "messages": [{"role": "system", "content": "Be brief."}, USER, ASSISTANT_CALLS,
+                           {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.txt"}]},
+                           {"role": "user", "content": "and?"}],
+              "tools": tool(description="run", parameters={"type": "object", "required": ["command"], "properties": {
+                  "command": {"type": "string"}, "env": {"type": "array", "items": {"type": "string"}}}})}
+    read, refused = 0, 0
+    for i in range(3000):
+        body = json_value(rng, CHAT_KEYS) if i % 10 == 0 else one_field_corrupted(rng, honest, CHAT_KEYS)
+        try:
+            read_request(body)
+            read += 1
+        except BadRequest as e:
+            refused += 1
+            assert not any(words in str(e) for words in PYDANTIC_WORDS), (body, str(e))
+    assert read > 300 and refused > 1000, (read, refused)  # both sides of the boundary were exercised
+
+
+@pytest.mark.parametrize("place", ["body", "messages", "content", "role", "arguments", "arguments-text", "id", "n",
+                                   "stream", "max_tokens", "tools", "properties", "items", "enum"])
+def test_a_value_nested_past_pythons_recursion_limit_is_refused_or_read_never_a_recursion_error(place):
+    deep: list = []
+    for _ in range(20_000):
+        deep = [deep]
+    call = {"id": "c1", "function": {"name": "bash", "arguments": "{}"}}
+    deep_schema: dict = {}
+    for _ in range(20_000):
+        deep_schema = {"items": deep_schema} if place == "items" else {"properties": {"a": deep_schema}}
+    body = {
+        "body": deep, "messages": {"messages": deep}, "content": {"messages": [{"role": "user", "content": [deep]}]},
+        "role": {"messages": [{"role": deep}]}, "n": {"messages": [USER], "n": deep},
+        "arguments": {"messages": [{"role": "assistant", "tool_calls": [{**call, "function": {
+            "name": "bash", "arguments": deep}}]}, USER]},
+        "arguments-text": {"messages": [{"role": "assistant", "tool_calls": [{**call, "function": {
+            "name": "bash", "arguments": "[" * 20_000 + "]" * 20_000}}]}, USER]},
+        "id": {"messages": [{"role": "assistant", "tool_calls": [{**call, "id": deep}]}, USER]},
+        "stream": {"messages": [USER], "stream": deep}, "max_tokens": {"messages": [USER], "max_tokens": deep},
+        "tools": {"messages": [USER], "tools": [deep]}, "properties": params(deep_schema), "items": params(deep_schema),
+        "enum": params({"enum": deep, "description": deep}),
+    }[place]
+    try:
+        asked = read_request(body)
+    except BadRequest:
+        return
+    assert place in ("arguments", "arguments-text", "id")  # lenient fields: kept unparsed, never refused
+    assert "__unparsed__" in asked.messages[0].tool_calls[0].arguments or asked.messages[0].tool_calls[0].id == "list"
