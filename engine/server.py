@@ -20,7 +20,9 @@ the one admin action, and it is closed unless the server was started with a weig
 ``DIR/.sandforge-admin-token`` (mode 0600, read by the trainer that writes its weights there), and only a
 ``model_path`` inside ``DIR`` (links resolved). Everyone else gets 401 or 403 and the served weights stay.
 
-A request is bounded: ``MAX_BODY`` bytes and ``MAX_CHOICES`` completions (prompts x ``n``).
+A request is bounded: ``MAX_BODY`` bytes and ``MAX_CHOICES`` completions (prompts x ``n``). Its body is read by
+pydantic models (``CompletionBody``, ``WeightUpdateBody``; a null is the key left out, a key they do not name is
+ignored), and every mistake is answered with an OpenAI-style error that names the field.
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ import json
 import os
 import secrets
 import logging
-import math
+import reprlib
 import signal
 import time
 import uuid
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 from aiohttp import web
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictInt, StrictStr, ValidationError,
+                      ValidationInfo, WrapValidator, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from sandforge.types import GenerateRequest
 
@@ -152,50 +157,150 @@ class Completion:
     session_id: str | None
 
 
-def _integer(body: dict, key: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"`{key}` must be an integer, got {value!r}", key)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise RequestError(f"`{key}` must be {bounds}, got {value}", key)
-    return value
+_RANGE = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")  # pydantic's errors of a bound
+PROMPT_KINDS = "a list of token ids, a list of such lists, a string, or a list of strings"
 
 
-def _number(body: dict, key: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise RequestError(f"`{key}` must be a number, got {value!r}", key)
-    if value < low or value > high or (low_open and value == low):
-        raise RequestError(f"`{key}` must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}", key)
-    return float(value)
+def _shown(value: Any) -> str:
+    """``repr(value)``, shortened; never fails, however deep or odd the value."""
+    try:
+        return reprlib.repr(value)
+    except (RecursionError, ValueError):
+        return type(value).__name__
 
 
-def _token_list(value, key: str, served: Served) -> list[int]:
-    if not isinstance(value, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-        raise RequestError(f"`{key}` must be a list of token ids (integers)", key)
-    bad = [t for t in value if not 0 <= t < served.vocab_size]
+def _refused(message: str, param: str | None = None) -> PydanticCustomError:
+    """A RequestError raised from inside a model (``_read`` makes it one); ``param``: the field, where the error's
+    location does not say it."""
+    return PydanticCustomError("request", message, None if param is None else {"param": param})
+
+
+def _worded(kind: str, bounds: str | None = None) -> WrapValidator:
+    """pydantic's error about a field in the words OpenAI clients read: "`key` must be <kind>, got <value>", or
+    "`key` must be <bounds>, got <value>" when only its range is wrong."""
+
+    def check(value: Any, handler, info):
+        try:
+            return handler(value)
+        except ValidationError as e:
+            wrong = bounds if bounds and all(err["type"] in _RANGE for err in e.errors()) else kind
+            raise _refused(f"`{info.field_name}` must be {wrong}, got {_shown(value)}") from None
+
+    return WrapValidator(check)
+
+
+def _integer(low: int, high: int | None = None) -> Any:
+    """An integer field of at least ``low`` (and at most ``high``); true and false are not integers."""
+    bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+    return Annotated[StrictInt, Field(ge=low, le=high), _worded("an integer", bounds)]
+
+
+def _number(low: float, high: float, low_open: bool = False) -> Any:
+    """A field of a finite number in [``low``, ``high``] (``low_open``: (``low``, ``high``]), read as a float."""
+    limits = Field(gt=low, le=high) if low_open else Field(ge=low, le=high)
+    bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    return Annotated[float, Strict(), limits, Field(allow_inf_nan=False), _worded("a number", bounds)]
+
+
+def _prompt_shape(value: Any, handler) -> Any:
+    """A prompt of none of its shapes (``PROMPT_KINDS``), refused in words that say which shapes there are."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, list) and value:
+            raise _refused("`prompt` must be a list of token ids (integers)") from None
+        raise _refused(f"`prompt` is required: {PROMPT_KINDS} (got {type(value).__name__})") from None
+
+
+TokenIds = list[StrictInt]
+Prompt = Annotated[StrictStr | Annotated[list[StrictStr], Field(min_length=1)]
+                   | Annotated[list[TokenIds], Field(min_length=1)] | Annotated[TokenIds, Field(min_length=1)],
+                   WrapValidator(_prompt_shape)]
+
+
+def _present(body: Any) -> dict:
+    """A body's keys that are not null: a null is the key left out, as OpenAI servers read it."""
+    if not isinstance(body, dict):
+        raise _refused("the request body must be a JSON object")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+class CompletionBody(BaseModel):
+    """A ``/v1/completions`` body as vLLM reads one, less what sandforge serve refuses (the module's docstring);
+    keys it does not name are ignored. The checks that need the model served (its name, vocabulary and context) are
+    ``parse_request``'s."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    n: _integer(low=1) = 1
+    best_of: Any = None  # 1 or n: as many candidates as choices
+    logprobs: _integer(0, 1) | None = None
+    session_id: Annotated[StrictStr, Field(min_length=1), _worded("a non-empty string")] | None = None
+    prompt: Prompt = Field(description=PROMPT_KINDS)
+    stop_token_ids: Annotated[TokenIds, BeforeValidator(lambda v: v or []),
+                              _worded("a list of token ids (integers)")] = []
+    ignore_eos: Any = False  # truthy: the model's EOS does not end a completion
+    top_k: _integer(low=-1) = 0  # -1 and 0 both mean off
+    max_tokens: _integer(low=1) = 16
+    temperature: _number(0.0, 100.0) = 1.0
+    top_p: _number(0.0, 1.0, low_open=True) = 1.0
+    seed: _integer(0, 2**63 - 1) | None = None
+    return_token_ids: Any = False  # truthy: the completions' (and prompts') token ids too
+    return_tokens_as_token_ids: Any = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served(cls, body: Any) -> dict:
+        body = _present(body)
+        if body.get("stream"):
+            raise _refused("streaming is not supported by sandforge serve; send `stream: false` (or leave it out)",
+                           "stream")
+        if body.get("echo"):
+            raise _refused("`echo` is not supported: the prompt is yours already (see `prompt_token_ids`)", "echo")
+        if body.get("stop") not in (None, "", []):
+            raise _refused("stop strings are not supported; stop on token ids with `stop_token_ids`", "stop")
+        for key, off in UNSUPPORTED.items():
+            if body.get(key) not in off:
+                raise _refused(f"`{key}` is not supported by sandforge serve (leave it out)", key)
+        return body
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate_per_choice(cls, best_of: Any, info: ValidationInfo) -> Any:
+        if best_of not in (None, 1, info.data.get("n")):
+            raise _refused("`best_of` is not supported by sandforge serve (leave it out)")
+        return best_of
+
+
+def _read(model: type[BaseModel], body: Any) -> Any:
+    """``body`` validated by ``model``; its first error as a RequestError naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = str(err["loc"][0]) if err["loc"] else (err.get("ctx") or {}).get("param")
+        if err["type"] == "missing":
+            raise RequestError(f"`{param}` is required: {model.model_fields[param].description}", param) from None
+        raise RequestError(err["msg"], param) from None
+
+
+def _in_vocabulary(ids: list[int], key: str, served: Served) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < served.vocab_size]
     if bad:
-        raise RequestError(f"`{key}` holds token id {bad[0]}, outside the vocabulary (0..{served.vocab_size - 1})", key)
-    return value
+        raise RequestError(f"`{key}` holds token id {_shown(bad[0])}, outside the vocabulary "
+                           f"(0..{served.vocab_size - 1})", key)
+    return ids
 
 
-def _prompts(prompt, served: Served) -> list[list[int]]:
+def _prompts(prompt: str | list, served: Served) -> list[list[int]]:
+    """A read ``prompt`` as token-id prompts: text encoded, token ids inside the vocabulary, none empty or as long as
+    the model's context."""
     if isinstance(prompt, str):
         prompts = [served.encode(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    elif isinstance(prompt[0], str):
         prompts = [served.encode(p) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [_token_list(p, "prompt", served) for p in prompt]
-    elif isinstance(prompt, list) and prompt:
-        prompts = [_token_list(prompt, "prompt", served)]
     else:
-        raise RequestError("`prompt` is required: a list of token ids, a list of such lists, a string, or a list of "
-                           f"strings (got {type(prompt).__name__ if prompt is not None else 'nothing'})", "prompt")
+        prompts = [_in_vocabulary(p, "prompt", served) for p in (prompt if isinstance(prompt[0], list) else [prompt])]
     for i, p in enumerate(prompts):
         if not p:
             raise RequestError(f"prompt {i} is empty", "prompt")
@@ -204,51 +309,35 @@ def _prompts(prompt, served: Served) -> list[list[int]]:
     return prompts
 
 
-def parse_request(body: dict, served: Served) -> Completion:
-    """Validate a ``/v1/completions`` body; every mistake is a ``RequestError`` naming the field."""
-    model = body.get("model")
-    if model is not None and model != served.name:
-        raise RequestError(f"The model `{model}` does not exist; this server serves `{served.name}`", "model", 404,
-                           "not_found_error")
-    if body.get("stream"):
-        raise RequestError("streaming is not supported by sandforge serve; send `stream: false` (or leave it out)",
-                           "stream")
-    if body.get("echo"):
-        raise RequestError("`echo` is not supported: the prompt is yours already (see `prompt_token_ids`)", "echo")
-    if body.get("stop") not in (None, "", []):
-        raise RequestError("stop strings are not supported; stop on token ids with `stop_token_ids`", "stop")
-    for key, off in UNSUPPORTED.items():
-        if body.get(key) not in off:
-            raise RequestError(f"`{key}` is not supported by sandforge serve (leave it out)", key)
-    n = _integer(body, "n", 1, low=1)
-    if body.get("best_of") not in (None, 1, n):
-        raise RequestError("`best_of` is not supported by sandforge serve (leave it out)", "best_of")
-    logprobs = _integer(body, "logprobs", None, low=0, high=1)
-    session_id = body.get("session_id")
-    if session_id is not None and (not isinstance(session_id, str) or not session_id):
-        raise RequestError("`session_id` must be a non-empty string", "session_id")
-    prompts = _prompts(body.get("prompt"), served)
+def parse_request(body: Any, served: Served) -> Completion:
+    """Validate a ``/v1/completions`` body (``CompletionBody``, then what depends on the model served); every mistake
+    is a ``RequestError`` naming the field."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if model not in (None, served.name):  # first: a client of another server hears so, whatever else it sent
+        raise RequestError(f"The model `{model if isinstance(model, str) else _shown(model)}` does not exist; this "
+                           f"server serves `{served.name}`", "model", 404, "not_found_error")
+    asked: CompletionBody = _read(CompletionBody, body)
+    n, prompts = asked.n, _prompts(asked.prompt, served)
     if len(prompts) * n > MAX_CHOICES:
         raise RequestError(f"{len(prompts)} prompt(s) x n={n} asks for {len(prompts) * n} completions; a request takes "
                            f"at most {MAX_CHOICES}", "n" if len(prompts) == 1 else "prompt")
-    if session_id is not None and len(prompts) > 1:
+    if asked.session_id is not None and len(prompts) > 1:
         raise RequestError("a `session_id` goes with one prompt (one growing sequence), not a list", "session_id")
-    stops = list(_token_list(body.get("stop_token_ids") or [], "stop_token_ids", served))
-    if not body.get("ignore_eos") and served.eos_id is not None and served.eos_id not in stops:
+    stops = list(_in_vocabulary(asked.stop_token_ids, "stop_token_ids", served))
+    if not asked.ignore_eos and served.eos_id is not None and served.eos_id not in stops:
         stops.append(served.eos_id)  # like vLLM: the model's EOS ends a completion unless ignore_eos
-    top_k = _integer(body, "top_k", 0, low=-1)
     sampling = {
-        "session_id": session_id,
-        "max_tokens": _integer(body, "max_tokens", 16, low=1),
-        "temperature": _number(body, "temperature", 1.0, 0.0, 100.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        "top_k": max(top_k, 0),  # -1 and 0 both mean off
+        "session_id": asked.session_id,
+        "max_tokens": asked.max_tokens,
+        "temperature": asked.temperature,
+        "top_p": asked.top_p,
+        "top_k": max(asked.top_k, 0),  # -1 and 0 both mean off
         "stop_ids": stops,
         "n": n,
-        "seed": _integer(body, "seed", None, low=0, high=2**63 - 1),
+        "seed": asked.seed,
     }
-    return Completion(prompts, sampling, n, logprobs, bool(body.get("return_token_ids")),
-                      bool(body.get("return_tokens_as_token_ids")), session_id)
+    return Completion(prompts, sampling, n, asked.logprobs, bool(asked.return_token_ids),
+                      bool(asked.return_tokens_as_token_ids), asked.session_id)
 
 
 def _logprobs(ids: list[int], logprobs: list[float], served: Served, as_ids: bool) -> dict:
@@ -329,25 +418,33 @@ async def engine_stats(served: Served) -> dict:
     return await stats if inspect.isawaitable(stats) else stats
 
 
-def _update_request(body) -> tuple[Path, int | None]:
-    """``model_path`` and ``weight_version`` of an ``/update_weights_from_disk`` body (SGLang's other fields, such as
-    ``flush_cache`` or ``abort_all_requests``, change nothing here: a load always waits for the running requests and
-    empties the cache)."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    path = body.get("model_path")
-    if not isinstance(path, str) or not path:
-        raise RequestError("`model_path` is required: the policy directory to load (config.json and weights)",
-                           "model_path")
-    version = body.get("weight_version")
-    if version is not None and not (isinstance(version, int) and not isinstance(version, bool)):
-        if not (isinstance(version, str) and version.isdigit()):
-            raise RequestError(f"`weight_version` must be a non-negative integer (or its digits), got {version!r}",
-                               "weight_version")
-        version = int(version)
-    if version is not None and version < 0:
-        raise RequestError(f"`weight_version` must be a non-negative integer, got {version}", "weight_version")
-    return Path(path), version
+def _digits(version: Any) -> Any:
+    """A weight version sent as its digits (SGLang's is text) reads as the integer."""
+    return int(version) if isinstance(version, str) and version.isascii() and version.isdigit() else version
+
+
+class WeightUpdateBody(BaseModel):
+    """An ``/update_weights_from_disk`` body: ``model_path`` and ``weight_version`` (a null is the key left out).
+    SGLang's other fields, such as ``flush_cache`` or ``abort_all_requests``, change nothing here: a load always waits
+    for the running requests and empties the cache."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model_path: Annotated[StrictStr, Field(min_length=1), _worded("a path: the policy directory to load")] = Field(
+        description="the policy directory to load (config.json and weights)")
+    weight_version: Annotated[StrictInt, Field(ge=0), BeforeValidator(_digits),
+                              _worded("a non-negative integer (or its digits)", "a non-negative integer")] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, body: Any) -> dict:
+        return _present(body)
+
+
+def _update_request(body: Any) -> tuple[Path, int | None]:
+    """``model_path`` and ``weight_version`` of an ``/update_weights_from_disk`` body (``WeightUpdateBody``)."""
+    asked: WeightUpdateBody = _read(WeightUpdateBody, body)
+    return Path(asked.model_path), asked.weight_version
 
 
 def _policy_weights(path: Path, layout: dict[str, tuple[int, ...]] | None) -> dict:
@@ -382,10 +479,8 @@ def build_app(served: Served, announce: Callable[[str], Any] | None = None,
     async def completions(request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python reads
             raise RequestError(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object")
         return web.json_response(await complete(served, parse_request(body, served)))
 
     async def models(request: web.Request) -> web.Response:
@@ -400,7 +495,7 @@ def build_app(served: Served, announce: Callable[[str], Any] | None = None,
     async def update_weights(request: web.Request) -> web.Response:
         try:
             body = json.loads(await request.read())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise RequestError(f"the request body is not valid JSON: {e}") from None
         path, version = _update_request(body)
         _authorised(request, updates, path)

@@ -31,8 +31,8 @@ from sandforge.models.bpe import load_tokenizer
 from sandforge.models.build import build_policy, load_policy, save_policy
 from sandforge.engine.core import EngineCore
 from sandforge.engine.remote import RemoteEngine, RemoteEngineError
-from sandforge.engine.server import (ADMIN_TOKEN_FILE, complete, load_checkpoint, parse_request, read_admin_token,
-                                     served_from)
+from sandforge.engine.server import (ADMIN_TOKEN_FILE, Completion, RequestError, Served, _update_request, complete,
+                                     load_checkpoint, parse_request, read_admin_token, served_from)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -226,6 +226,94 @@ def test_bad_requests_get_a_400_that_says_why_and_the_server_keeps_serving(serve
     status, answer = post(url, {**ok, "prompt": [ok["prompt"], ok["prompt"]], "n": 2})
     assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
     assert "token_ids" not in answer["choices"][0] and answer["choices"][0]["logprobs"] is None
+
+
+def stub_served() -> Served:
+    """What the server serves, without a model: "tiny", a 100-token vocabulary (EOS 2) and a 32-token context; text
+    encodes to BOS (1) and one id a character."""
+    return Served(engine=None, name="tiny", encode=lambda text: [1, *(3 + ord(c) % 90 for c in text)], decode=str,
+                  eos_id=2, vocab_size=100, max_len=32)
+
+
+def test_a_completions_body_is_read_as_vllm_reads_it():
+    """engine/server.py ``parse_request`` on honest bodies: token ids, text or lists of either; a null is the key left
+    out (its default), keys vLLM takes that change nothing are ignored, and the model's EOS is added to the stops."""
+    served = stub_served()
+    full = {"model": "tiny", "prompt": [1, 5], "max_tokens": 3, "temperature": 0, "top_p": 0.5, "top_k": -1,
+            "stop_token_ids": [7], "seed": 4, "logprobs": 1, "return_token_ids": True, "session_id": "s", "n": 1,
+            "best_of": 1, "stream": False, "echo": False, "stop": [], "min_p": 0, "user": "me", "suffix": None}
+    assert parse_request(full, served) == Completion(
+        [[1, 5]], {"session_id": "s", "max_tokens": 3, "temperature": 0.0, "top_p": 0.5, "top_k": 0, "stop_ids": [7, 2],
+                   "n": 1, "seed": 4}, 1, 1, True, False, "s")
+    texts = parse_request({"prompt": ["ab", "c"], "n": 2, "best_of": 2, "ignore_eos": True, "temperature": None,
+                           "return_tokens_as_token_ids": 1}, served)
+    assert texts.prompts == [[1, 3 + ord("a") % 90, 3 + ord("b") % 90], [1, 3 + ord("c") % 90]]
+    assert texts.sampling == {"session_id": None, "max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                              "stop_ids": [], "n": 2, "seed": None}
+    assert (texts.n, texts.logprobs, texts.return_token_ids, texts.tokens_as_ids) == (2, None, False, True)
+    assert parse_request({"prompt": [[3], [4, 5]], "stop_token_ids": 0}, served).prompts == [[3], [4, 5]]
+    assert type(parse_request({"prompt": "x", "temperature": 1}, served).sampling["temperature"]) is float
+    assert _update_request({"model_path": "/w/v1", "weight_version": "07", "flush_cache": True}) == (Path("/w/v1"), 7)
+    assert _update_request({"model_path": "/w/v1", "weight_version": None}) == (Path("/w/v1"), None)
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ([1, 2], None, "the request body must be a JSON object"),
+    ({"prompt": [1], "model": "gpt-4", "n": "x"}, "model",  # the model first, whatever else is wrong
+     "The model `gpt-4` does not exist; this server serves `tiny`"),
+    ({}, "prompt", "`prompt` is required: a list of token ids, a list of such lists, a string, or a list of strings"),
+    ({"prompt": 5}, "prompt", "`prompt` is required: a list of token ids, a list of such lists, a string, or a list"),
+    ({"prompt": []}, "prompt", "`prompt` is required"),
+    ({"prompt": [1, True]}, "prompt", "`prompt` must be a list of token ids (integers)"),
+    ({"prompt": [[1], [2, 1.5]]}, "prompt", "`prompt` must be a list of token ids (integers)"),
+    ({"prompt": [100]}, "prompt", "`prompt` holds token id 100, outside the vocabulary (0..99)"),
+    ({"prompt": [[1], []]}, "prompt", "prompt 1 is empty"),
+    ({"prompt": [1] * 32}, "prompt", "prompt 0 has 32 tokens; the model's context is 32"),
+    ({"prompt": [1], "n": True}, "n", "`n` must be an integer, got True"),
+    ({"prompt": [1], "n": 0}, "n", "`n` must be at least 1, got 0"),
+    ({"prompt": [1], "n": 65}, "n", "1 prompt(s) x n=65 asks for 65 completions; a request takes at most 64"),
+    ({"prompt": [[1]] * 33, "n": 2}, "prompt", "33 prompt(s) x n=2 asks for 66 completions"),
+    ({"prompt": [1], "n": 2, "best_of": 3}, "best_of", "`best_of` is not supported by sandforge serve"),
+    ({"prompt": [1], "logprobs": 2}, "logprobs", "`logprobs` must be between 0 and 1, got 2"),
+    ({"prompt": [1], "temperature": "hot"}, "temperature", "`temperature` must be a number, got 'hot'"),
+    ({"prompt": [1], "temperature": float("nan")}, "temperature", "`temperature` must be a number, got nan"),
+    ({"prompt": [1], "temperature": 10**400}, "temperature", "`temperature` must be a number"),
+    ({"prompt": [1], "temperature": 101}, "temperature", "`temperature` must be in [0, 100], got 101"),
+    ({"prompt": [1], "top_p": 0}, "top_p", "`top_p` must be in (0, 1], got 0"),
+    ({"prompt": [1], "top_k": -2}, "top_k", "`top_k` must be at least -1, got -2"),
+    ({"prompt": [1], "max_tokens": [[[[]]]]}, "max_tokens", "`max_tokens` must be an integer, got [[[[]]]]"),
+    ({"prompt": [1], "seed": 2**63}, "seed", "`seed` must be between 0 and 9223372036854775807"),
+    ({"prompt": [1], "session_id": ""}, "session_id", "`session_id` must be a non-empty string"),
+    ({"prompt": [[1], [2]], "session_id": "s"}, "session_id", "a `session_id` goes with one prompt"),
+    ({"prompt": [1], "stop_token_ids": "5"}, "stop_token_ids", "`stop_token_ids` must be a list of token ids"),
+    ({"prompt": [1], "stop_token_ids": [100]}, "stop_token_ids", "`stop_token_ids` holds token id 100, outside"),
+    ({"prompt": [1], "stream": True}, "stream", "streaming is not supported by sandforge serve"),
+    ({"prompt": [1], "echo": 1}, "echo", "`echo` is not supported"),
+    ({"prompt": [1], "stop": "\n"}, "stop", "stop strings are not supported"),
+    ({"prompt": [1], "min_p": 0.1}, "min_p", "`min_p` is not supported by sandforge serve (leave it out)"),
+])
+def test_a_malformed_completions_body_is_a_request_error_that_names_the_field(body, param, says):
+    with pytest.raises(RequestError) as refused:
+        parse_request(body, stub_served())
+    error = refused.value
+    assert error.message.startswith(says) and error.param == param, (error.message, error.param)
+    unknown_model = (404, "not_found_error")
+    assert (error.status, error.kind) == (unknown_model if param == "model" else (400, "invalid_request_error"))
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ([], None, "the request body must be a JSON object"),
+    ({"weight_version": 3}, "model_path", "`model_path` is required: the policy directory to load (config.json and"),
+    ({"model_path": 5}, "model_path", "`model_path` must be a path: the policy directory to load, got 5"),
+    ({"model_path": "/w/a", "weight_version": -1}, "weight_version", "must be a non-negative integer, got -1"),
+    ({"model_path": "/w/a", "weight_version": "\u00b9"}, "weight_version", "`weight_version` must be a non-negative "
+                                                                           "integer (or its digits), got '\u00b9'"),
+    ({"model_path": "/w/a", "weight_version": False}, "weight_version", "(or its digits), got False"),
+])
+def test_a_malformed_weight_update_is_a_request_error_that_names_the_field(body, param, says):
+    with pytest.raises(RequestError) as refused:
+        _update_request(body)
+    assert says in refused.value.message and refused.value.param == param, refused.value.message
 
 
 def test_remote_engine_errors_say_what_is_missing_and_where():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from serve_process import serve_process  # noqa: E402 - tests/ is on sys.path
+from test_proxy_boundary import PYDANTIC_WORDS, json_value, one_field_corrupted
 
 from sandforge.config import ModelConfig
-from sandforge.engine.server import (ADMIN_TOKEN_FILE, MAX_BODY, MAX_CHOICES, RequestError, WeightUpdates,
-                                     _authorised, read_admin_token)
+from sandforge.engine.server import (ADMIN_TOKEN_FILE, MAX_BODY, MAX_CHOICES, RequestError, Served, WeightUpdates,
+                                     _authorised, _update_request, parse_request, read_admin_token)
 from sandforge.models.bpe import load_tokenizer
 from sandforge.models.build import build_policy, save_policy
 
@@ -93,3 +95,31 @@ def test_a_server_without_a_weights_directory_loads_nothing():
     with pytest.raises(RequestError) as wrong:
         _authorised(request, WeightUpdates(Path("/w"), "right"), Path("/w/a"))
     assert wrong.value.status == 401
+
+
+COMPLETION_KEYS = ("prompt", "model", "n", "best_of", "logprobs", "session_id", "stop_token_ids", "ignore_eos",
+                   "top_k", "max_tokens", "temperature", "top_p", "seed", "stream", "echo", "stop", "min_p",
+                   "model_path", "weight_version", "tiny")
+
+
+def test_no_body_of_any_shape_is_answered_with_anything_but_a_request_error():
+    """A few thousand ``/v1/completions`` and ``/update_weights_from_disk`` bodies: random JSON values, and honest
+    bodies with one field corrupted. Each is read or refused with a RequestError that names a field the body holds
+    (or the one it lacks) in the server's own words, never a 500 from a TypeError, an OverflowError or pydantic."""
+    served = Served(engine=None, name="tiny", encode=lambda text: [1, *(3 + ord(c) % 90 for c in text)], decode=str,
+                    eos_id=2, vocab_size=100, max_len=32)
+    honest = {"model": "tiny", "prompt": [[1, 5], [6]], "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+              "n": 2, "logprobs": 1, "stop_token_ids": [7], "seed": 3, "return_token_ids": True}
+    update = {"model_path": "/weights/step_3", "weight_version": "3", "flush_cache": True}
+    rng, outcomes = random.Random(57), {"read": 0, "refused": 0}
+    for i in range(3000):
+        for parse, body in ((lambda b: parse_request(b, served), honest), (_update_request, update)):
+            sent = json_value(rng, COMPLETION_KEYS) if i % 10 == 0 else one_field_corrupted(rng, body, COMPLETION_KEYS)
+            try:
+                parse(sent)
+                outcomes["read"] += 1
+            except RequestError as e:
+                outcomes["refused"] += 1
+                assert e.param is None or e.param in sent or e.param in ("prompt", "model_path"), (sent, e.param)
+                assert not any(words in e.message for words in PYDANTIC_WORDS), (sent, e.message)
+    assert outcomes["read"] > 1000 and outcomes["refused"] > 1000, outcomes
