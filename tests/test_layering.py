@@ -134,7 +134,7 @@ def test_no_module_imports_itself_back():
 
 def test_architecture_md_names_every_module_by_its_path():
     """The map newcomers read names every source file of the package (packages' ``__init__.py`` aside), so a new
-    module comes with its line there; tests/test_first_hour.py checks the quickstart's own files against an import
+    module comes with its line there; tests/test_quickstart.py checks the quickstart's own files against an import
     trace of its processes."""
     text = (ROOT / "ARCHITECTURE.md").read_text()
     paths = sorted(str(p.relative_to(ROOT)) for p in modules(ROOT).values() if p.name != "__init__.py")

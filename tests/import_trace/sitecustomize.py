@@ -1,4 +1,4 @@
-"""Test-only (tests/test_first_hour.py): a Python process started with this folder on ``PYTHONPATH`` and
+"""Test-only (tests/test_quickstart.py): a Python process started with this folder on ``PYTHONPATH`` and
 ``SANDFORGE_TEST_IMPORT_TRACE`` set writes the names of the sandforge modules it has imported to
 ``$SANDFORGE_TEST_IMPORT_TRACE/<pid>.txt``, every second and at exit. Ray starts its workers with the driver's
 environment, so the trace covers the driver, the trainer ranks, the engine and the rollout workers. It prints
