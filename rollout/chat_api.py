@@ -65,7 +65,7 @@ ASKED = ("model", "temperature", "top_p", "seed")  # recorded as sent, not used
 MAX_SCHEMA_DEPTH = 16  # nested objects in a tool's parameters
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``value`` as the harness sent it (JSON), cut short; never fails, however deep or odd the value."""
     try:
         return json.dumps(value)[:40]
@@ -73,7 +73,7 @@ def _shown(value: Any) -> str:
         return type(value).__name__
 
 
-def _str(value: Any) -> str:
+def safe_str(value: Any) -> str:
     """``str(value)``, or the type's name where a value is too deep or too long to write out."""
     try:
         return str(value)
@@ -81,11 +81,11 @@ def _str(value: Any) -> str:
         return type(value).__name__
 
 
-def _refused(text: str) -> PydanticCustomError:
+def refused(text: str) -> PydanticCustomError:
     return PydanticCustomError("bad_request", text)
 
 
-def _says(text: str, inside: bool = False) -> WrapValidator:
+def says(text: str, inside: bool = False) -> WrapValidator:
     """The field refused in the proxy's words: ``text`` (``{got}``: the value sent, ``{kind}``: its type) replaces
     pydantic's error about the value itself, or with ``inside`` any error within it; other errors within it (a message
     of the list, a property of a schema) keep their own words."""
@@ -95,13 +95,32 @@ def _says(text: str, inside: bool = False) -> WrapValidator:
             return handler(value)
         except ValidationError as e:
             if inside or any(not err["loc"] for err in e.errors()):  # ``{got}`` last: what was sent is not re-read
-                raise _refused(text.replace("{kind}", type(value).__name__).replace("{got}", _shown(value))) from None
+                raise refused(text.replace("{kind}", type(value).__name__).replace("{got}", shown(value))) from None
             raise
 
     return WrapValidator(check)
 
 
-def _read(adapter: TypeAdapter, value: Any, where: tuple = ()) -> Any:
+KINDS = {"model_type": "an object", "model_attributes_type": "an object", "dict_type": "an object",
+         "string_type": "a string", "list_type": "a list", "int_type": "an integer", "bool_type": "true or false",
+         "float_type": "a number", "int_from_float": "an integer"}  # pydantic's errors of a value's kind, in words
+
+
+def _in_words(err: dict) -> str:
+    """One of pydantic's errors in the proxy's words (a field's own words, ``says``, pass as they are)."""
+    kind = err["type"]
+    if kind == "missing":
+        return "is required"
+    if kind in KINDS:
+        return f"must be {KINDS[kind]}, got {shown(err.get('input'))}"
+    if kind == "literal_error":
+        return f"must be {err['ctx']['expected']}, got {shown(err.get('input'))}"
+    if kind == "too_short":
+        return "must not be empty"
+    return err["msg"]
+
+
+def read_sent(adapter: TypeAdapter, value: Any, where: tuple = ()) -> Any:
     """``value`` validated by ``adapter``; its first error as a BadRequest naming the field's path (``where`` first)
     as the harness wrote it: ``messages[2].tool_calls[0] needs function.name``, ``tools[0].function.description must
     be a string``, ``messages[1].content[0]: only text content parts are supported``."""
@@ -112,22 +131,33 @@ def _read(adapter: TypeAdapter, value: Any, where: tuple = ()) -> Any:
         path = ""
         for part in (*where, *err["loc"]):
             path += f"[{part}]" if isinstance(part, int) else f".{str(part)[:40]}" if path else str(part)[:40]
-        says = "is required" if err["type"] == "missing" else err["msg"]
+        says = _in_words(err)
         if not path:
             raise BadRequest(says) from None
         raise BadRequest(path + (" " if says.startswith(("must ", "needs ", "is ")) else ": ") + says) from None
 
 
-class _Sent(BaseModel):
+class Sent(BaseModel):
     """Part of a request as the harness sent it: keys the proxy does not read are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
 
+class JsonBody(Sent):
+    """A request's body: a JSON object (any other value is refused in these words)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, body: Any) -> Any:
+        if not isinstance(body, dict):
+            raise refused("the body must be a JSON object")
+        return body
+
+
 # --- messages ----------------------------------------------------------------------------------------------------
 
 
-class TextPart(_Sent):
+class TextPart(Sent):
     type: Literal["text"]
     text: StrictStr
 
@@ -139,28 +169,28 @@ def _parts(content: Any) -> Any:
     return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
-Content = Annotated[list[Annotated[TextPart, _says("only text content parts are supported, got {got}", inside=True)]],
-                    BeforeValidator(_parts), _says("must be a string or a list of text parts, got {kind}")]
+Content = Annotated[list[Annotated[TextPart, says("only text content parts are supported, got {got}", inside=True)]],
+                    BeforeValidator(_parts), says("must be a string or a list of text parts, got {kind}")]
 
 
-class CalledFunction(_Sent):
+class CalledFunction(Sent):
     name: StrictStr
-    arguments: Any = None  # a JSON object, or its JSON text as OpenAI clients send it back (_arguments)
+    arguments: Any = None  # a JSON object, or its JSON text as OpenAI clients send it back (call_arguments)
 
 
-class ChatToolCall(_Sent):
+class ChatToolCall(Sent):
     function: CalledFunction
     id: Any = None
 
 
-class ChatMessage(_Sent):
+class ChatMessage(Sent):
     role: Annotated[Literal["system", "developer", "user", "assistant", "tool"],
-                    _says("must be system, user, assistant or tool (or developer), got {got}")]
+                    says("must be system, user, assistant or tool (or developer), got {got}")]
     content: Content = []
     reasoning_content: Any = None  # an assistant's reasoning, under either name; kept only when it is text
     reasoning: Any = None
-    tool_calls: Annotated[list[Annotated[ChatToolCall, _says("needs function.name", inside=True)]],
-                          _says("must be a list")] | None = None
+    tool_calls: Annotated[list[Annotated[ChatToolCall, says("needs function.name", inside=True)]],
+                          says("must be a list")] | None = None
     tool_call_id: Any = None  # a tool result's: the call it answers
     name: Any = None  # a tool result's tool; unnamed, the tool of the call it answers
 
@@ -173,7 +203,7 @@ class ChatMessage(_Sent):
         return m
 
 
-def _arguments(raw: Any) -> dict:
+def call_arguments(raw: Any) -> dict:
     """A call's arguments: a JSON object, or its JSON text (as OpenAI clients send it back)."""
     if isinstance(raw, dict):
         return raw
@@ -183,7 +213,7 @@ def _arguments(raw: Any) -> dict:
         except (ValueError, RecursionError):  # not JSON, or a number or nesting past what Python reads
             return {"__unparsed__": raw}  # compares unequal to anything the proxy returned: a new row
         return value if isinstance(value, dict) else {"__unparsed__": raw}
-    return {"__unparsed__": _str(raw)}
+    return {"__unparsed__": safe_str(raw)}
 
 
 def _message(m: ChatMessage, names: dict[str, str]) -> Message:
@@ -191,46 +221,46 @@ def _message(m: ChatMessage, names: dict[str, str]) -> Message:
     content = "".join(p.text for p in m.content)
     if m.role == "assistant":
         reasoning = m.reasoning_content or m.reasoning or ""
-        calls = [ToolCall(name=c.function.name, arguments=_arguments(c.function.arguments), id=_str(c.id or ""))
+        calls = [ToolCall(name=c.function.name, arguments=call_arguments(c.function.arguments), id=safe_str(c.id or ""))
                  for c in m.tool_calls or []]
         names.update({c.id: c.name for c in calls if c.id})
         return Message(role="assistant", content=content, reasoning=reasoning if isinstance(reasoning, str) else "",
                        tool_calls=calls)
     if m.role == "tool":
-        call_id = _str(m.tool_call_id or "")
-        return Message(role="tool", content=content, name=_str(m.name or names.get(call_id, "tool")),
+        call_id = safe_str(m.tool_call_id or "")
+        return Message(role="tool", content=content, name=safe_str(m.name or names.get(call_id, "tool")),
                        tool_call_id=call_id)
     return Message(role="system" if m.role == "developer" else m.role, content=content)
 
 
-AnyMessage = Annotated[ChatMessage, _says("expected an object with role system, user, assistant or tool")]
+AnyMessage = Annotated[ChatMessage, says("expected an object with role system, user, assistant or tool")]
 _MESSAGE = TypeAdapter(AnyMessage)
 
 
 def read_message(m: Any, i: int, names: dict[str, str]) -> Message:
     """``messages[i]`` as a Message. ``names``: tool-call id -> tool name, from the assistant turns before it (OpenAI
     tool results name their call, not always their tool)."""
-    return _message(_read(_MESSAGE, m, ("messages", i)), names)
+    return _message(read_sent(_MESSAGE, m, ("messages", i)), names)
 
 
 # --- tools -------------------------------------------------------------------------------------------------------
 
-Schema = Annotated["JsonSchema", _says("must be a JSON schema object, got {kind}")]
+Schema = Annotated["JsonSchema", says("must be a JSON schema object, got {kind}")]
 
 
-class JsonSchema(_Sent):
+class JsonSchema(Sent):
     """A tool's parameters as chat templates read them: ``properties`` a mapping of names to schemas, ``items`` a
     schema, ``required`` and ``enum`` lists, ``type`` a name or a list of names, ``description`` and ``title``
     strings (a template that reads one of another kind raises). Other keys pass as they are."""
 
-    description: Annotated[StrictStr, _says("must be a string")] = ""
-    title: Annotated[StrictStr, _says("must be a string")] = ""
+    description: Annotated[StrictStr, says("must be a string")] = ""
+    title: Annotated[StrictStr, says("must be a string")] = ""
     type: Annotated[StrictStr | list[StrictStr] | None,
-                    _says("must be a type name or a list of them", inside=True)] = None
-    required: Annotated[list[Annotated[StrictStr, _says("must be a property name, got {got}")]],
-                        _says("must be a list")] = []
-    enum: Annotated[list[Any], _says("must be a list")] = []
-    properties: Annotated[dict[Any, Schema], _says("must be an object of named schemas")] = {}
+                    says("must be a type name or a list of them", inside=True)] = None
+    required: Annotated[list[Annotated[StrictStr, says("must be a property name, got {got}")]],
+                        says("must be a list")] = []
+    enum: Annotated[list[Any], says("must be a list")] = []
+    properties: Annotated[dict[Any, Schema], says("must be an object of named schemas")] = {}
     items: Schema = None  # absent: no items; a null is refused, as any value that is not a schema
 
 
@@ -243,7 +273,7 @@ def _depth_within(schema: Any) -> None:
     level, depth = [schema], 0
     while level:
         if depth > MAX_SCHEMA_DEPTH:
-            raise _refused(f"nested more than {MAX_SCHEMA_DEPTH} deep")
+            raise refused(f"nested more than {MAX_SCHEMA_DEPTH} deep")
         below = []
         for node in level:
             if isinstance(node, dict):
@@ -253,7 +283,7 @@ def _depth_within(schema: Any) -> None:
         level, depth = below, depth + 1
 
 
-def _as_sent(schema: Any) -> Any:
+def checked_schema(schema: Any) -> Any:
     """A tool's parameters checked as a ``JsonSchema`` and kept as sent: the template renders the harness's own
     object (its key order, keys the model does not name)."""
     _depth_within(schema)
@@ -261,20 +291,20 @@ def _as_sent(schema: Any) -> Any:
     return schema
 
 
-class FunctionSpec(_Sent):
-    name: Annotated[StrictStr, _says("must be a string, got {got}")]
-    description: Annotated[StrictStr, _says("must be a string")] = ""
-    parameters: Annotated[dict, PlainValidator(_as_sent)] = None  # absent: none; a null is refused
+class FunctionSpec(Sent):
+    name: Annotated[StrictStr, says("must be a string, got {got}")]
+    description: Annotated[StrictStr, says("must be a string")] = ""
+    parameters: Annotated[dict, PlainValidator(checked_schema)] = None  # absent: none; a null is refused
 
 
-class ChatTool(_Sent):
-    type: Annotated[Literal["function"], _says('must be "function" (the only kind of tool served), got {got}')] = \
+class ChatTool(Sent):
+    type: Annotated[Literal["function"], says('must be "function" (the only kind of tool served), got {got}')] = \
         "function"
-    function: Annotated[FunctionSpec, _says("must be an object with the function's name, got {kind}")]
+    function: Annotated[FunctionSpec, says("must be an object with the function's name, got {kind}")]
 
 
-Tools = Annotated[list[Annotated[ChatTool, _says('expected {"type": "function", "function": {"name": ...}}')]],
-                  _says("must be a list")]
+Tools = Annotated[list[Annotated[ChatTool, says('expected {"type": "function", "function": {"name": ...}}')]],
+                  says("must be a list")]
 _TOOLS = TypeAdapter(Tools)
 
 
@@ -286,7 +316,7 @@ def _listed(tool: ChatTool) -> dict:
 
 def read_tools(tools: Any) -> list[dict]:
     """A request's (or a conversation's) ``tools``, each checked as the chat templates read it; BadRequest if not."""
-    return [_listed(t) for t in _read(_TOOLS, tools, ("tools",))]
+    return [_listed(t) for t in read_sent(_TOOLS, tools, ("tools",))]
 
 
 # --- the request -------------------------------------------------------------------------------------------------
@@ -296,29 +326,29 @@ def _zero_or_one(value: Any) -> Any:
     return bool(value) if type(value) in (int, float) and value in (0, 1) else value
 
 
-Flag = Annotated[StrictBool, _says("must be true or false, got {got}")] | None  # stream: true or false, never guessed
-TokenFlag = Annotated[StrictBool, BeforeValidator(_zero_or_one), _says("must be true or false, got {got}")] | None
+Flag = Annotated[StrictBool, says("must be true or false, got {got}")] | None  # stream: true or false, never guessed
+TokenFlag = Annotated[StrictBool, BeforeValidator(_zero_or_one), says("must be true or false, got {got}")] | None
 
 
-class StreamOptions(_Sent):
+class StreamOptions(Sent):
     include_usage: Any = False  # truthy: a last chunk with the usage
 
 
 def _no_top_logprobs(value: Any) -> Any:
     if value not in (None, 0):
-        raise _refused("is not served: only the sampled token's log-prob (logprobs: true)")
+        raise refused("is not served: only the sampled token's log-prob (logprobs: true)")
     return value
 
 
-class ChatBody(_Sent):
+class ChatBody(Sent):
     """A ``/v1/chat/completions`` body as the proxy serves it (the module's docstring says what that is)."""
 
-    messages: Annotated[list[AnyMessage], Field(min_length=1), _says("must be a non-empty list")]
+    messages: Annotated[list[AnyMessage], Field(min_length=1), says("must be a non-empty list")]
     tools: Annotated[Tools, BeforeValidator(lambda v: v or [])] = []  # null, {}, "": none
-    max_tokens: Annotated[StrictInt, Field(gt=0), _says("must be a positive integer, got {got}")] | None = Field(
+    max_tokens: Annotated[StrictInt, Field(gt=0), says("must be a positive integer, got {got}")] | None = Field(
         None, validation_alias=AliasChoices("max_completion_tokens", "max_tokens"))  # the first, where both are sent
     stream: Flag = None
-    stream_options: Annotated[StreamOptions, BeforeValidator(lambda v: v or {}), _says("must be an object")] = \
+    stream_options: Annotated[StreamOptions, BeforeValidator(lambda v: v or {}), says("must be an object")] = \
         StreamOptions()  # null: none
     top_logprobs: Annotated[Any, AfterValidator(_no_top_logprobs)] = None
     logprobs: TokenFlag = None
@@ -333,17 +363,17 @@ class ChatBody(_Sent):
     @classmethod
     def _served(cls, body: Any) -> Any:
         if not isinstance(body, dict):
-            raise _refused("the body must be a JSON object")
+            raise refused("the body must be a JSON object")
         for key, off in REFUSED.items():
             if key in body and body[key] not in off:
-                raise _refused(f"{key}={_shown(body[key])} is not supported by the recording proxy (one choice, no "
+                raise refused(f"{key}={shown(body[key])} is not supported by the recording proxy (one choice, no "
                                "stop strings or penalties)")
         return body
 
     @model_validator(mode="after")
     def _not_prefilled(self) -> ChatBody:
         if self.messages[-1].role == "assistant":
-            raise _refused("the last message is the assistant's: continuing a prefilled reply is not supported")
+            raise refused("the last message is the assistant's: continuing a prefilled reply is not supported")
         return self
 
 
@@ -352,7 +382,7 @@ _BODY = TypeAdapter(ChatBody)
 
 def read_request(body: Any) -> ChatRequest:
     """A chat-completions body as a ChatRequest; BadRequest names what is not served."""
-    sent: ChatBody = _read(_BODY, body)
+    sent: ChatBody = read_sent(_BODY, body)
     names: dict[str, str] = {}
     stream = sent.stream is True
     return ChatRequest([_message(m, names) for m in sent.messages], [_listed(t) for t in sent.tools], sent.max_tokens,

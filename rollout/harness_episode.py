@@ -36,6 +36,7 @@ def harness_command(harness: Harness, token: str, workdir: str) -> str:
     rollout/harnesses.py lists."""
     env = {
         "OPENAI_BASE_URL": f"http://127.0.0.1:{PROXY_PORT}/v1", "OPENAI_API_KEY": token,
+        "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{PROXY_PORT}", "ANTHROPIC_API_KEY": token,
         "SANDFORGE_PROXY_SOCKET": f"{PROXY_MOUNT}/{SOCKET_NAME}", "SANDFORGE_PROXY_PORT": str(PROXY_PORT),
         "SANDFORGE_HARNESS_DIR": HARNESS_DIR, "SANDFORGE_INSTRUCTION": f"{HARNESS_DIR}/instruction.md",
         "SANDFORGE_WORKDIR": workdir, "SANDFORGE_HARNESS_COMMAND": harness.command,

@@ -4,8 +4,9 @@ A harness is plain data (``Harness``): the files it needs copied into the sandbo
 it with the task's instruction. The command runs as the policy's user in the task's working directory, with
 
 - ``OPENAI_BASE_URL`` (``http://127.0.0.1:PORT/v1``, the sandbox's own loopback, relayed to the proxy's socket) and
-  ``OPENAI_API_KEY`` (the episode's token), the variables OpenAI clients read; ``SANDFORGE_PROXY_SOCKET`` for a
-  client that speaks HTTP over a Unix socket itself;
+  ``OPENAI_API_KEY`` (the episode's token), the variables OpenAI clients read (chat completions or Responses);
+  ``ANTHROPIC_BASE_URL`` (``http://127.0.0.1:PORT``) and ``ANTHROPIC_API_KEY`` (the same token), Anthropic's;
+  ``SANDFORGE_PROXY_SOCKET`` for a client that speaks HTTP over a Unix socket itself;
 - ``SANDFORGE_INSTRUCTION``: a file holding the task's instruction; ``SANDFORGE_HARNESS_DIR``: where its files are.
 
 Harnesses are found by name (sandforge/registry.py): the built-ins below, then plugins under the

@@ -11,6 +11,8 @@ import pytest
 from test_proxy import TOKEN, ScriptedEngine, _post, served  # noqa: F401 - served: the fixture
 
 from sandforge.rollout.chat_api import BadRequest, read_message, read_request, read_tools
+from sandforge.rollout.messages_api import read_messages
+from sandforge.rollout.responses_api import read_responses
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -251,6 +253,51 @@ def test_no_body_of_any_shape_raises_anything_but_a_bad_request():
     assert read > 300 and refused > 1000, (read, refused)  # both sides of the boundary were exercised
 
 
+RESPONSES_KEYS = ("input", "instructions", "type", "role", "content", "text", "call_id", "name", "arguments",
+                  "output", "summary", "tools", "parameters", "properties", "items", "required", "function",
+                  "message", "function_call", "function_call_output", "reasoning", "input_text", "output_text",
+                  "max_output_tokens", "stream", "tool_choice", "previous_response_id", "model", "user", "assistant")
+MESSAGES_KEYS = ("messages", "system", "role", "content", "type", "text", "thinking", "tool_use", "tool_result",
+                 "tool_use_id", "id", "name", "input", "input_schema", "properties", "items", "tools", "max_tokens",
+                 "stream", "stop_sequences", "tool_choice", "auto", "model", "user", "assistant")
+
+
+@pytest.mark.parametrize("read, keys, honest", [
+    (read_responses, RESPONSES_KEYS, {
+        "model": "m", "instructions": "Be brief.", "max_output_tokens": 50, "stream": True, "tool_choice": "auto",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                  {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+                  {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": "{\"command\": \"ls\"}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}],
+        "tools": [{"type": "function", "name": "bash", "parameters": {"type": "object", "properties": {
+            "command": {"type": "string"}, "env": {"type": "array", "items": {"type": "string"}}}}}]}),
+    (read_messages, MESSAGES_KEYS, {
+        "model": "m", "system": [{"type": "text", "text": "Be brief."}], "max_tokens": 50, "stream": True,
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": ""},
+                                                       {"type": "tool_use", "id": "c1", "name": "bash",
+                                                        "input": {"command": "ls"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "a.txt"}]}],
+        "tools": [{"name": "bash", "input_schema": {"type": "object", "required": ["command"], "properties": {
+            "command": {"type": "string"}}}}]}),
+])
+def test_no_body_of_any_shape_raises_anything_but_a_bad_request_on_the_other_surfaces(read, keys, honest):
+    """The Responses and Anthropic Messages surfaces hold the chat surface's boundary: random JSON values and honest
+    bodies with one field corrupted are read or refused with a BadRequest in the proxy's own words."""
+    rng = random.Random(58)
+    read(honest)
+    taken, refused = 0, 0
+    for i in range(3000):
+        body = json_value(rng, keys) if i % 10 == 0 else one_field_corrupted(rng, honest, keys)
+        try:
+            read(body)
+            taken += 1
+        except BadRequest as e:
+            refused += 1
+            assert not any(words in str(e) for words in PYDANTIC_WORDS), (body, str(e))
+    assert taken > 300 and refused > 1000, (taken, refused)
+
+
 @pytest.mark.parametrize("place", ["body", "messages", "content", "role", "arguments", "arguments-text", "id", "n",
                                    "stream", "max_tokens", "tools", "properties", "items", "enum"])
 def test_a_value_nested_past_pythons_recursion_limit_is_refused_or_read_never_a_recursion_error(place):
@@ -279,3 +326,26 @@ def test_a_value_nested_past_pythons_recursion_limit_is_refused_or_read_never_a_
         return
     assert place in ("arguments", "arguments-text", "id")  # lenient fields: kept unparsed, never refused
     assert "__unparsed__" in asked.messages[0].tool_calls[0].arguments or asked.messages[0].tool_calls[0].id == "list"
+
+
+@pytest.mark.parametrize("read, body", [
+    (read_responses, lambda deep: {"input": deep}),
+    (read_responses, lambda deep: {"input": [{"role": "user", "content": deep}]}),
+    (read_responses, lambda deep: {"input": [{"type": "function_call", "call_id": "c", "name": "b", "arguments": deep},
+                                             {"role": "user", "content": "hi"}]}),
+    (read_responses, lambda deep: {"input": "hi", "tools": [{"type": "function", "name": "b", "parameters": {
+        "type": "object", "properties": {"a": {"items": deep}}}}]}),
+    (read_messages, lambda deep: {"messages": deep}),
+    (read_messages, lambda deep: {"messages": [{"role": "user", "content": deep}]}),
+    (read_messages, lambda deep: {"messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "b", "input": {"a": deep}}]}, {"role": "user", "content": "hi"}]}),
+    (read_messages, lambda deep: {"system": deep, "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_a_value_nested_past_the_recursion_limit_on_the_other_surfaces_is_refused_or_read(read, body):
+    deep: list = []
+    for _ in range(20_000):
+        deep = [deep]
+    try:
+        read(body(deep))
+    except BadRequest as e:
+        assert not any(words in str(e) for words in PYDANTIC_WORDS), str(e)
