@@ -53,6 +53,7 @@ class ChatRequest:
     stream: bool = False  # answer as server-sent events (completion_events)
     stream_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     tokens: TokensAsked = field(default_factory=TokensAsked)  # the exact tokens to give back
+    namespaces: frozenset[str] = frozenset()  # Responses tool namespaces: the policy calls their tools "ns.name"
 
 
 REFUSED = {  # keys whose non-default value would change the completion; value: what "off" looks like

@@ -194,7 +194,8 @@ class EpisodeProxy:
     async def _responses(self, request: web.Request) -> web.Response:
         def answer(done: Completed) -> web.Response:
             response = response_json(done.reply, done.finish, len(done.prompt_ids), len(done.token_ids),
-                                     self._model(done.asked), f"resp_{uuid.uuid4().hex[:24]}", int(time.time()))
+                                     self._model(done.asked), f"resp_{uuid.uuid4().hex[:24]}", int(time.time()),
+                                     done.asked.namespaces)
             return _sse(response_events(response)) if done.asked.stream else web.json_response(response)
 
         return await self._serve(request, read_responses, answer, openai_error)

@@ -6,8 +6,11 @@ The proxy keeps no conversation: a request carries the whole of it (Codex's ``st
 ``previous_response_id`` and ``background`` are refused. Input items read: messages (system, developer, user and
 assistant; text parts), ``function_call``, ``function_call_output`` and ``reasoning`` (its summary or reasoning text:
 the policy's reasoning, given back as the proxy gave it, so the recorded row stays one sequence). An assistant turn is
-the run of reasoning, assistant message and function-call items between two other items. Tools: ``type: function``
-only; a tool of another type is refused with a 400 that names it. Sampling settings are recorded, not used (the
+the run of reasoning, assistant message and function-call items between two other items. Tools: ``function`` tools,
+and the function tools of a ``namespace`` (offered to the policy as ``namespace.name``, and its calls of them answered
+with their ``namespace``); the API's hosted tools (web search, file search, code interpreter...), which a server runs
+and no client does, are not offered to the policy, as on a server without them; any other tool (a freeform
+``custom`` one, ``local_shell``) is refused with a 400 that names it. Sampling settings are recorded, not used (the
 chat surface's docstring says why); ``max_output_tokens`` bounds the reply.
 """
 
@@ -48,6 +51,12 @@ class FunctionCallItem(Sent):
     call_id: Annotated[StrictStr, says("must be a string, got {got}")]
     name: Annotated[StrictStr, says("must be a string, got {got}")]
     arguments: Any = None  # JSON text, as the proxy sent it (call_arguments)
+    namespace: Annotated[StrictStr, says("must be a string, got {got}")] | None = None
+
+    @property
+    def qualified(self) -> str:
+        """The name the policy called: ``namespace.name`` for a namespace's tool."""
+        return f"{self.namespace}.{self.name}" if self.namespace else self.name
 
 
 class FunctionCallOutputItem(Sent):
@@ -65,10 +74,45 @@ ITEMS = {"message": TypeAdapter(MessageItem), "function_call": TypeAdapter(Funct
 
 
 class FunctionTool(Sent):
-    type: Annotated[Literal["function"], says('must be "function" (the only kind of tool served), got {got}')]
+    type: Annotated[Literal["function"], says('must be "function" (a namespace holds functions only), got {got}')]
     name: Annotated[StrictStr, says("must be a string, got {got}")]
     description: Annotated[StrictStr, says("must be a string")] = ""
     parameters: Annotated[dict, BeforeValidator(checked_schema)] = None
+
+    def listed(self, namespace: str | None = None) -> dict:
+        """As environments list their tools; a namespace's under ``namespace.name``."""
+        out = {k: getattr(self, k) for k in ("name", "description", "parameters") if k in self.model_fields_set}
+        return out | ({"name": f"{namespace}.{self.name}"} if namespace else {})
+
+
+class NamespaceTool(Sent):
+    name: Annotated[StrictStr, says("must be a string, got {got}")]
+    description: Annotated[StrictStr, says("must be a string")] = ""
+    tools: Annotated[list[FunctionTool], says("must be a list of function tools")]
+
+
+# what a server runs and no client does: not offered to the policy (the proxy runs none of them)
+HOSTED = ("web_search", "file_search", "code_interpreter", "image_generation", "computer_use", "mcp", "tool_search")
+TOOLS = {"function": TypeAdapter(FunctionTool), "namespace": TypeAdapter(NamespaceTool)}
+
+
+def read_tools(tools: list[Any]) -> tuple[list[dict], frozenset[str]]:
+    """A request's tools as the policy is offered them, and the namespaces among them."""
+    out, namespaces = [], set()
+    for i, raw in enumerate(tools):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if isinstance(kind, str) and kind.startswith(HOSTED):
+            continue
+        if not isinstance(kind, str) or kind not in TOOLS:
+            raise BadRequest(f"tools[{i}].type must be function or namespace (tools the client runs; hosted ones are "
+                             f"left out), got {shown(kind)}")
+        tool = read_sent(TOOLS[kind], raw, ("tools", i))
+        if kind == "function":
+            out.append(tool.listed())
+        else:
+            namespaces.add(tool.name)
+            out += [t.listed(tool.name) for t in tool.tools]
+    return out, frozenset(namespaces)
 
 
 def _no(value: Any, what: str) -> Any:
@@ -90,9 +134,7 @@ class ResponsesBody(JsonBody):
     input: Annotated[StrictStr | Annotated[list[Any], Field(min_length=1)], says("must be a string or a non-empty "
                                                                                   "list of items")]
     instructions: Annotated[StrictStr, says("must be a string")] | None = None
-    tools: Annotated[list[Annotated[FunctionTool, says("must be a function tool: {\"type\": \"function\", "
-                                                       "\"name\": ...}, got {got}")]],
-                     BeforeValidator(lambda v: v or []), says("must be a list")] = []
+    tools: Annotated[list[Any], BeforeValidator(lambda v: v or []), says("must be a list")] = []  # read_tools
     tool_choice: Annotated[Literal["auto"], says('is not served but "auto" (the policy decides), got {got}')] | None \
         = None
     max_output_tokens: Annotated[StrictInt, Field(gt=0), says("must be a positive integer, got {got}")] | None = None
@@ -137,9 +179,9 @@ def read_input(items: list[Any]) -> list[Message]:
             elif kind == "message":
                 turn.content = _text(item.content)
             else:
-                turn.tool_calls.append(ToolCall(name=item.name, arguments=call_arguments(item.arguments),
+                turn.tool_calls.append(ToolCall(name=item.qualified, arguments=call_arguments(item.arguments),
                                                 id=item.call_id))
-                names[item.call_id] = item.name
+                names[item.call_id] = item.qualified
             continue
         turn = None
         if kind == "function_call_output":
@@ -159,14 +201,20 @@ def read_responses(body: Any) -> ChatRequest:
         messages.insert(0, Message(role="system", content=sent.instructions))
     if messages[-1].role == "assistant":
         raise BadRequest("the last input item is the assistant's: continuing a prefilled reply is not supported")
-    tools = [{k: getattr(t, k) for k in ("name", "description", "parameters") if k in t.model_fields_set}
-             for t in sent.tools]
+    tools, namespaces = read_tools(sent.tools)
     return ChatRequest(messages, tools, sent.max_output_tokens,
-                       {k: getattr(sent, k) for k in ASKED if k in sent.model_fields_set}, sent.stream is True)
+                       {k: getattr(sent, k) for k in ASKED if k in sent.model_fields_set}, sent.stream is True,
+                       namespaces=namespaces)
+
+
+def _called(name: str, namespaces: frozenset[str]) -> dict:
+    """A call's ``name``, and its ``namespace`` where the policy called a namespace's tool (``ns.name``)."""
+    space, dot, rest = name.partition(".")
+    return {"name": rest, "namespace": space} if dot and space in namespaces else {"name": name}
 
 
 def response_json(msg: Message, finish_reason: str, prompt_tokens: int, completion_tokens: int, model: str,
-                  response_id: str, created: int) -> dict:
+                  response_id: str, created: int, namespaces: frozenset[str] = frozenset()) -> dict:
     """The Response object of an assistant reply: its reasoning (a summary), its text and its function calls as
     output items; ``incomplete`` when the reply was cut at its token budget."""
     n = response_id.removeprefix("resp_")
@@ -177,7 +225,7 @@ def response_json(msg: Message, finish_reason: str, prompt_tokens: int, completi
     if msg.content or not msg.tool_calls:
         output.append({"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": msg.content, "annotations": []}]})
-    output += [{"type": "function_call", "id": f"fc_{n}_{k}", "call_id": c.id, "name": c.name,
+    output += [{"type": "function_call", "id": f"fc_{n}_{k}", "call_id": c.id, **_called(c.name, namespaces),
                 "arguments": json.dumps(c.arguments, ensure_ascii=False), "status": "completed"}
                for k, c in enumerate(msg.tool_calls)]
     cut = finish_reason == "length"

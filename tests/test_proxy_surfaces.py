@@ -11,6 +11,7 @@ import anthropic
 import httpx2
 import openai
 import pytest
+from agent_fakes import CHAT
 from test_proxy import TOKEN, ScriptedEngine, Served
 
 from sandforge.rollout.messages_api import read_messages
@@ -136,6 +137,31 @@ class CutEngine(ScriptedEngine):
                       finish_reason="length" if cut else "stop", version=whole.version)
 
 
+def test_a_namespaces_tools_are_offered_by_qualified_name_and_hosted_tools_are_left_out(served):
+    """Codex groups tools in a ``namespace`` and lists OpenAI's hosted web search: the policy is offered the
+    namespace's functions as ``ns.name`` and its call comes back with its namespace; web search, which only a server
+    runs, is not offered."""
+    engine = ScriptedEngine([Message(role="assistant", tool_calls=[ToolCall("agents.spawn", {"task": "x"})]),
+                             Message(role="assistant", content="ok")])
+    s = served(engine)
+    client = responses_client(s)
+    tools = [{"type": "function", "name": "shell", "parameters": SHELL},
+             {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [
+                 {"type": "function", "name": "spawn", "parameters": {"type": "object", "properties": {
+                     "task": {"type": "string"}}}}]},
+             {"type": "web_search", "external_web_access": True}]
+    history: list = [{"role": "user", "content": "go"}]
+    first = client.responses.create(model="m", input=history, tools=tools)
+    (call,) = first.output
+    assert (call.name, call.namespace) == ("spawn", "agents")
+    prompt = CHAT.tokenizer.decode(engine.requests[0].prompt_ids)  # the tools as the policy's template declared them
+    assert "shell(" in prompt and "agents.spawn(" in prompt and "web_search" not in prompt
+    history += [call.model_dump(exclude_none=True),
+                {"type": "function_call_output", "call_id": call.call_id, "output": "spawned"}]
+    client.responses.create(model="m", input=history, tools=tools)
+    assert len(s.proxy.recorder.rows) == 1  # the namespaced call given back renders as the policy wrote it
+
+
 def test_a_responses_reply_cut_at_its_budget_is_incomplete(served):
     s = served(CutEngine([Message(role="assistant", content="a long answer " * 50)]))
     r = responses_client(s).responses.create(model="m", input="hi", max_output_tokens=5)
@@ -145,7 +171,9 @@ def test_a_responses_reply_cut_at_its_budget_is_incomplete(served):
 
 @pytest.mark.parametrize("extra, says", [
     ({"previous_response_id": "resp_1"}, "previous_response_id is not served"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "custom", "name": "x"}]}]},
+     "tools[0].tools[0].type"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
