@@ -16,6 +16,7 @@ job YAML).
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -53,11 +54,16 @@ def _file(name: str) -> bytes:
     return resources.files("sandforge.rollout").joinpath("harness_files", name).read_bytes()
 
 
+def _options(name: str, options: dict[str, Any], known: set[str]) -> None:
+    """ValueError naming the options ``name`` does not take."""
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"agent.options: {name} takes {', '.join(sorted(known))}, got {unknown}")
+
+
 def bash_loop(options: dict[str, Any]) -> Harness:
     """The minimal harness written here (rollout/harness_files/bash_loop.py): one ``bash`` tool and ``submit``."""
-    unknown = sorted(set(options) - {"max_steps"})
-    if unknown:
-        raise ValueError(f"agent.options: bash-loop takes max_steps, got {unknown}")
+    _options("bash-loop", options, {"max_steps"})
     steps = int(options.get("max_steps", 30))
     return Harness(name="bash-loop", files={"bash_loop.py": _file("bash_loop.py")},
                    command=f'python3 "$SANDFORGE_HARNESS_DIR/bash_loop.py" "$SANDFORGE_INSTRUCTION" --max-steps {steps}')
@@ -74,9 +80,7 @@ def mini_swe_agent(options: dict[str, Any]) -> Harness:
     """mini-swe-agent 2.4.6 (PyPI), unmodified: its default agent (no confirmation prompts) with its own mini.yaml
     config, tool calling, and litellm pointed at the proxy. It finishes by running
     ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; its trajectory file is left in the harness folder."""
-    unknown = sorted(set(options) - {"step_limit", "command_timeout"})
-    if unknown:
-        raise ValueError(f"agent.options: mini-swe-agent takes step_limit and command_timeout, got {unknown}")
+    _options("mini-swe-agent", options, {"step_limit", "command_timeout"})
     env = " ".join(f"{k}={v}" for k, v in MINI_ENV.items())
     command = (f'{env} MSWEA_GLOBAL_CONFIG_DIR="$SANDFORGE_HARNESS_DIR/mswea" OPENAI_API_BASE="$OPENAI_BASE_URL" '
                f'{MINI_SWE_AGENT}/bin/mini --agent-class default -m openai/sandforge-policy '
@@ -85,6 +89,43 @@ def mini_swe_agent(options: dict[str, Any]) -> Harness:
                f'-c environment.timeout={int(options.get("command_timeout", 60))} -l 0 '
                f'-o "$SANDFORGE_HARNESS_DIR/trajectory.json" </dev/null')
     return Harness(name="mini-swe-agent", command=command, image="mini-swe-agent")
+
+
+CLAUDE_CODE = "/opt/sandforge-harness/claude-code/claude"  # its native binary in the image (harness_images/claude-code)
+QUIET = "DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1"
+
+
+def claude_code(options: dict[str, Any]) -> Harness:
+    """Claude Code 2.1.197 (npm), unmodified, in print mode: the task's instruction as its prompt, every tool allowed
+    without asking (``IS_SANDBOX=1`` lets it do so as root too), its Anthropic client pointed at the proxy by
+    ``ANTHROPIC_BASE_URL``. ``model``: the name it asks for (any is answered by the policy); ``max_turns``: its own
+    limit of agentic turns."""
+    _options("claude-code", options, {"model", "max_turns"})
+    model = shlex.quote(str(options.get("model", "claude-sonnet-4-5")))
+    command = (f'HOME="$SANDFORGE_HARNESS_DIR/home" IS_SANDBOX=1 {QUIET} {CLAUDE_CODE} '
+               f'-p "$(cat "$SANDFORGE_INSTRUCTION")" --dangerously-skip-permissions --model {model} '
+               f'--max-turns {int(options.get("max_turns", 30))} </dev/null')
+    return Harness(name="claude-code", command=command, image="claude-code")
+
+
+CODEX = "/opt/sandforge-harness/codex/codex"  # its native binary in the image (harness_images/codex)
+# -c's value in bash's double quotes, so that the proxy's URL is the sandbox's $OPENAI_BASE_URL
+CODEX_PROVIDER = (r'"model_providers.sandforge={name=\"sandforge\", base_url=\"$OPENAI_BASE_URL\", '
+                  r'env_key=\"OPENAI_API_KEY\", wire_api=\"responses\"}"')
+
+
+def codex(options: dict[str, Any]) -> Harness:
+    """Codex 0.171.0 (npm), unmodified: ``codex exec`` on the task's instruction, no approvals and no sandbox of its
+    own (the episode's sandbox is the boundary), a model provider of its own pointing its Responses client at the
+    proxy (Codex does not read ``OPENAI_BASE_URL``). ``model``: the name it asks for (any is answered by the
+    policy)."""
+    _options("codex", options, {"model"})
+    model = shlex.quote(str(options.get("model", "gpt-5-codex")))
+    command = (f'mkdir -p "$SANDFORGE_HARNESS_DIR/codex" && HOME="$SANDFORGE_HARNESS_DIR/home" '
+               f'CODEX_HOME="$SANDFORGE_HARNESS_DIR/codex" {CODEX} exec --skip-git-repo-check '
+               f'--dangerously-bypass-approvals-and-sandbox -m {model} -c \'model_provider="sandforge"\' '
+               f'-c {CODEX_PROVIDER} "$(cat "$SANDFORGE_INSTRUCTION")" </dev/null')
+    return Harness(name="codex", command=command, image="codex")
 
 
 def runtime_files() -> dict[str, bytes]:

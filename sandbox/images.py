@@ -19,6 +19,9 @@ installs from the wheelhouse without an index::
     RUN pip install --no-index --find-links /wheels --break-system-packages -r /wheels/requirements.txt
 
 (``--break-system-packages``: bookworm marks its Python as externally managed; a venv in the image works as well.)
+A folder that holds ``npm-packages.txt`` (package specs, one a line, pinned) gets the npm registry's packages the same
+way: the host runs ``npm install --ignore-scripts`` into a cache keyed by the list, and the context carries them as
+``npm/node_modules/`` (an agent harness's native CLI binary, copied into its image from there).
 Env folders live under ``environments/`` by default; ``envs_dir`` points the pipeline at another folder (a plugin's).
 """
 
@@ -62,6 +65,8 @@ _LOCK_PATH = Path(tempfile.gettempdir()) / "sandforge-images.lock"
 REQUIREMENTS = "requirements.txt"
 WHEELS = "wheels"  # the wheelhouse's folder in the build context
 EXTRA_WHEELS = "sandforge-wheels"  # a BuildContext's own wheelhouse (a Harbor task's pinned pip installs)
+NPM_PACKAGES = "npm-packages.txt"
+NPM = "npm"  # the npm packages' folder in the build context (``npm/node_modules/...``)
 # The interpreter wheels are fetched for: the python3 of the Debian release the base is bootstrapped from (bookworm:
 # CPython 3.11, glibc 2.36). pip does not widen manylinux_2_X to older glibcs itself, so every one is named; it does
 # widen manylinux2014 to manylinux2010 and manylinux1. Pure-Python wheels fit any platform.
@@ -140,23 +145,24 @@ def _context_files(ctx: Path) -> list[Path]:
         return []  # a Dockerfile given as text, with nothing to copy (a Harbor task that names only its image)
     files = {ctx / "Dockerfile"}
     has_wheelhouse = (ctx / REQUIREMENTS).is_file()
-    if has_wheelhouse:
-        files.add(ctx / REQUIREMENTS)
+    has_npm = (ctx / NPM_PACKAGES).is_file()
+    files.update(f for f, has in ((ctx / REQUIREMENTS, has_wheelhouse), (ctx / NPM_PACKAGES, has_npm)) if has)
     for pattern in _copy_sources((ctx / "Dockerfile").read_text()):
         if "://" in pattern:
             continue  # ADD <url>: not part of the context
-        if has_wheelhouse and Path(pattern.lstrip("/")).parts[:1] == (WHEELS,):
+        top = Path(pattern.lstrip("/")).parts[:1]
+        if (has_wheelhouse and top == (WHEELS,)) or (has_npm and top == (NPM,)):
             continue
         matches = [ctx] if pattern.strip("/") in ("", ".") else sorted(ctx.glob(pattern.lstrip("/")))
         if not matches:
             raise ImageError(f"{ctx / 'Dockerfile'}: COPY/ADD source '{pattern}' matches nothing in {ctx}")
         for m in matches:
             files.update([m] if m.is_file() else (p for p in m.rglob("*") if p.is_file()))
-    generated = ctx / WHEELS
+    generated = [ctx / folder for folder, has in ((WHEELS, has_wheelhouse), (NPM, has_npm)) if has]
     return sorted(
         f
         for f in files
-        if "__pycache__" not in f.parts and f.suffix != ".pyc" and not (has_wheelhouse and f.is_relative_to(generated))
+        if "__pycache__" not in f.parts and f.suffix != ".pyc" and not any(f.is_relative_to(g) for g in generated)
     )
 
 
@@ -164,6 +170,40 @@ def wheelhouse(ctx: Path, progress: Progress | None = None) -> Path | None:
     """The wheels ``ctx/requirements.txt`` needs, downloaded once into a cache; None without a requirements.txt."""
     req = ctx / REQUIREMENTS
     return download_wheels(req.read_text(), str(req), progress) if req.is_file() else None
+
+
+def npm_packages(ctx: Path, progress: Progress | None = None) -> Path | None:
+    """The npm packages ``ctx/npm-packages.txt`` names, installed once into a cache (``npm install --ignore-scripts``:
+    nothing of theirs runs on the host); the folder holding their ``node_modules``, or None without the file."""
+    listed = ctx / NPM_PACKAGES
+    if not listed.is_file():
+        return None
+    progress = progress or _noop
+    specs = [line.strip() for line in listed.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    key = hashlib.sha256("\n".join(specs).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SANDFORGE_CACHE") or Path.home() / ".cache" / "sandforge") / "npm"
+    dest = cache / key
+    if dest.is_dir():
+        return dest
+    npm = shutil.which("npm")
+    if npm is None:
+        raise ImageError(f"{listed}: the image needs npm packages ({', '.join(specs)}), and npm is not installed on "
+                         "this machine to fetch them (apt-get install -y npm)")
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=cache))
+    tmp.chmod(0o755)
+    try:
+        progress(f"installing npm packages for {listed}")
+        _run_streaming([npm, "install", "--ignore-scripts", "--no-audit", "--no-fund", "--no-save", "--prefix",
+                        str(tmp), *specs], progress)
+    except ImageError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ImageError(f"could not fetch the npm packages {listed} names\n{e}") from e
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process finished the same packages first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def download_wheels(requirements: str, source: str, progress: Progress | None = None) -> Path:
@@ -239,7 +279,7 @@ def context_image_tag(ctx: Path, name: str, base_tag: str, client: docker.Docker
 
 
 def _context_tar(ctx: Path, wheels: Path | None = None, dockerfile: str | None = None,
-                 extra_wheels: Path | None = None) -> io.BytesIO:
+                 extra_wheels: Path | None = None, npm: Path | None = None) -> io.BytesIO:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for f in _context_files(ctx):
@@ -256,6 +296,8 @@ def _context_tar(ctx: Path, wheels: Path | None = None, dockerfile: str | None =
                 tar.add(folder, arcname=arcname, recursive=False)
                 for f in sorted(folder.iterdir()):
                     tar.add(f, arcname=f"{arcname}/{f.name}", recursive=False)
+        if npm is not None:
+            tar.add(npm / "node_modules", arcname=f"{NPM}/node_modules")
     buf.seek(0)
     return buf
 
@@ -291,7 +333,7 @@ def build_context_image(
         return tag
     tail: deque[str] = deque(maxlen=30)
     stream = client.api.build(
-        fileobj=_context_tar(ctx, wheelhouse(ctx, progress), dockerfile, extra_wheels),
+        fileobj=_context_tar(ctx, wheelhouse(ctx, progress), dockerfile, extra_wheels, npm_packages(ctx, progress)),
         custom_context=True,
         tag=tag,
         buildargs={"BASE": base_tag},

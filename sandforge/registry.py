@@ -66,7 +66,9 @@ BUILTIN_VERIFIERS = {
 # Agent harnesses by the name ``agent.harness`` gives them: each a factory ``(options) -> Harness``
 # (sandforge.rollout.harnesses); plugins register theirs under HARNESS_GROUP.
 BUILTIN_HARNESSES = {"bash-loop": "sandforge.rollout.harnesses:bash_loop",
-                     "mini-swe-agent": "sandforge.rollout.harnesses:mini_swe_agent"}
+                     "mini-swe-agent": "sandforge.rollout.harnesses:mini_swe_agent",
+                     "claude-code": "sandforge.rollout.harnesses:claude_code",
+                     "codex": "sandforge.rollout.harnesses:codex"}
 HARNESS_GROUP = "sandforge.harnesses"
 
 

@@ -1,5 +1,6 @@
 """The image pipeline's wheelhouse: an env's requirements.txt becomes wheels fetched on the host, installed in the image
-without an index; the image hash follows requirements.txt, never the downloaded files."""
+without an index; the image hash follows requirements.txt, never the downloaded files. A harness image's
+npm-packages.txt is fetched the same way."""
 
 from __future__ import annotations
 
@@ -66,6 +67,40 @@ def test_build_context_carries_the_wheelhouse_as_wheels(tmp_path):
         names = tar.getnames()
         assert tar.extractfile("wheels/six-1.16.0-py2.py3-none-any.whl").read() == b"a wheel"
     assert names == ["Dockerfile", "requirements.txt", "wheels", "wheels/six-1.16.0-py2.py3-none-any.whl"]
+
+
+def test_npm_packages_are_a_listed_input_and_the_context_carries_them_as_npm(tmp_path, monkeypatch):
+    """A harness image's npm-packages.txt: the list counts toward the image's hash, an ``npm/`` folder beside it never
+    does, and the build context carries the cached install's node_modules as ``npm/node_modules``."""
+    ctx = tmp_path / "harness"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("ARG BASE\nFROM ${BASE}\nCOPY npm/node_modules/cli/bin/cli /opt/cli\n")
+    (ctx / "npm-packages.txt").write_text("# pinned\ncli@1.2.3\n")
+    (ctx / "npm").mkdir()
+    (ctx / "npm" / "stale").write_text("an old install")
+    assert [p.relative_to(ctx).as_posix() for p in images._context_files(ctx)] == ["Dockerfile", "npm-packages.txt"]
+
+    installs: list[list[str]] = []
+
+    def fake_npm(cmd, progress):  # npm install --prefix DIR SPECS, as the registry would answer it
+        installs.append(cmd)
+        binary = Path(cmd[cmd.index("--prefix") + 1]) / "node_modules" / "cli" / "bin" / "cli"
+        binary.parent.mkdir(parents=True)
+        binary.write_bytes(b"\x7fELF a binary")
+
+    monkeypatch.setenv("SANDFORGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(images, "_run_streaming", fake_npm)
+    monkeypatch.setattr(images.shutil, "which", lambda name: f"/usr/bin/{name}")
+    folder = images.npm_packages(ctx)
+    assert images.npm_packages(ctx) == folder and len(installs) == 1  # cached by the list
+    assert installs[0][-1] == "cli@1.2.3" and "--ignore-scripts" in installs[0]  # nothing of theirs runs here
+    with tarfile.open(fileobj=images._context_tar(ctx, npm=folder)) as tar:
+        assert tar.extractfile("npm/node_modules/cli/bin/cli").read() == b"\x7fELF a binary"
+        assert "npm/stale" not in tar.getnames()
+    monkeypatch.setattr(images.shutil, "which", lambda name: None)
+    (ctx / "npm-packages.txt").write_text("cli@2.0.0\n")
+    with pytest.raises(images.ImageError, match="npm is not installed"):
+        images.npm_packages(ctx)
 
 
 def test_env_folders_outside_the_package_are_found(tmp_path):
