@@ -28,6 +28,7 @@ def validate_job(cfg: JobConfig, source: str = "config", warm_start: bool = True
                 f"{'' if env.id is None else ' ' + env.id}) brings no reference solution for the warm start to "
                 "replay (none of its tasks has one); draw it in RL only (its 'weight' 0 and an 'rl_weight'), or "
                 "learn from conversations instead ('warmup.episodes' 0 and 'warmup.data'), or 'warmup.steps' 0")
+    check_harness_context(cfg, source)
     n_experts = 0
     if cfg.model.arch == "k3":
         from sandforge.models.k3.config import preset_config  # plain dataclasses, no torch
@@ -46,6 +47,24 @@ def validate_job(cfg: JobConfig, source: str = "config", warm_start: bool = True
         raise ConfigError(f"{source}: 'trainer.expert_parallel' = {ep} must divide the model's n_experts "
                           f"({n_experts}); change model.k3.n_experts or trainer.expert_parallel")
     return sampler
+
+
+def check_harness_context(cfg: JobConfig, source: str = "config") -> None:
+    """A harness whose own prompt does not fit the episode's context is refused now, not at every first request."""
+    if cfg.agent.harness is None:
+        return
+    from sandforge.rollout.harnesses import find_harness
+
+    try:
+        harness = find_harness(cfg.agent.harness, cfg.agent.options)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    if harness.prompt_tokens >= cfg.rollout.max_context:
+        raise ConfigError(
+            f"{source}: 'agent.harness' {harness.name} sends about {harness.prompt_tokens:,} tokens before the task "
+            f"(its system prompt and tool declarations, counted with SmolLM2's tokenizer), more than "
+            f"'rollout.max_context' {cfg.rollout.max_context}: every episode would end at its first request; give "
+            "it a policy and a 'rollout.max_context' that hold its prompt, or another harness")
 
 
 def local_model(cfg: JobConfig, source: str = "config") -> JobConfig:

@@ -42,6 +42,9 @@ class Harness:
     files: dict[str, bytes] = field(default_factory=dict)
     needs: tuple[str, ...] = ("python3",)
     image: str | None = None  # a folder under rollout/harness_images: a layer built on every image the job uses
+    # the tokens its first request takes before the task (system prompt, tool declarations), as SmolLM2's tokenizer
+    # counts them: a job whose rollout.max_context is below it is refused at start (job/preflight.py)
+    prompt_tokens: int = 0
 
     def image_folder(self) -> Path | None:
         """The build context of the harness's image layer (Dockerfile, requirements.txt), or None."""
@@ -105,7 +108,8 @@ def claude_code(options: dict[str, Any]) -> Harness:
     command = (f'HOME="$SANDFORGE_HARNESS_DIR/home" IS_SANDBOX=1 {QUIET} {CLAUDE_CODE} '
                f'-p "$(cat "$SANDFORGE_INSTRUCTION")" --dangerously-skip-permissions --model {model} '
                f'--max-turns {int(options.get("max_turns", 30))} </dev/null')
-    return Harness(name="claude-code", command=command, image="claude-code")
+    # 2026-12-07, Claude Code 2.1.197's first request: 117 KB of JSON, 82 KB of it its tools
+    return Harness(name="claude-code", command=command, image="claude-code", prompt_tokens=29_450)
 
 
 CODEX = "/opt/sandforge-harness/codex/codex"  # its native binary in the image (harness_images/codex)
@@ -125,7 +129,8 @@ def codex(options: dict[str, Any]) -> Harness:
                f'CODEX_HOME="$SANDFORGE_HARNESS_DIR/codex" {CODEX} exec --skip-git-repo-check '
                f'--dangerously-bypass-approvals-and-sandbox -m {model} -c \'model_provider="sandforge"\' '
                f'-c {CODEX_PROVIDER} "$(cat "$SANDFORGE_INSTRUCTION")" </dev/null')
-    return Harness(name="codex", command=command, image="codex")
+    # 2026-12-07, Codex 0.171.0's first request: 41 KB of JSON
+    return Harness(name="codex", command=command, image="codex", prompt_tokens=10_400)
 
 
 def runtime_files() -> dict[str, bytes]:

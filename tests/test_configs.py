@@ -32,6 +32,23 @@ def test_config_is_a_valid_job(path):
     validate_job(cfg, str(path))
 
 
+def test_a_harness_whose_own_prompt_outgrows_the_context_is_refused_at_start():
+    """Claude Code's system prompt and tools take about 29k tokens before the task: a job with a smaller context is
+    refused in one line naming both numbers, not at every episode's first request."""
+    from sandforge.config import ConfigError, JobConfig
+
+    def job(harness: str, context: int, **options) -> JobConfig:
+        return JobConfig.model_validate({"environments": [{"name": "repo"}], "rollout": {"max_context": context},
+                                         "agent": {"harness": harness, "options": options}})
+
+    with pytest.raises(ConfigError, match=r"job.yaml: 'agent.harness' claude-code sends about 29,450 tokens .* "
+                                          r"'rollout.max_context' 4096"):
+        validate_job(job("claude-code", 4096), "job.yaml")
+    validate_job(job("codex", 32768), "job.yaml")
+    with pytest.raises(ConfigError, match=r"agent.options: codex takes model, got \['turns'\]"):
+        validate_job(job("codex", 32768, turns=3), "job.yaml")
+
+
 @pytest.mark.docker
 @pytest.mark.slow
 def test_mixed_config_warm_starts_and_trains_one_step_in_every_environment(tmp_path):

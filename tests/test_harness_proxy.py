@@ -133,6 +133,7 @@ def test_a_coding_cli_unmodified_solves_a_repo_task_through_the_proxy_and_a_no_o
     assert solved.metadata["harness_exit_code"] == 0, (solved.finish_reason, solved.metadata["harness_output"])
     assert len(solved.turns) == 3 and not solved.earlier_rows  # each turn given back as sent: one row
     assert "def nine" in backend.prompts[1]  # the file it read, as the CLI words a tool result, reached the policy
+    assert solved.response_tokens == sum(t.generated_tokens for t in solved.turns)  # the engine's tokens, no others
 
     idle, = run(ReplayBackend([], tool=tool, arg=arg), [task], run_id, docker_client, harness=harness,
                 context=200_000)
