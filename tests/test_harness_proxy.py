@@ -139,6 +139,7 @@ def test_a_coding_cli_unmodified_solves_a_repo_task_through_the_proxy_and_a_no_o
                 context=200_000)
     assert not idle.failed, idle.failure
     assert (idle.reward.value, idle.reward.success) == (0.0, False)
+    assert "service_stopped" not in idle.reward.zero_causes  # the forwarder stopped with the CLI: no policy service
 
 
 def test_mini_swe_agent_solves_a_harbor_task_folder_through_the_proxy(run_id, docker_client):
