@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from test_agent_properties import chat_format
 
 from sandforge.rollout.chat_api import ChatRequest, message_json, read_message
+from sandforge.rollout.messages_api import message_reply, read_messages
 from sandforge.rollout.proxy import reply_message
+from sandforge.rollout.responses_api import read_responses, response_json
 from sandforge.rollout.rows import RowRecorder, render_conversation
 from sandforge.types import Message, Sample, ToolCall
 
@@ -51,10 +53,59 @@ def episodes(draw):
     return steps
 
 
-@pytest.mark.parametrize("fmt", ["bytes", "bpe", "smollm2"])
+def responses_body(messages: list[Message]) -> dict:
+    """The conversation as a Responses client sends it: the policy's turns as the proxy gave them (output items)."""
+    items: list[dict] = []
+    for m in messages:
+        if m.role == "assistant":
+            items += response_json(m, "stop", 0, 0, "m", "resp_x", 0)["output"]
+        elif m.role == "tool":
+            items.append({"type": "function_call_output", "call_id": m.tool_call_id, "output": m.content})
+        else:
+            items.append({"role": m.role, "content": m.content})
+    tools = [{"type": "function", **t} for t in TOOLS]
+    return {"model": "m", "input": items, "tools": tools}
+
+
+def messages_body(messages: list[Message]) -> dict:
+    """The conversation as an Anthropic client sends it: the system prompt apart, tool results in the user turn that
+    follows them, the policy's turns as the proxy gave them (content blocks)."""
+    system = "".join(m.content for m in messages if m.role == "system")
+    turns: list[dict] = []
+    for m in messages:
+        if m.role == "assistant":
+            turns.append({"role": "assistant", "content": message_reply(m, "stop", 0, 0, "m", "msg_x")["content"]})
+            continue
+        block = ({"type": "tool_result", "tool_use_id": m.tool_call_id, "content": m.content} if m.role == "tool"
+                 else {"type": "text", "text": m.content} if m.role == "user" else None)
+        if block is None:
+            continue
+        if turns and turns[-1]["role"] == "user" and (block["type"] == "text" or turns[-1]["content"][-1]["type"]
+                                                      == "tool_result"):
+            turns[-1]["content"].append(block)  # results first, then the text: one user turn
+        else:
+            turns.append({"role": "user", "content": [block]})
+    tools = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS]
+    return {"model": "m", "max_tokens": 64, "system": system, "messages": turns, "tools": tools}
+
+
+def surface_request(surface: str, messages: list[Message]) -> ChatRequest:
+    """The request the proxy reads from ``messages`` sent through ``surface``."""
+    if surface == "responses":
+        return read_responses(json.loads(json.dumps(responses_body(messages))))
+    if surface == "messages":
+        return read_messages(json.loads(json.dumps(messages_body(messages))))
+    return ChatRequest(list(messages), TOOLS, None, {})
+
+
+@pytest.mark.parametrize("fmt, surface", [("bytes", "chat"), ("bpe", "chat"), ("smollm2", "chat"),
+                                          ("bpe", "responses"), ("smollm2", "responses"),
+                                          ("bpe", "messages"), ("smollm2", "messages")])
 @settings(max_examples=60, deadline=None)
 @given(steps=episodes())
-def test_rows_hold_every_generated_token_once(fmt, steps):
+def test_rows_hold_every_generated_token_once(fmt, surface, steps):
+    """... over each of the proxy's APIs (#58): OpenAI's Responses and Anthropic's Messages carry the conversation
+    in their own shapes, and the recording rules hold the same."""
     chat = chat_format(fmt)
     recorder = RowRecorder(chat)
     messages = [Message(role="system", content="You are an agent."), Message(role="user", content="Do the task.")]
@@ -77,7 +128,8 @@ def test_rows_hold_every_generated_token_once(fmt, steps):
             messages.append(Message(role="user", content=text))
         elif action == "summarise":
             messages = [messages[0], Message(role="user", content="Summary so far: " + text)]
-        pending = recorder.prompt(ChatRequest(list(messages), TOOLS, None, {}))
+        request = surface_request(surface, messages)
+        pending = recorder.prompt(request)
         rewrote = action in ("edit", "summarise") or (action == "drop_reasoning" and steps[i - 1][2].reasoning)
         if i and not rewrote:
             assert pending.extends, action
@@ -85,7 +137,7 @@ def test_rows_hold_every_generated_token_once(fmt, steps):
             assert pending.prompt_ids[: len(row.token_ids)] == row.token_ids  # recorded ids, never re-tokenized
         if rewrote:
             assert not pending.extends
-            assert pending.prompt_ids == render_conversation(chat, TOOLS, messages)
+            assert pending.prompt_ids == render_conversation(chat, TOOLS, request.messages)
         sample = sample_for(chat, reply)
         given_reply, _ = reply_message(chat, sample.token_ids, True, i, cut=False)
         recorder.record(pending, sample, given_reply)
