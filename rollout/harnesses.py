@@ -133,6 +133,22 @@ def codex(options: dict[str, Any]) -> Harness:
     return Harness(name="codex", command=command, image="codex", prompt_tokens=10_400)
 
 
+OPENCODE = "/opt/sandforge-harness/opencode/opencode"  # its native binary in the image (harness_images/opencode)
+
+
+def opencode(options: dict[str, Any]) -> Harness:
+    """OpenCode 1.18.33 (npm), unmodified: ``opencode run`` on the task's instruction, with a config of its own
+    (harness_files/opencode.json: an OpenAI-compatible provider whose base URL and key are the sandbox's
+    ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``, no auto-update, no sharing) and no fetch of its model catalogue."""
+    _options("opencode", options, set())
+    command = ('HOME="$SANDFORGE_HARNESS_DIR/home" OPENCODE_CONFIG="$SANDFORGE_HARNESS_DIR/opencode.json" '
+               f'OPENCODE_DISABLE_MODELS_FETCH=1 {OPENCODE} run -m sandforge/policy "$(cat "$SANDFORGE_INSTRUCTION")" '
+               '</dev/null')
+    # 2026-12-07, OpenCode 1.18.33's first request with tools: 31 KB of JSON (its title request is smaller)
+    return Harness(name="opencode", command=command, files={"opencode.json": _file("opencode.json")},
+                   image="opencode", prompt_tokens=7_732)
+
+
 def runtime_files() -> dict[str, bytes]:
     """What every harness gets beside its own files: the start script and the loopback forwarder."""
     return {"start.sh": _file("start.sh"), "forward.py": _file("forward.py")}

@@ -244,7 +244,7 @@ class AgentConfig(Section):
     """Who drives an episode: sandforge's own agent loop (``harness: null``), or an unmodified agent harness run
     inside the sandbox whose model calls go through the episode's recording proxy (docs/harnesses.md)."""
 
-    harness: str | None = None  # bash-loop, mini-swe-agent, claude-code, codex or a plugin's (sandforge.harnesses)
+    harness: str | None = None  # bash-loop, mini-swe-agent, claude-code, codex, opencode or a plugin's
     options: dict[str, Any] = Field(default_factory=dict)  # given to the harness's factory
     max_requests: int = Field(30, ge=1)  # completions per episode; the next request ends it
     max_tokens: int = Field(8192, ge=1)  # generated tokens per episode, every request's

@@ -68,7 +68,8 @@ BUILTIN_VERIFIERS = {
 BUILTIN_HARNESSES = {"bash-loop": "sandforge.rollout.harnesses:bash_loop",
                      "mini-swe-agent": "sandforge.rollout.harnesses:mini_swe_agent",
                      "claude-code": "sandforge.rollout.harnesses:claude_code",
-                     "codex": "sandforge.rollout.harnesses:codex"}
+                     "codex": "sandforge.rollout.harnesses:codex",
+                     "opencode": "sandforge.rollout.harnesses:opencode"}
 HARNESS_GROUP = "sandforge.harnesses"
 
 

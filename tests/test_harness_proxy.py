@@ -24,7 +24,8 @@ pytestmark = pytest.mark.docker
 class ReplayBackend:
     """The engine behind the proxy: answers each episode's request i with ``commands[i]`` (a bash command, or None
     for a reply without a tool call), rendered in the worker's chat format; keeps each request's prompt as text.
-    ``tool`` and ``arg``: the harness's shell tool and its command's argument."""
+    ``tool`` and ``arg``: the harness's shell tool and its command's argument. A request that declares no such tool
+    (OpenCode's title for the conversation, asked beside it) is answered with text and takes no command."""
 
     def __init__(self, commands: list[str | None], tool: str = "bash", arg: str = "command"):
         self.commands, self.tool, self.arg = list(commands), tool, arg
@@ -33,9 +34,10 @@ class ReplayBackend:
         self.prompts: list[str] = []
 
     async def generate(self, request: GenerateRequest) -> list[Sample]:
-        self.prompts.append(self.chat.tokenizer.decode(request.prompt_ids))
+        prompt = self.chat.tokenizer.decode(request.prompt_ids)
+        self.prompts.append(prompt)
         left = self.left.setdefault(request.session_id, list(self.commands))
-        command = left.pop(0) if left else None
+        command = left.pop(0) if left and f"{self.tool}(" in prompt else None  # declared as the chat format does
         calls = [ToolCall(self.tool, {self.arg: command})] if command else []
         ids = self.chat.render_assistant(Message(role="assistant", content="" if calls else "done", tool_calls=calls))
         return [Sample(token_ids=ids, logprobs=[-0.1] * len(ids), finish_reason="stop", version=1)]
@@ -45,9 +47,9 @@ class ReplayBackend:
 
 
 def run(backend: ReplayBackend, tasks, run_id, docker_client, harness: str = "bash-loop", context: int = 8192,
-        **agent) -> list[Trajectory]:
+        memory: str = "512m", **agent) -> list[Trajectory]:
     images = build_images(["repo"], client=docker_client, show_progress=False)
-    job = JobConfig.model_validate({"environments": [{"name": "repo"}], "sandbox": {"warm_pool": 0},
+    job = JobConfig.model_validate({"environments": [{"name": "repo"}], "sandbox": {"warm_pool": 0, "memory": memory},
                                     "rollout": {"episode_timeout": 180, "max_context": context},
                                     "agent": {"harness": harness, **agent}})
     folder = find_harness(harness, job.agent.options).image_folder()
@@ -117,26 +119,29 @@ def test_mini_swe_agent_unmodified_solves_a_repo_task_through_the_proxy_and_a_no
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("harness, tool, arg", [("claude-code", "Bash", "command"), ("codex", "exec_command", "cmd")])
+@pytest.mark.parametrize("harness, tool, arg", [("claude-code", "Bash", "command"), ("codex", "exec_command", "cmd"),
+                                                ("opencode", "bash", "command")])
 def test_a_coding_cli_unmodified_solves_a_repo_task_through_the_proxy_and_a_no_op_scores_0(
         run_id, docker_client, harness, tool, arg):
-    """Claude Code (Anthropic's Messages API) and Codex (OpenAI's Responses API), their native binaries from the npm
-    registry layered on the repo image: each runs the replayed fix with its own shell tool, and stops when the policy
-    answers without a call. Their system prompts and tool schemas run to tens of thousands of tokens."""
+    """Claude Code (Anthropic's Messages API), Codex (OpenAI's Responses API) and OpenCode (chat completions), their
+    native binaries from the npm registry layered on the repo image: each runs the replayed fix with its own shell
+    tool, and stops when the policy answers without a call. Their system prompts and tool schemas run to thousands
+    or tens of thousands of tokens."""
     task = repo_task("wrong_operator", 3)
     backend = ReplayBackend(fix_commands(task), tool=tool, arg=arg)
-    solved, = run(backend, [task], run_id, docker_client, harness=harness, context=200_000)
+    solved, = run(backend, [task], run_id, docker_client, harness=harness, context=200_000, memory="2g")
     assert not solved.failed, solved.failure
     assert (solved.reward.value, solved.reward.success) == (1.0, True), (solved.reward.reason,
                                                                           solved.metadata.get("harness_output"))
     assert solved.metadata["harness"] == harness
     assert solved.metadata["harness_exit_code"] == 0, (solved.finish_reason, solved.metadata["harness_output"])
-    assert len(solved.turns) == 3 and not solved.earlier_rows  # each turn given back as sent: one row
-    assert "def nine" in backend.prompts[1]  # the file it read, as the CLI words a tool result, reached the policy
+    titled = harness == "opencode"  # OpenCode also asks the model for the conversation's title: a row of its own
+    assert len(solved.turns) == 3 + titled and len(solved.earlier_rows) == titled  # each turn given back as sent
+    assert any("def nine" in p for p in backend.prompts)  # the file it read, as the CLI words a tool result
     assert solved.response_tokens == sum(t.generated_tokens for t in solved.turns)  # the engine's tokens, no others
 
     idle, = run(ReplayBackend([], tool=tool, arg=arg), [task], run_id, docker_client, harness=harness,
-                context=200_000)
+                context=200_000, memory="2g")  # the CLIs' own runtimes take hundreds of MB
     assert not idle.failed, idle.failure
     assert (idle.reward.value, idle.reward.success) == (0.0, False)
     assert "service_stopped" not in idle.reward.zero_causes  # the forwarder stopped with the CLI: no policy service
