@@ -12,7 +12,7 @@ import httpx2
 import openai
 import pytest
 from agent_fakes import CHAT
-from test_proxy import TOKEN, ScriptedEngine, Served
+from test_proxy import TOKEN, ScriptedEngine, Served, served  # noqa: F401 - served: the fixture
 
 from sandforge.rollout.messages_api import read_messages
 from sandforge.rollout.responses_api import read_responses
@@ -20,19 +20,6 @@ from sandforge.types import Message, Sample, ToolCall
 
 SHELL = {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}
 CALL = Message(role="assistant", reasoning="look first", tool_calls=[ToolCall("bash", {"command": "ls -la"})])
-
-
-@pytest.fixture
-def served(tmp_path):
-    made = []
-
-    def make(engine, **budget):
-        made.append(Served(tmp_path, engine, **budget))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def responses_client(s: Served, token: str = TOKEN) -> openai.OpenAI:

@@ -241,16 +241,23 @@ def test_no_body_of_any_shape_raises_anything_but_a_bad_request():
                            {"role": "user", "content": "and?"}],
               "tools": tool(description="run", parameters={"type": "object", "required": ["command"], "properties": {
                   "command": {"type": "string"}, "env": {"type": "array", "items": {"type": "string"}}}})}
-    read, refused = 0, 0
-    for i in range(3000):
-        body = json_value(rng, CHAT_KEYS) if i % 10 == 0 else one_field_corrupted(rng, honest, CHAT_KEYS)
+    read, refused = fuzzed(read_request, CHAT_KEYS, honest, rng)
+    assert read > 300 and refused > 1000, (read, refused)  # both sides of the boundary were exercised
+
+
+def fuzzed(read, keys: tuple[str, ...], honest: dict, rng: random.Random, n: int = 3000) -> tuple[int, int]:
+    """``n`` bodies through ``read``: every tenth a random JSON value, the rest ``honest`` with one field corrupted;
+    each must be read or refused with a BadRequest in the proxy's own words. (How many were read, refused.)"""
+    taken, refused = 0, 0
+    for i in range(n):
+        body = json_value(rng, keys) if i % 10 == 0 else one_field_corrupted(rng, honest, keys)
         try:
-            read_request(body)
-            read += 1
+            read(body)
+            taken += 1
         except BadRequest as e:
             refused += 1
             assert not any(words in str(e) for words in PYDANTIC_WORDS), (body, str(e))
-    assert read > 300 and refused > 1000, (read, refused)  # both sides of the boundary were exercised
+    return taken, refused
 
 
 RESPONSES_KEYS = ("input", "instructions", "type", "role", "content", "text", "call_id", "name", "arguments",
@@ -284,17 +291,8 @@ MESSAGES_KEYS = ("messages", "system", "role", "content", "type", "text", "think
 def test_no_body_of_any_shape_raises_anything_but_a_bad_request_on_the_other_surfaces(read, keys, honest):
     """The Responses and Anthropic Messages surfaces hold the chat surface's boundary: random JSON values and honest
     bodies with one field corrupted are read or refused with a BadRequest in the proxy's own words."""
-    rng = random.Random(58)
     read(honest)
-    taken, refused = 0, 0
-    for i in range(3000):
-        body = json_value(rng, keys) if i % 10 == 0 else one_field_corrupted(rng, honest, keys)
-        try:
-            read(body)
-            taken += 1
-        except BadRequest as e:
-            refused += 1
-            assert not any(words in str(e) for words in PYDANTIC_WORDS), (body, str(e))
+    taken, refused = fuzzed(read, keys, honest, random.Random(58))
     assert taken > 300 and refused > 1000, (taken, refused)
 
 
