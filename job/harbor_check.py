@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.markup import escape
@@ -110,7 +110,7 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
     from sandforge.environments.harbor.tasks import HarborTaskError, load_tasks, with_base_map
     from sandforge.sandbox.docker_sandbox import DockerSandbox
     from sandforge.sandbox.images import ImageError, build_images
-    from sandforge.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.job_spec import grading_spec, sandbox_spec
     from sandforge.types import SandboxError
     from sandforge.verifiers.checks import SERVICE_STOPPED, score_task
 
@@ -121,12 +121,15 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         row.task = task.id
         row.notes += [f"not honoured: {x}" for x in task.setup.get("not_honoured", [])]
         net = needs_network(task_dir)  # said only where the oracle falls short: apt-get and uv's installer run offline
-        (name, ctx), = images.items()
-        ctx = with_base_map(ctx, base_map)
-        tag = build_images([], client=client, show_progress=False, contexts={name: ctx})[name]
-        row.notes = ctx.prepare.notes + row.notes  # a FROM mapped to the local base, said in one line
-        row.image = tag
-        spec = sandbox_spec(sandbox_cfg, tag, HarborEnv, task.sandbox, client)
+        contexts = {name: with_base_map(ctx, base_map) for name, ctx in images.items()}
+        tags = build_images([], client=client, show_progress=False, contexts=contexts)
+        # a FROM mapped to the local base, said in one line (the task's image, then a separate verifier's)
+        row.notes = [note for ctx in contexts.values() for note in ctx.prepare.notes] + row.notes
+        row.image = tags[task.image]
+        spec = sandbox_spec(sandbox_cfg, tags[task.image], HarborEnv, task.sandbox, client)
+        if task.grading_image is not None:  # test.sh in a separate verifier's own sandbox
+            spec = replace(spec, grading=grading_spec(sandbox_cfg, tags[task.grading_image], HarborEnv,
+                                                      task.sandbox, client))
         timeout = float(task.agent_timeout or 1800.0)
         has_oracle = (task_dir / "solution" / "solve.sh").is_file()
         if not has_oracle:

@@ -68,7 +68,8 @@ class TaskSampler:
         job leaves out are not built)."""
         found = {}
         for env, source, families in zip(self.envs, self.sources, self.families):
-            drawn = {t.image for t in getattr(source, "tasks", []) if t.family in families}
+            drawn = {name for t in getattr(source, "tasks", []) if t.family in families
+                     for name in (t.image, t.grading_image)}  # a separate grader's image too
             entry = environment(env.name)
             found |= {name: entry.job_image_context(ctx, base_map) for name, ctx in source.images.items()
                       if name in drawn}

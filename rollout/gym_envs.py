@@ -19,6 +19,7 @@ truncates without asking the env, so nothing is graded.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,18 @@ def make_env(
     """
     from sandforge.config import SandboxConfig  # pydantic: only when an env is made
     from sandforge.sandbox.daemon import docker_client
-    from sandforge.sandbox.job_spec import sandbox_spec
+    from sandforge.sandbox.job_spec import grading_spec, sandbox_spec
 
     entry = environment(env)
     task, contexts = _task(entry, task, family, seed, split)
     config = sandbox if isinstance(sandbox, SandboxConfig) else SandboxConfig.model_validate(sandbox or {})
     env_class = entry.env_class()
-    spec = sandbox_spec(config, image or _image(entry, task, contexts, config), env_class, task.sandbox,
-                        docker_client())
+    client = docker_client()
+    tag = image or _image(entry, task, contexts, config)
+    spec = sandbox_spec(config, tag, env_class, task.sandbox, client)
+    if task.grading_image is not None:  # a separate grader's sandbox (a Harbor task's separate verifier)
+        graded = tag if task.grading_image == task.image else _image(entry, task, contexts, config, task.grading_image)
+        spec = replace(spec, grading=grading_spec(config, graded, env_class, task.sandbox, client))
     return env_class(task, spec, run_id or f"gym-{uuid.uuid4().hex[:12]}", exec_timeout=config.exec_timeout,
                      score=score_task, max_steps=max_steps, max_observation=max_observation)
 
@@ -97,11 +102,12 @@ def _task(entry: EnvironmentEntry, task: Any, family: str | None, seed: int,
     return task, contexts
 
 
-def _image(entry: EnvironmentEntry, task: Task, contexts: dict[str, Any], config: Any) -> str:
-    """The tag of the image ``task`` runs in: found if up to date, else built (with progress on stderr)."""
+def _image(entry: EnvironmentEntry, task: Task, contexts: dict[str, Any], config: Any, name: str | None = None) -> str:
+    """The tag of the image ``task`` runs in (or image ``name`` it brings): found if up to date, else built (with
+    progress on stderr)."""
     from sandforge.sandbox.images import context_image
 
-    name = task.image or entry.image_name
+    name = name or task.image or entry.image_name
     context = contexts.get(name) or (entry.image_context() if name == entry.image_name else None)
     if context is None:
         raise ValueError(f"task {task.id} runs in image {name!r}, which {gym_id(entry.name)} cannot build: pass "

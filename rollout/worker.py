@@ -22,7 +22,7 @@ from sandforge.config import (AgentConfig, EnvironmentConfig, ModelConfig, Remot
                               SandboxConfig)
 from sandforge.sandbox.daemon import docker_client
 from sandforge.sandbox.docker_sandbox import SandboxSpec
-from sandforge.sandbox.job_spec import sandbox_spec
+from sandforge.sandbox.job_spec import grading_spec, sandbox_spec
 from sandforge.sandbox.pool import SandboxPool
 from sandforge.sandbox.stats import SandboxStats
 from sandforge.models.build import load_chat
@@ -112,21 +112,28 @@ class RolloutWorker:
         spec = sandbox_spec(self.sandbox, image, env_class, task_sandbox, self.client)
         return replace(spec, proxy=True) if self.harness is not None else spec
 
-    def _pool(self, image: str, env_class: type, warm: int, task_sandbox: TaskSandbox | None = None) -> SandboxPool:
-        if image not in self.pools:
-            if image not in self.images:
-                raise ValueError(f"image {image!r} was not built by the driver (built: {', '.join(self.images)})")
+    def _pool(self, image: str, env_class: type, warm: int, task_sandbox: TaskSandbox | None = None,
+              grading: str | None = None) -> SandboxPool:
+        key = pool_key_of(image, grading)
+        if key not in self.pools:
+            for name in (image, grading):
+                if name is not None and name not in self.images:
+                    raise ValueError(f"image {name!r} was not built by the driver (built: {', '.join(self.images)})")
             s = self.sandbox
             spec = self._spec(self.images[image], env_class, task_sandbox)
-            self.pools[image] = SandboxPool(spec, self.run_id, size=warm, client=self.client, max_live=s.max_live,
-                                            max_creates_per_second=s.creates_per_second, labels=self.labels,
-                                            stats=self.stats)
-            self.slots[image] = asyncio.Semaphore(s.max_live)
-        return self.pools[image]
+            if grading is not None:  # a separate grader's sandbox (sandbox.grading_sandbox), from its own image
+                spec = replace(spec, grading=grading_spec(s, self.images[grading], env_class, task_sandbox,
+                                                          self.client))
+            self.pools[key] = SandboxPool(spec, self.run_id, size=warm, client=self.client, max_live=s.max_live,
+                                          max_creates_per_second=s.creates_per_second, labels=self.labels,
+                                          stats=self.stats)
+            self.slots[key] = asyncio.Semaphore(s.max_live)
+        return self.pools[key]
 
     def _make_env(self, task: Task):
         # a task's own image (Harbor) keeps no warm sandboxes: that task may not come again for many steps
-        pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0, task.sandbox)
+        pool = self._pool(image_key(task, self.env_images), self.env_classes[task.env], 0, task.sandbox,
+                          task.grading_image)  # keyed by pool_key
         return self.env_classes[task.env](task, pool.spec, self.run_id, exec_timeout=self.sandbox.exec_timeout,
                                           pool=pool)
 
@@ -174,7 +181,7 @@ class RolloutWorker:
             waited = time.monotonic()
             try:
                 env = self._make_env(task)
-                slot = self.slots[image_key(task, self.env_images)]
+                slot = self.slots[pool_key(task, self.env_images)]
             except Exception as e:  # e.g. a plugin env that cannot be built: this episode fails, not the run
                 traj = Trajectory(task=task, group=group, failed=True, failure=f"env: {e}", finish_reason="error",
                                   policy_version=version, reward=Reward(0.0, False, reason=str(e)))
@@ -216,6 +223,16 @@ class RolloutWorker:
             pool.close()
         if self.executor is not None:
             self.executor.shutdown(wait=False)
+
+
+def pool_key_of(image: str, grading: str | None) -> str:
+    """The sandbox pool of tasks run in ``image`` and graded in ``grading`` (a separate grader's image, or None)."""
+    return image if grading is None else f"{image} graded in {grading}"
+
+
+def pool_key(task: Task, env_images: dict[str, str | None]) -> str:
+    """The sandbox pool ``task`` runs in (``pool_key_of`` its image and grading image)."""
+    return pool_key_of(image_key(task, env_images), task.grading_image)
 
 
 def image_key(task: Task, env_images: dict[str, str | None]) -> str:

@@ -131,6 +131,30 @@ class DockerSandbox:
         owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
         return type(self).create(replace(self.spec, proxy=False), self.run_id, client=self._client, labels=owner)
 
+    def grading_sandbox(self) -> DockerSandbox:
+        """A new sandbox for a separate grader (``spec.grading``: the task's grading image, started like ``fresh``
+        with none of this one's state), owned like this one. The caller closes it. SandboxError where the task has
+        no grading image."""
+        if self.spec.grading is None:
+            raise SandboxError("this sandbox's task has no grading image (Task.grading_image)")
+        try:
+            labels = self._client.api.inspect_container(self.id)["Config"]["Labels"] or {}
+        except (docker.errors.DockerException, requests.RequestException) as e:
+            raise self.broken(e) from e
+        owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
+        return type(self).create(self.spec.grading, self.run_id, client=self._client, labels=owner)
+
+    def get_tree(self, path: str, exclude: tuple[str, ...] = (), max_bytes: int = 64 << 20,
+                 timeout: float = file_transfer.FILE_TIMEOUT) -> bytes | None:
+        """A tar archive of ``path`` and all under it, read as root (links kept as links), less ``exclude``; None if
+        nothing is there. Past ``max_bytes``, more than ``max_bytes`` comes back cut short."""
+        return file_transfer.get_tree(self, path, exclude, max_bytes, timeout)
+
+    def put_tree(self, archive: bytes, timeout: float = file_transfer.FILE_TIMEOUT) -> None:
+        """Extract a tar ``archive`` (names relative to /) as root, replacing what is at its paths, never writing
+        through an existing link."""
+        file_transfer.put_tree(self, archive, timeout)
+
     @property
     def workdir(self) -> str:
         """The spec's working directory: where relative paths and one-off commands start."""

@@ -90,6 +90,66 @@ def get_file(sandbox, path: str, user: str | None = None, max_bytes: int | None 
     return bytes(stream.out)
 
 
+# $1 the path (absolute, without its leading /), then --exclude=PATTERN words. Exit 3: no such path. --numeric-owner:
+# owners as numbers; links are archived as links, never followed.
+TREE_SCRIPT = r"""p="$1"; shift; [ -e "/$p" ] || [ -L "/$p" ] || { printf '\0SFRC 3\n' >&2; exit 3; }
+tar -c -f - -C / --numeric-owner "$@" -- "$p"; printf '\0SFRC %d\n' "$?" >&2"""
+
+
+def get_tree(sandbox, path: str, exclude: tuple[str, ...] = (), max_bytes: int = 64 << 20,
+             timeout: float = FILE_TIMEOUT) -> bytes | None:
+    """A tar archive of ``path`` (absolute: a file or a folder and everything in it, links as links) read as root,
+    less the members matching ``exclude`` (tar's ``--exclude`` patterns); None if nothing is there. Member names are
+    relative to ``/``. Past ``max_bytes`` the bytes read so far come back (more than ``max_bytes``: the caller
+    decides); OSError when tar fails."""
+    _check_path(path)
+    if not path.startswith("/"):
+        raise ValueError(f"not an absolute path: {path!r}")
+    argv = _bounded(timeout) + ["bash", "-c", TREE_SCRIPT, "sandforge-tree", path.lstrip("/") or ".",
+                                *(f"--exclude={pattern}" for pattern in exclude)]
+    stream = sandbox.start_exec(argv, "root", "/", None, stdin=False)
+    try:
+        finished = stream.read_to_eof(time.monotonic() + timeout + CLIENT_GRACE, max_bytes)
+    except OSError as e:
+        raise sandbox.broken(e) from e
+    finally:
+        stream.close()
+    if len(stream.out) > max_bytes:  # cut short: the caller sees more than it allowed and decides
+        return bytes(stream.out)
+    code = _exit_code(stream.err)
+    if code == 3 and finished:
+        return None
+    if code not in (0, 1) or not finished:  # 1: a file changed as tar read it, the archive is whole
+        reason = RC.sub(b"", stream.err).decode(errors="replace").strip().splitlines()
+        raise OSError(f"cannot take {path}: {_failure_reason(code, reason, finished)}")
+    return bytes(stream.out)
+
+
+def put_tree(sandbox, archive: bytes, timeout: float = FILE_TIMEOUT) -> None:
+    """Extract a tar ``archive`` (member names relative to ``/``; ``trees.confine``'s) as root, keeping its numeric
+    owners and modes. An existing file or link at a member's path is replaced, never written through, and a link
+    where the archive has a folder becomes that folder (GNU tar's defaults: no ``--overwrite``, no
+    ``--keep-directory-symlink``)."""
+    if not archive:
+        return
+    deadline = time.monotonic() + timeout + CLIENT_GRACE
+    script = 'tar -x -f - -C / -p --numeric-owner; printf \'\\0SFRC %d\\n\' "$?"'
+    stream = sandbox.start_exec(_bounded(timeout) + ["bash", "-c", script], "root", "/", None, stdin=True)
+    try:
+        try:
+            stream.send(archive, deadline)
+            stream.close_stdin()
+        except OSError:
+            pass  # tar stopped reading: its message says why
+        finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
+    except OSError as e:
+        raise sandbox.broken(e) from e
+    finally:
+        stream.close()
+    if _exit_code(stream.out) != 0 or not finished:
+        raise OSError(f"tar into /: {stream.err.decode(errors='replace').strip()[-300:] or 'timed out'}")
+
+
 def unpack(sandbox, archive: bytes, parent: str) -> None:
     """Unpack a tar ``archive`` into ``parent`` as root, keeping its owners and modes (workspace.py)."""
     if not archive:

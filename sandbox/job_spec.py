@@ -30,3 +30,13 @@ def sandbox_spec(s: SandboxConfig, image: str, env_class: type, task_sandbox: Ta
         merged.setdefault("home", "/root")
         merged["root_caps"] = tuple(ROOT_AGENT_CAPS)
     return SandboxSpec(image=image, **merged)
+
+
+def grading_spec(s: SandboxConfig, image: str, env_class: type, task_sandbox: TaskSandbox | None,
+                 client) -> SandboxSpec:
+    """The spec of a task's separate grader's sandbox (``Task.grading_image``, built as ``image``): root's, with the
+    task's limits and workdir (else the image's WORKDIR), none of a non-root agent's scratch folders."""
+    own = task_sandbox or TaskSandbox()
+    grader = TaskSandbox(user="root", workdir=own.workdir, cpus=own.cpus, memory=own.memory,
+                         workspace_size=own.workspace_size)
+    return sandbox_spec(s, image, env_class, grader, client)

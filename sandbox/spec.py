@@ -82,6 +82,7 @@ class SandboxSpec:
     max_file_size: str = "256m"  # fsize ulimit: a process writing a larger file gets SIGXFSZ
     root_caps: tuple[str, ...] = tuple(ROOT_CAPS)  # what root in the container may do (ROOT_AGENT_CAPS: a root agent)
     proxy: bool = False  # mount a host folder of its own at PROXY_MOUNT, read-only: an agent harness's proxy socket
+    grading: SandboxSpec | None = None  # a separate grader's sandbox (a task's ``grading_image``): ``grading_sandbox``
 
     def __post_init__(self) -> None:
         self.workspace_size, self.tmp_size = fitted_caps(self.workspace_size, self.tmp_size, 1 + len(self.scratch),

@@ -210,6 +210,9 @@ class Task:
     image: str | None = None
     sandbox: TaskSandbox = field(default_factory=TaskSandbox)
     agent_timeout: float | None = None
+    # the image a separate grader's sandbox starts from (a name the job builds, like ``image``): the task's checks get
+    # a sandbox of it from ``Sandbox.grading_sandbox`` (a Harbor task's ``[verifier] environment_mode = "separate"``)
+    grading_image: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> Task:
@@ -450,6 +453,23 @@ class Sandbox(Protocol):
     def fresh(self) -> Sandbox:
         """A new sandbox from the same image, with the same limits and owner, and nothing of this one's state: for a
         grader that must not trust what the policy left. The caller closes it (``close()``)."""
+        ...
+
+    def grading_sandbox(self) -> Sandbox:
+        """A new sandbox for a separate grader, from the task's ``grading_image``, with nothing of this one's state
+        (a Harbor task's separate verifier). The caller closes it. SandboxError where the task has none."""
+        ...
+
+    def get_tree(self, path: str, exclude: tuple[str, ...] = (), max_bytes: int = 64 << 20,
+                 timeout: float = 60.0) -> bytes | None:
+        """A tar archive of the absolute ``path`` and all under it, read as root, links kept as links, less what
+        matches ``exclude``; None if nothing is there; past ``max_bytes``, more than ``max_bytes`` of it, cut short.
+        OSError if tar fails."""
+        ...
+
+    def put_tree(self, archive: bytes, timeout: float = 60.0) -> None:
+        """Extract a tar ``archive`` (names relative to /) as root, replacing what is at its paths, never writing
+        through an existing link."""
         ...
 
     def close(self) -> None:

@@ -361,15 +361,14 @@ def test_what_schema_1_1_asks_for_that_sandforge_cannot_do_is_named_exactly():
     s = read_settings(meta, "t.toml")
     assert (s.memory_mb, s.storage_mb) == (2048, 1024)  # the deprecated sizes, as Harbor reads them
     assert s.not_honoured == [
-        "artifacts (sandforge collects no artifacts)",
         "[environment] os = 'windows' (sandboxes are Linux containers)",
         "[environment] mcp_servers (no MCP servers are started for the agent)",
         "[environment] network_mode = 'public' (sandboxes have no network)",
         "[environment] gpu_types (sandboxes get no GPU)",
         "[environment] skills_dir (no skills are copied for the agent)",
-        "[environment] healthcheck (not run)",
-        "[verifier] environment_mode = 'separate' (test.sh runs in the agent's sandbox)",
-        "[verifier] collect (no collect hooks are run)"]
+        "[environment] healthcheck (not run)"]
+    # the separate verifier, its artifacts and its collect hook are honoured (tests/test_harbor_separate.py)
+    assert [a.source for a in s.separate.artifacts] == ["/app/out.log"] and len(s.separate.collect) == 1
 
 
 def test_a_sidecar_compose_file_and_a_non_docker_environment_are_named(tmp_path):

@@ -23,11 +23,13 @@ that crash on what the policy left often write nothing).
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import math
 import shlex
 
 from sandforge.grading import shadows, startup
+from sandforge.environments.harbor import separate
 from sandforge.environments.harbor.settings import shell_exports
 from sandforge.types import Sandbox, ZeroScore
 
@@ -93,12 +95,14 @@ def combine(rewards: dict[str, float], rule: str = "auto") -> tuple[float, str]:
 
 
 def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "root", workdir: str | None = None,
-                 env: dict[str, str] | None = None, rule: str = "auto",
-                 answers: tuple[str, ...] = ()) -> tuple[float, str] | tuple[float, str, dict]:
+                 env: dict[str, str] | None = None, rule: str = "auto", answers: tuple[str, ...] = (),
+                 artifacts: tuple[bytes, ...] = ()) -> tuple[float, str] | tuple[float, str, dict]:
     """Copy ``files`` (tests/ as plain data) to a fresh root-owned /tests, run test.sh as ``user`` in ``workdir``
     (default: the sandbox's) with ``env``, read the rewards and combine them by ``rule`` (``combine``). Named rewards
     (more than one) come back as the check's parts, so each is in the episode's reward breakdown. ``answers``: the
-    Python files the instruction names (``shadows.answer_paths``), which the shadow set-aside keeps."""
+    Python files the instruction names (``shadows.answer_paths``), which the shadow set-aside keeps. ``artifacts``:
+    tar archives a separate verifier's sandbox receives (``separate.received``), extracted after /tests and /logs are
+    made afresh (no artifact may be or hold either: environments/harbor/settings.py)."""
     dirs = " ".join((TESTS_DIR, LOGS_DIR))
     root = user in ("root", "0", "0:0")
     owner = "" if root else f" -o {shlex.quote(user)}"
@@ -112,6 +116,8 @@ def harbor_tests(sandbox: Sandbox, files: dict, timeout: float, user: str = "roo
         data = base64.b64decode(content["base64"]) if isinstance(content, dict) else content.encode()
         mode = 0o755 if rel.endswith(".sh") else 0o644
         sandbox.put_file(f"{TESTS_DIR}/{rel}", data, user="root", mode=mode)
+    for archive in artifacts:
+        sandbox.put_tree(archive)
     moved = shadows.SetAside()
     if workdir in (None, sandbox.workdir):  # the policy's new shadow modules go first (sandforge/grading/shadows.py)
         try:
@@ -146,14 +152,18 @@ def harbor_tests_verifier(sandbox: Sandbox, args: dict) -> tuple[float, str] | t
     """The ``harbor_tests`` check: ``{"verifier": "harbor_tests", "files": {path: text}, "timeout": seconds}``, and
     optionally ``user``, ``workdir`` and ``env`` (a task.toml's ``[verifier]``) and ``reward`` (how named rewards
     become one: ``auto``, ``mean``, ``min`` or a reward's name; ``combine``)."""
-    unknown = set(args) - {"files", "timeout", "user", "workdir", "env", "reward", "answers"}
+    unknown = set(args) - {"files", "timeout", "user", "workdir", "env", "reward", "answers", "separate"}
     rule, answers = args.get("reward", "auto"), args.get("answers", [])
     if (unknown or not isinstance(args.get("files"), dict) or "test.sh" not in args["files"]
             or not isinstance(rule, str) or not isinstance(answers, list)):
         raise ValueError("harbor_tests takes files (with test.sh), timeout, user, workdir, env, reward (a rule "
-                         f"name) and answers (a list of paths); got {sorted(args)}")
-    return harbor_tests(sandbox, args["files"], float(args.get("timeout", 600.0)), str(args.get("user", "root")),
-                        args.get("workdir"), args.get("env"), rule, tuple(str(a) for a in answers))
+                         f"name), answers (a list of paths) and separate; got {sorted(args)}")
+    run = functools.partial(harbor_tests, files=args["files"], user=str(args.get("user", "root")),
+                            workdir=args.get("workdir"), env=args.get("env"), rule=rule,
+                            answers=tuple(str(a) for a in answers))
+    if args.get("separate") is None:
+        return run(sandbox, timeout=float(args.get("timeout", 600.0)))
+    return separate.graded_apart(sandbox, separate.SeparateArgs.of(args["separate"]), run)
 
 
 harbor_tests_verifier.reward_rule = True  # its checks take "reward": auto | mean | min | a reward's name

@@ -22,7 +22,7 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -47,9 +47,10 @@ NOT_SUPPORTED = {
     ("environment", "mcp_servers"): (None, "no MCP servers are started for the agent"),
     ("environment", "skills_dir"): (None, "no skills are copied for the agent"),
     ("environment", "healthcheck"): (None, "not run"),
-    ("verifier", "environment"): (None, "test.sh runs in the agent's sandbox, not a separate one"),
-    ("verifier", "collect"): (None, "no collect hooks are run"),
 }
+# [verifier.environment] keys a separate verifier's sandbox honours or accepts as they are; others are named
+VERIFIER_ENVIRONMENT = {"docker_image", "build_timeout_sec", "os", "network_mode", "allow_internet", "gpus"}
+MAIN = "main"  # the agent's container, the only one a task runs in here (Harbor's compose service name)
 NO_NETWORK = "sandboxes have no network"
 TEMPLATE = re.compile(r"\$\{([^}:]+)(?::-(.*))?\}")  # Harbor's ${VAR} / ${VAR:-default}
 
@@ -57,6 +58,38 @@ TEMPLATE = re.compile(r"\$\{([^}:]+)(?::-(.*))?\}")  # Harbor's ${VAR} / ${VAR:-
 def shell_exports(env: dict[str, str]) -> str:
     """``env`` as one bash ``export`` line (names checked by ``read_settings``), or "" when empty."""
     return f"export {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())}\n" if env else ""
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One of task.toml's ``artifacts``: a path in the agent's sandbox that a separate verifier receives at the same
+    path, less what matches ``exclude`` (tar patterns, Harbor's). Harbor's ``destination`` (where its host keeps the
+    file) has no meaning here."""
+
+    source: str
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CollectHook:
+    """A ``[[verifier.collect]]`` command: run in the agent's sandbox after the episode, before the artifacts are
+    taken (it snapshots state into files an artifact names, ``git diff > /logs/artifacts/model.patch``)."""
+
+    command: str
+    timeout: float = 60.0
+    user: str | None = None  # None: the agent's user
+
+
+@dataclass(frozen=True)
+class SeparateVerifier:
+    """``[verifier] environment_mode = "separate"`` (or a ``[verifier.environment]``): test.sh runs in a fresh sandbox
+    of its own image that receives only the ``artifacts`` (and Harbor's ``/logs/artifacts``) from the agent's.
+    ``docker_image``: ``[verifier.environment] docker_image`` (else tests/Dockerfile, else the task's own image).
+    The grader's sandbox has the agent's limits."""
+
+    artifacts: tuple[Artifact, ...] = ()
+    collect: tuple[CollectHook, ...] = ()
+    docker_image: str | None = None
 
 
 class HarborSettingsError(ValueError):
@@ -78,6 +111,7 @@ class HarborSettings:
     workdir: str | None = None
     docker_image: str | None = None
     not_honoured: list[str] = field(default_factory=list)  # "[environment] allow_internet = true (...)", unknown keys
+    separate: SeparateVerifier | None = None  # [verifier] environment_mode = "separate": test.sh in its own sandbox
 
     def sandbox(self) -> dict:
         """The task's part of its sandbox's spec (``Task.sandbox``'s fields)."""
@@ -123,8 +157,9 @@ def _size_mb(value, where: str, key: str) -> int:
 
 def _not_honoured(meta: dict, s: HarborSettings) -> None:
     """What the task asks for that sandforge cannot do, one entry per key, in the file's order."""
-    if meta.get("artifacts"):
-        s.not_honoured.append("artifacts (sandforge collects no artifacts)")
+    if meta.get("artifacts") and s.separate is None:
+        s.not_honoured.append("artifacts (sandforge keeps no artifacts of an episode; a separate verifier receives "
+                              "them)")
     for section in ("environment", "agent", "verifier"):
         table = meta.get(section, {})
         for key, value in table.items() if isinstance(table, dict) else ():
@@ -141,8 +176,17 @@ def _not_honoured(meta: dict, s: HarborSettings) -> None:
                 s.not_honoured.append(f"{where} ({NO_NETWORK})")
             elif key == "allow_internet" and value:
                 s.not_honoured.append(f"{where} = true ({NO_NETWORK})")
-            elif key == "environment_mode" and value != "shared":
-                s.not_honoured.append(f"{where} = {value!r} (test.sh runs in the agent's sandbox)")
+            elif section == "verifier" and key == "environment" and isinstance(value, dict):
+                for inner, v in value.items():
+                    if inner in ("cpus", "memory_mb", "memory", "storage_mb", "storage"):
+                        s.not_honoured.append(f"[verifier.environment] {inner} (the grader's sandbox has the "
+                                              "agent's limits)")
+                    elif inner not in VERIFIER_ENVIRONMENT:
+                        s.not_honoured.append(f"[verifier.environment] {inner}")
+                    elif inner == "network_mode" and v != "no-network" or inner == "allow_internet" and v:
+                        s.not_honoured.append(f"[verifier.environment] {inner} = {v!r} ({NO_NETWORK})")
+                    elif inner == "gpus" and v:
+                        s.not_honoured.append("[verifier.environment] gpus (sandboxes get no GPU)")
     for section, value in meta.items():
         if section not in KNOWN:
             s.not_honoured.append(f"[{section}]" if isinstance(value, dict) else section)
@@ -174,10 +218,21 @@ class AgentPhase(_Phase):
     user: str = "root"
 
 
-class VerifierPhase(_Phase):
-    timeout_sec: float = VERIFIER_TIMEOUT
-    user: str = "root"
-    env: Any = None  # a table of NAME = value, read by ``_env`` (host templates, names bash can export)
+class CollectPhase(_Phase):
+    command: str
+    timeout_sec: float = 60.0
+    user: str | None = None
+    service: str = MAIN
+
+
+class ArtifactEntry(BaseModel):
+    """An ``artifacts`` table: ``{source = "/app", exclude = [".git"]}`` (``destination`` and ``service`` kept)."""
+
+    model_config = ConfigDict(extra="allow")
+    source: str
+    destination: str | None = None
+    exclude: list[str] = Field(default_factory=list)
+    service: str | None = None
 
 
 class SolutionPhase(_Phase):
@@ -195,6 +250,15 @@ class EnvironmentPhase(_Phase):
     env: Any = None
 
 
+class VerifierPhase(_Phase):
+    timeout_sec: float = VERIFIER_TIMEOUT
+    user: str = "root"
+    env: Any = None  # a table of NAME = value, read by ``_env`` (host templates, names bash can export)
+    environment_mode: Literal["shared", "separate"] | None = None  # None: separate when there is an environment
+    environment: EnvironmentPhase | None = None
+    collect: list[CollectPhase] = Field(default_factory=list)
+
+
 class TaskToml(BaseModel):
     """task.toml by phase: the agent's, the verifier's, the solution's and the environment's tables; the rest (``[task]``,
     ``[metadata]``, ``schema_version``, ...) describes the task."""
@@ -204,6 +268,7 @@ class TaskToml(BaseModel):
     verifier: VerifierPhase = Field(default_factory=VerifierPhase)
     solution: SolutionPhase = Field(default_factory=SolutionPhase)
     environment: EnvironmentPhase = Field(default_factory=EnvironmentPhase)
+    artifacts: list[str | ArtifactEntry] = Field(default_factory=list)
 
 
 def _toml(meta: dict, where: Path | str) -> TaskToml:
@@ -216,6 +281,10 @@ def _toml(meta: dict, where: Path | str) -> TaskToml:
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] in ("model_type", "model_attributes_type", "dict_type"):
             message = f"must be a table, got {first.get('input')!r}"
+        elif first["type"] == "literal_error":
+            message = f"must be one of {first['ctx']['expected']}, got {first.get('input')!r}"
+        elif first["type"] == "missing":
+            key, message = f"[{loc[0]}] {' '.join(loc[1:-1])}".strip(), f"needs {loc[-1]}"
         elif first["type"].startswith(("float_", "string_", "int_")):
             message = f"must be a {'number' if not first['type'].startswith('string') else 'string'}, got " \
                       f"{first.get('input')!r}"
@@ -240,5 +309,51 @@ def read_settings(meta: dict, where: Path | str) -> HarborSettings:
         s.storage_mb = _size_mb(env.storage, where, "[environment] storage")
     if env.storage_mb is not None:
         s.storage_mb = int(env.storage_mb)
+    s.separate = _separate(toml, where, s)
     _not_honoured(meta, s)
     return s
+
+
+GRADER_OWN = ("/tests", "/logs/verifier")  # made afresh in the grader's sandbox: no artifact is, holds or is in one
+
+
+def _overlap(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder + "/") or folder.startswith(path + "/")
+
+
+def _separate(toml: TaskToml, where: Path | str, s: HarborSettings) -> SeparateVerifier | None:
+    """The separate verifier a task asks for (Harbor 0.25's rule: ``environment_mode = "separate"``, or a
+    ``[verifier.environment]`` without a mode), None for test.sh in the agent's sandbox."""
+    verifier = toml.verifier
+    if verifier.environment_mode == "shared" and verifier.environment is not None:
+        raise HarborSettingsError(f"{where}: [verifier] environment_mode = 'shared' cannot have a "
+                                  "[verifier.environment] (that is for environment_mode = 'separate')")
+    if verifier.environment_mode != "separate" and verifier.environment is None:
+        if verifier.collect:
+            s.not_honoured.append("[[verifier.collect]] (its hooks feed a separate verifier's artifacts; test.sh "
+                                  "runs in the agent's sandbox)")
+        return None
+    artifacts = []
+    for entry in toml.artifacts:
+        a = ArtifactEntry(source=entry) if isinstance(entry, str) else entry
+        source = a.source.rstrip("/") or "/"
+        if not source.startswith("/") or source == "/" or ".." in source.split("/"):
+            raise HarborSettingsError(f"{where}: artifacts: {a.source!r} must be an absolute path below / "
+                                      "without '..' (a file or folder of the agent's sandbox)")
+        if any(_overlap(source, own) for own in GRADER_OWN):
+            raise HarborSettingsError(f"{where}: artifacts: {a.source!r} would carry the agent's files into the "
+                                      f"grader's own {' or '.join(GRADER_OWN)}")
+        if a.service not in (None, MAIN):
+            s.not_honoured.append(f"artifacts {a.source} from service {a.service!r} (only the agent's "
+                                  "container runs here)")
+            continue
+        artifacts.append(Artifact(source, tuple(str(x) for x in a.exclude)))
+    hooks = []
+    for hook in verifier.collect:
+        if hook.service != MAIN:
+            s.not_honoured.append(f"[[verifier.collect]] in service {hook.service!r} (only the agent's container "
+                                  "runs here)")
+            continue
+        hooks.append(CollectHook(hook.command, float(hook.timeout_sec), hook.user))
+    env = verifier.environment or EnvironmentPhase()
+    return SeparateVerifier(tuple(artifacts), tuple(hooks), env.docker_image)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from sandforge.environments.harbor.dockerfile import AGENT_USER, MODES, HarborBuild
 from sandforge.sandbox.images import BuildContext
+from sandforge.environments.harbor.separate import CONVENTION as ARTIFACTS_DIR, SeparateArgs
 from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings, shell_exports
 from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
 from sandforge.grading import shadows
@@ -195,11 +196,16 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     solution = [ToolCall("bash", {"command": replay_solution(folder, own_env)}), ToolCall("submit")] \
         if has_solution else []
     sandbox = settings.sandbox() | ({"user": AGENT_USER} if mode == "hardened" else {})
+    # Harbor's /logs/artifacts, where the agent and the collect hooks leave files for a separate verifier: a capped
+    # folder every user may write (shared grading makes /logs afresh, so it is there only for a separate verifier)
+    logs = (ARTIFACTS_DIR,) if settings.separate is not None else ()
+    if logs:
+        sandbox["scratch"] = logs
     if sandbox["user"] not in ("root", "0"):  # where else a non-root agent can write on the root filesystem: capped
         home = f"/home/{sandbox['user'].split(':')[0]}"
         # /solution: where a non-root agent's replay of an oracle that runs its sibling files puts them
         oracle = (SOLUTION_DIR,) if has_solution and replays_as_oracle(folder, own_env) else ()
-        sandbox["scratch"] = ("/var/tmp", "/run/lock", home, *oracle)
+        sandbox["scratch"] = ("/var/tmp", "/run/lock", home, *oracle, *logs)
         sandbox["home"] = home  # as in Harbor, where HOME is the user's own: ~/.ssh is not the WORKDIR's
     check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
              "timeout": settings.verifier_timeout, "user": settings.verifier_user}
@@ -211,6 +217,12 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         check["env"] = settings.verifier_env
     if settings.workdir:
         check["workdir"] = settings.workdir
+    grading_image = None
+    if settings.separate is not None:  # test.sh in a fresh sandbox of its own that receives only the artifacts
+        check["separate"] = separate_check(settings.separate, sandbox["user"], mode, settings.verifier_timeout)
+        check["timeout"] = SeparateArgs.of(check["separate"]).budget()  # test.sh's, the hooks' and the transfers'
+        own = verifier_build(task_dir, settings.separate.docker_image)
+        grading_image = verifier_image_name(task_dir) if own else image_name(task_dir)
     setup = {"harbor_dir": str(task_dir)}
     compose = [f"environment/{n}" for n in COMPOSE_FILES if (task_dir / "environment" / n).is_file()]
     if compose and (note := compose_note(task_dir / compose[0], compose[0])):
@@ -223,6 +235,8 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         setup["env"] = settings.env
     if settings.docker_image and not (task_dir / "environment" / "Dockerfile").is_file():
         setup["docker_image"] = settings.docker_image
+    if settings.separate is not None and settings.separate.docker_image:
+        setup["verifier_docker_image"] = settings.separate.docker_image
     return Task(
         id=f"harbor/{task_dir.name}",
         env="harbor",
@@ -236,7 +250,35 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         image=image_name(task_dir),
         sandbox=TaskSandbox.from_dict(sandbox),
         agent_timeout=settings.agent_timeout or None,
+        grading_image=grading_image,
     )
+
+
+def verifier_image_name(task_dir: Path) -> str:
+    """The image of a task's separate verifier, where it has one of its own (``verifier_build``)."""
+    return f"{image_name(task_dir)}-verifier"
+
+
+def verifier_build(task_dir: Path, docker_image: str | None) -> HarborBuild | None:
+    """How a separate verifier's own image is built: from ``tests/Dockerfile`` (tests/ its context), or FROM
+    ``[verifier.environment] docker_image``; None when the verifier runs in a fresh sandbox of the task's own image.
+    Built as root's: the grader is root, whatever the agent is."""
+    dockerfile = task_dir / "tests" / "Dockerfile"
+    if dockerfile.is_file():
+        return HarborBuild(f"{task_dir.name} (verifier)", str(dockerfile), "root")
+    if docker_image:
+        return HarborBuild(f"{task_dir.name} (verifier)", None, "root", image=docker_image)
+    return None
+
+
+def separate_check(separate, agent_user: str, mode: str, test_timeout: float) -> dict:
+    """The ``separate`` argument of a task's harbor_tests check: its artifacts and collect hooks. A hook runs as its
+    own ``user`` only where the agent is root anyway (root mode); in hardened mode as the agent, so no root process
+    ever runs over what the policy left (a hook's output is the policy's to shape either way)."""
+    return {"artifacts": [{"source": a.source, "exclude": list(a.exclude)} for a in separate.artifacts],
+            "collect": [{"command": h.command, "timeout": h.timeout,
+                         "user": (h.user or agent_user) if mode == "root" else agent_user} for h in separate.collect],
+            "test_timeout": test_timeout}
 
 
 def load_tasks(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[list[Task], dict[str, BuildContext]]:
@@ -258,6 +300,9 @@ def load_tasks(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[li
                             image=task.setup.get("docker_image"))
         images[task.image] = BuildContext(env_dir if env_dir.is_dir() else d.resolve(), build,
                                                    user=AGENT_USER if mode == "hardened" else None)
+        if task.grading_image not in (None, task.image):  # a separate verifier's own image
+            images[task.grading_image] = BuildContext(
+                d.resolve() / "tests", verifier_build(d.resolve(), task.setup.get("verifier_docker_image")), user=None)
     return tasks, images
 
 
