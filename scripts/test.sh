@@ -15,4 +15,16 @@ bash scripts/setup.sh
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export SANDFORGE_REQUIRE_DOCKER=1  # setup.sh started the daemon: container tests must run, not skip
 export SANDFORGE_REQUIRE_MODELS=1  # setup.sh pulled smollm2-135m: tests on its tokenizer must run, not skip
-exec .venv/bin/python -m pytest -q "$@"
+# Two pytest workers share the machine, one test file each at a time (module fixtures run once), so that a test
+# waiting on containers leaves the cores to another. Tests that restart the Docker daemon (marked daemon_restart) then
+# run alone. SANDFORGE_TEST_WORKERS=1: everything in one process, in file order.
+workers=${SANDFORGE_TEST_WORKERS:-2}
+if [ "$workers" -le 1 ]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+rc=0
+.venv/bin/python -m pytest -q -n "$workers" --dist loadfile --alone=skip "$@" || rc=$?
+alone=0
+.venv/bin/python -m pytest -q --alone=only "$@" || alone=$?
+if [ "$alone" -ne 0 ] && [ "$alone" -ne 5 ]; then rc=$alone; fi  # 5: none of them was selected
+exit "$rc"

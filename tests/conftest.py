@@ -71,10 +71,34 @@ def sandbox(terminal_spec, run_id, docker_client):
         yield sb
 
 
+ALONE = "daemon_restart"  # tests that disturb every container on the host: never beside another test
+
+
+def pytest_addoption(parser):
+    parser.addoption("--alone", choices=("with", "skip", "only"), default="with",
+                     help=f"tests marked {ALONE} (they restart the Docker daemon): run with the rest (default), "
+                          "skip them, or run only them; scripts/test.sh runs the rest on two workers, then these alone")
+
+
+def pytest_collection_modifyitems(config, items):
+    how = config.getoption("alone")
+    if how == "with":
+        return
+    keep = [item for item in items if (item.get_closest_marker(ALONE) is not None) == (how == "only")]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
+
+LEFT_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), "sandforge-test-leftovers")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """No test may leave a sandforge container behind: fail the session if one is left (and remove it).
 
     Containers whose driver is another live process (a training run beside the tests) are none of our business.
+    With pytest-xdist each worker removes the containers its own process left and writes their names down; the
+    controller, once every worker is done, fails the session on them and on containers of drivers that died (a
+    chaos test's killed run that nothing reaped).
     """
     from sandforge.sandbox.labels import LABEL_PID, LABEL_RUN, driver_alive
 
@@ -82,13 +106,27 @@ def pytest_sessionfinish(session, exitstatus):
         client = daemon.docker_client()
     except SandboxError:
         return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # xdist's workers are children of the controller's process
+    own = str(os.getpid())
     left = [
         c for c in client.containers.list(all=True, filters={"label": LABEL_RUN}, ignore_removed=True)
-        if driver_alive(c.labels) is False or c.labels.get(LABEL_PID) == str(os.getpid())
+        if c.labels.get(LABEL_PID) == own or worker is None and driver_alive(c.labels) is False
     ]
-    if left:
-        names = ", ".join(f"{c.name} ({c.labels.get(LABEL_RUN)})" for c in left)
-        print(f"\nsandforge containers left behind by the tests: {names}")
-        for c in left:
-            c.remove(force=True, v=True)
+    names = [f"{c.name} ({c.labels.get(LABEL_RUN)})" for c in left]
+    for c in left:
+        c.remove(force=True, v=True)
+    if worker is not None:  # the controller reports them
+        if names:
+            os.makedirs(LEFT_DIR, exist_ok=True)
+            with open(os.path.join(LEFT_DIR, f"{os.getppid()}-{worker}"), "w") as f:
+                f.write("\n".join(names))
+        return
+    if os.path.isdir(LEFT_DIR):
+        for name in sorted(os.listdir(LEFT_DIR)):
+            if name.startswith(f"{own}-"):
+                path = os.path.join(LEFT_DIR, name)
+                names += open(path).read().splitlines()
+                os.remove(path)
+    if names:
+        print(f"\nsandforge containers left behind by the tests: {', '.join(names)}")
         session.exitstatus = 1
