@@ -21,7 +21,7 @@ from sandforge.environments.seeding import SPLITS
 _NUMBER_OR_NULL = (int, float, type(None))
 _TASK_FIELDS = {"id": str, "env": str, "family": str, "seed": int, "instruction": str, "setup": dict, "checks": list,
                 "solution": list, "split": str, "success_at": _NUMBER_OR_NULL, "image": (str, type(None)),
-                "sandbox": dict, "agent_timeout": _NUMBER_OR_NULL}
+                "sandbox": dict, "agent_timeout": _NUMBER_OR_NULL, "grading_image": (str, type(None))}
 _REQUIRED = ("id", "env", "family", "instruction", "checks")
 
 
