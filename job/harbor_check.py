@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from sandforge.environments.harbor.tasks import ORACLE_ENV, solution_mode
 
 NETWORK = re.compile(r"\b(curl|wget)\b|\bpip3?\s+install\b|\buv\s+(pip|sync|run|tool|add)\b|\bapt(-get)?\s+(install|"
                      r"update)\b|\bnpm\s+(install|ci)\b")
-RUN_ID = "harbor-check"
+RUN_PREFIX = "harbor-check"  # each `harbor check` labels its sandboxes with a run id of its own
 
 
 @dataclass
@@ -104,9 +105,10 @@ def run_oracle(sandbox, task, task_dir: Path, timeout: float) -> str:
     return ""
 
 
-def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> CheckRow:
+def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client, run_id: str) -> CheckRow:
     from sandforge.environments.harbor.dockerfile import BaseImageError
     from sandforge.environments.harbor.env import HarborEnv
+    from sandforge.environments.harbor.healthcheck import Healthcheck, wait_healthy
     from sandforge.environments.harbor.tasks import HarborTaskError, load_tasks, with_base_map
     from sandforge.sandbox.docker_sandbox import DockerSandbox
     from sandforge.sandbox.images import ImageError, build_images
@@ -135,8 +137,10 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client) -> Chec
         if not has_oracle:
             row.reason = "no solution/solve.sh: the oracle cannot be checked"
         for which in ("oracle", "noop") if has_oracle else ("noop",):
-            sandbox = DockerSandbox.create(spec, RUN_ID, client=client)
+            sandbox = DockerSandbox.create(spec, run_id, client=client)
             try:
+                if (health := task.setup.get("healthcheck")) is not None:  # as HarborEnv, before the agent
+                    wait_healthy(sandbox, Healthcheck.from_dict(health))
                 failure = run_oracle(sandbox, task, task_dir, timeout) if which == "oracle" else ""
                 reward = score_task(sandbox, task)
             finally:
@@ -207,11 +211,12 @@ def check(paths: list[Path], mode: str = "root", sandbox_cfg=None) -> list[Check
     sandbox_cfg = sandbox_cfg or sandbox_settings()
     client = docker_client()
     rows = []
+    run_id = f"{RUN_PREFIX}-{uuid.uuid4().hex[:12]}"  # two checks at once on one host leave each other's sandboxes be
     try:
         for d in task_dirs(paths):
             console.print(f"checking {d.name} ...", highlight=False, markup=False)
             with phase(f"checking {d.name}: image, oracle, no-op"):
-                rows.append(check_task(d, mode, sandbox_cfg.base_map, sandbox_cfg, client))
+                rows.append(check_task(d, mode, sandbox_cfg.base_map, sandbox_cfg, client, run_id))
     finally:
-        remove_run_containers(RUN_ID)
+        remove_run_containers(run_id)
     return rows

@@ -365,8 +365,7 @@ def test_what_schema_1_1_asks_for_that_sandforge_cannot_do_is_named_exactly():
         "[environment] mcp_servers (no MCP servers are started for the agent)",
         "[environment] network_mode = 'public' (sandboxes have no network)",
         "[environment] gpu_types (sandboxes get no GPU)",
-        "[environment] skills_dir (no skills are copied for the agent)",
-        "[environment] healthcheck (not run)"]
+        "[environment] skills_dir (no skills are copied for the agent)"]  # the healthcheck is run (healthcheck.py)
     # the separate verifier, its artifacts and its collect hook are honoured (tests/test_harbor_separate.py)
     assert [a.source for a in s.separate.artifacts] == ["/app/out.log"] and len(s.separate.collect) == 1
 
@@ -435,7 +434,7 @@ def test_a_multi_step_task_is_refused_in_one_line_naming_it_and_the_steps_key():
         assert str(refused.value) == TWO_STEP_REFUSAL
     with pytest.raises(HarborTaskError, match=r"two-step: multi-step Harbor tasks are not supported yet"):
         load_folder(SHAPES)
-    row = check_task(SHAPES / "two-step", "root", None, SandboxConfig(), client=None)  # refused before any Docker
+    row = check_task(SHAPES / "two-step", "root", None, SandboxConfig(), client=None, run_id="t")  # refused first
     assert (row.reason, row.image, row.oracle, row.noop, row.ok) == (TWO_STEP_REFUSAL, "-", None, None, False)
     compile_and_run = load_task(SHAPES / "compile-and-run")  # its neighbour, single-step, loads
     assert compile_and_run.sandbox.overrides() == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "512m",

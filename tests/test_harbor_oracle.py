@@ -178,7 +178,7 @@ def test_harbors_own_template_grades_offline_unmodified(mode):
 def test_harbor_check_set_maps_a_base_it_does_not_know():
     """Without a mapping the row says how to add one; `--set sandbox.base_map=...` on the command line builds the
     task on the local base, and its oracle scores 1 and the no-op 0."""
-    unmapped = check_task(SHAPES / "unmapped-base", "root", None, sandbox_settings(), client=_client())
+    unmapped = check_task(SHAPES / "unmapped-base", "root", None, sandbox_settings(), client=_client(), run_id="t")
     assert unmapped.image == "-" and unmapped.oracle is None, unmapped
     assert ("base image registry.sandforge-test.invalid/team/toolbox:3 is not on this host, cannot be pulled, and "
             "sandbox.base_map maps nothing to it") in unmapped.reason, unmapped

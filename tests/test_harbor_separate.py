@@ -45,7 +45,7 @@ SEPARATE, SAME_IMAGE = SHAPES / "separate-verifier", SHAPES / "separate-same-ima
 CHAT = ChatFormat(ByteTokenizer())
 
 
-# --- task.toml and the check (no Docker) -------------------------------------------------------------------------------
+# --- task.toml and the check (no Docker) ------------------------------------------------------------------------------
 
 
 def test_a_separate_verifier_task_loads_with_its_grading_image_artifacts_and_hooks():
@@ -202,8 +202,9 @@ def test_a_link_to_the_graders_own_answer_is_not_passed_on(mode, images, run_id,
 @pytest.mark.docker
 def test_what_the_policy_leaves_outside_the_artifacts_never_reaches_the_grader(images, run_id, docker_client):
     """A root agent writes a perfect reward where the shared grader reads it, replaces the `cmp` test.sh calls with
-    one that always agrees, and plants a listing beside the hook's: none of it is an artifact, so none of it is in the grader's
-    sandbox, and without the answer the episode scores 0 (the same plants beside the honest answer still score 1)."""
+    one that always agrees, and plants a listing beside the hook's: none of it is an artifact, so none of it is in
+    the grader's sandbox, and without the answer the episode scores 0 (the same plants beside the honest answer still
+    score 1)."""
     plants = bash("mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt && printf '#!/bin/sh\\nexit 0\\n' "
                   "> /usr/bin/cmp && echo answer.txt > /logs/artifacts/listing.txt.bak")
     reward = _episode("root", [plants], images, run_id, docker_client)

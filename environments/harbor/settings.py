@@ -3,14 +3,16 @@ and a warning naming what it does not (never ignored silently). The file is type
 own model types it (``TaskToml``: ``[agent]``, ``[verifier]``, ``[solution]``, ``[environment]``); a value of the
 wrong kind names the file and the key.
 
-Honoured: ``[agent] timeout_sec`` (the episode's time limit) and ``user``; ``[verifier] timeout_sec`` (Harbor's
-default 600 s), ``user`` and ``env`` (test.sh's environment); ``[solution] env`` (solve.sh's); ``[environment] env``
-(every exec's: the agent's commands, solve.sh and test.sh, under their own tables, which win, as in Harbor),
-``cpus``, ``memory_mb``, ``storage_mb`` (the cap of the WORKDIR, a tmpfs filled from the image; the deprecated
-``memory`` and ``storage`` sizes too), ``workdir`` and ``docker_image``; ``[metadata] category`` (the family) and
-sandforge's ``split``. Accepted as descriptions: ``schema_version`` (or the deprecated ``version``), ``[task]``,
-``source``, ``[metadata]``, ``build_timeout_sec``, and settings that ask for what sandforge does anyway (``os =
-"linux"``, ``network_mode = "no-network"``, an empty ``mcp_servers`` or ``artifacts``). An env value
+Honoured: ``[agent] timeout_sec`` (the episode's time limit) and ``user``; ``[environment] healthcheck`` (run before
+the agent starts: healthcheck.py); ``[verifier] environment_mode = "separate"``, ``[verifier.environment]
+docker_image``, ``artifacts`` and ``[[verifier.collect]]`` (a separate verifier: separate.py); ``[verifier]
+timeout_sec`` (Harbor's default 600 s), ``user`` and ``env`` (test.sh's environment); ``[solution] env`` (solve.sh's);
+``[environment] env`` (every exec's: the agent's commands, solve.sh and test.sh, under their own tables, which win, as
+in Harbor), ``cpus``, ``memory_mb``, ``storage_mb`` (the cap of the WORKDIR, a tmpfs filled from the image; the
+deprecated ``memory`` and ``storage`` sizes too), ``workdir`` and ``docker_image``; ``[metadata] category`` (the
+family) and sandforge's ``split``. Accepted as descriptions: ``schema_version`` (or the deprecated ``version``),
+``[task]``, ``source``, ``[metadata]``, ``build_timeout_sec``, and settings that ask for what sandforge does anyway
+(``os = "linux"``, ``network_mode = "no-network"``, an empty ``mcp_servers`` or ``artifacts``). An env value
 ``${VAR:-default}`` takes its default: the host's own variables never reach a sandbox. Job settings win over the
 task's where the job gives them explicitly (``sandbox.cpus``, ``sandbox.memory``, ``rollout.episode_timeout``).
 Everything else is named in ``not_honoured``, one entry per key, saying why.
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sandforge.environments.harbor.healthcheck import Healthcheck
 
 VERIFIER_TIMEOUT = 600.0  # Harbor's default
 AGENT_TIMEOUT = None  # none: the job's rollout limits apply
@@ -46,7 +50,6 @@ NOT_SUPPORTED = {
     ("environment", "tpu"): (None, "sandboxes get no TPU"),
     ("environment", "mcp_servers"): (None, "no MCP servers are started for the agent"),
     ("environment", "skills_dir"): (None, "no skills are copied for the agent"),
-    ("environment", "healthcheck"): (None, "not run"),
 }
 # [verifier.environment] keys a separate verifier's sandbox honours or accepts as they are; others are named
 VERIFIER_ENVIRONMENT = {"docker_image", "build_timeout_sec", "os", "network_mode", "allow_internet", "gpus"}
@@ -112,6 +115,7 @@ class HarborSettings:
     docker_image: str | None = None
     not_honoured: list[str] = field(default_factory=list)  # "[environment] allow_internet = true (...)", unknown keys
     separate: SeparateVerifier | None = None  # [verifier] environment_mode = "separate": test.sh in its own sandbox
+    healthcheck: Healthcheck | None = None  # [environment] healthcheck: run before the agent starts
 
     def sandbox(self) -> dict:
         """The task's part of its sandbox's spec (``Task.sandbox``'s fields)."""
@@ -239,6 +243,22 @@ class SolutionPhase(_Phase):
     env: Any = None
 
 
+class HealthcheckPhase(_Phase):
+    command: str
+    interval_sec: float = 5.0
+    timeout_sec: float = 30.0
+    start_period_sec: float = 0.0
+    start_interval_sec: float = 5.0
+    retries: int = 3
+
+    @field_validator("interval_sec", "start_period_sec", "start_interval_sec", "retries", mode="before")
+    @classmethod
+    def _not_negative(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"must be a number of at least 0, got {value!r}")
+        return value
+
+
 class EnvironmentPhase(_Phase):
     cpus: float | None = None
     memory_mb: float | None = None
@@ -248,6 +268,7 @@ class EnvironmentPhase(_Phase):
     workdir: str | None = None
     docker_image: str | None = None
     env: Any = None
+    healthcheck: HealthcheckPhase | None = None
 
 
 class VerifierPhase(_Phase):
@@ -310,6 +331,10 @@ def read_settings(meta: dict, where: Path | str) -> HarborSettings:
     if env.storage_mb is not None:
         s.storage_mb = int(env.storage_mb)
     s.separate = _separate(toml, where, s)
+    if (check := env.healthcheck) is not None:
+        s.healthcheck = Healthcheck(check.command, float(check.interval_sec), float(check.timeout_sec),
+                                    float(check.start_period_sec), float(check.start_interval_sec),
+                                    max(1, int(check.retries)))
     _not_honoured(meta, s)
     return s
 

@@ -237,6 +237,8 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         setup["docker_image"] = settings.docker_image
     if settings.separate is not None and settings.separate.docker_image:
         setup["verifier_docker_image"] = settings.separate.docker_image
+    if settings.healthcheck is not None:  # HarborEnv runs it before the agent starts
+        setup["healthcheck"] = settings.healthcheck.to_dict()
     return Task(
         id=f"harbor/{task_dir.name}",
         env="harbor",

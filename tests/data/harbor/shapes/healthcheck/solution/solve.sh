@@ -1,0 +1,2 @@
+#!/bin/bash
+cat /run/service-token > /app/out.txt
