@@ -16,8 +16,8 @@ export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export SANDFORGE_REQUIRE_DOCKER=1  # setup.sh started the daemon: container tests must run, not skip
 export SANDFORGE_REQUIRE_MODELS=1  # setup.sh pulled smollm2-135m: tests on its tokenizer must run, not skip
 # Two pytest workers share the machine, one test file each at a time (module fixtures run once), so that a test
-# waiting on containers leaves the cores to another. Tests that restart the Docker daemon (marked daemon_restart) then
-# run alone. SANDFORGE_TEST_WORKERS=1: everything in one process, in file order.
+# waiting on containers leaves the cores to another. Tests that need the host to themselves (marked alone: they restart
+# the Docker daemon, or check what the host-wide reaper of dead runs did) then run one at a time. SANDFORGE_TEST_WORKERS=1: everything in one process, in file order.
 workers=${SANDFORGE_TEST_WORKERS:-2}
 if [ "$workers" -le 1 ]; then
   exec .venv/bin/python -m pytest -q "$@"

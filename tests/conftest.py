@@ -71,13 +71,14 @@ def sandbox(terminal_spec, run_id, docker_client):
         yield sb
 
 
-ALONE = "daemon_restart"  # tests that disturb every container on the host: never beside another test
+ALONE = "alone"  # tests that need the host to themselves: never beside another test
 
 
 def pytest_addoption(parser):
     parser.addoption("--alone", choices=("with", "skip", "only"), default="with",
-                     help=f"tests marked {ALONE} (they restart the Docker daemon): run with the rest (default), "
-                          "skip them, or run only them; scripts/test.sh runs the rest on two workers, then these alone")
+                     help=f"tests marked {ALONE} (they restart the Docker daemon, or check what the host-wide reaper "
+                          "did): run with the rest (default), skip them, or run only them; scripts/test.sh runs the "
+                          "rest on two workers, then these alone")
 
 
 def pytest_collection_modifyitems(config, items):

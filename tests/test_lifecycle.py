@@ -114,6 +114,7 @@ def _episode(client, container_id: str) -> str:
 
 
 @pytest.mark.docker
+@pytest.mark.alone  # any job another test starts would reap the dead driver's sandboxes first
 def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(terminal_image, docker_client, run_ids):
     dead, live, elsewhere, unowned, reused = (run_ids() for _ in range(5))
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, terminal_image, dead], stdout=subprocess.PIPE, text=True)
@@ -144,6 +145,7 @@ def test_reaper_removes_a_sigkilled_drivers_containers_and_leaves_live_ones(term
 
 
 @pytest.mark.docker
+@pytest.mark.alone  # any job another test starts would reap the dead driver's sandboxes first
 def test_sandbox_reap_command_removes_a_sigkilled_drivers_containers(terminal_image, docker_client, run_ids):
     dead = run_ids()
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, terminal_image, dead], stdout=subprocess.PIPE, text=True)

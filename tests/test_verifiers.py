@@ -114,9 +114,11 @@ def test_command_scores_exit_code_and_output_as_root_outside_the_policy_session(
 
 @pytest.mark.docker
 def test_a_command_that_hangs_is_killed_at_the_check_timeout_and_scores_zero(sandbox):
+    # a timeout long enough for the exec to start on a loaded machine (the suite runs two workers): at 1 s the check's
+    # own deadline could pass before the command ran, a 0 for another reason than the one tested here
     start = time.monotonic()
-    value, reason = score(sandbox, {"verifier": "command", "command": "sleep 60; echo late > /tmp/late", "timeout": 1})
-    assert time.monotonic() - start < 6
+    value, reason = score(sandbox, {"verifier": "command", "command": "sleep 60; echo late > /tmp/late", "timeout": 5})
+    assert time.monotonic() - start < 30  # killed at its timeout, long before the 60 s sleep would end
     assert value == 0.0 and "timed out" in reason
     # killed inside the container, not only abandoned by the client
     assert sandbox.exec("pgrep -fc 'slee[p] 60'", user="root", session=False).output == "0\n"

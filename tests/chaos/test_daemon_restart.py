@@ -19,7 +19,8 @@ import pytest
 
 from harness import ROOT, scripted, wait_for
 
-pytestmark = [pytest.mark.chaos, pytest.mark.docker, pytest.mark.slow, pytest.mark.daemon_restart]
+pytestmark = [pytest.mark.chaos, pytest.mark.docker, pytest.mark.slow, pytest.mark.daemon_restart,
+              pytest.mark.alone]
 
 LOG = "/var/log/sandforge-dockerd.log"
 

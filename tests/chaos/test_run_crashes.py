@@ -37,6 +37,7 @@ def assert_resumed_to_the_end(out, run_id: str, docker_client) -> None:
     assert (out / "checkpoints" / "step_3" / "complete").is_file()
 
 
+@pytest.mark.alone  # a job another test starts meanwhile would reap the killed run's sandboxes first
 def test_a_sigkilled_driver_is_reaped_and_resumed(tmp_path, terminal_image, docker_client):
     """Case 1: SIGKILL the driver (and its Ray) while its sandboxes are up, after the step-1 checkpoint."""
     out = tmp_path / "run"
