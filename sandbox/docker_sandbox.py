@@ -124,12 +124,16 @@ class DockerSandbox:
         """A new sandbox from this one's image and spec, with none of its state, owned like it (its run and driver
         labels, so a crash leaves nothing the run's reaper would not remove): graders that must not trust what the
         policy left run there. The caller closes it."""
+        return type(self).create(replace(self.spec, proxy=False), self.run_id, client=self._client,
+                                 labels=self._owner())
+
+    def _owner(self) -> dict[str, str]:
+        """This sandbox's run and driver labels, which a sandbox started for its graders carries too."""
         try:
             labels = self._client.api.inspect_container(self.id)["Config"]["Labels"] or {}
         except (docker.errors.DockerException, requests.RequestException) as e:
             raise self.broken(e) from e
-        owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
-        return type(self).create(replace(self.spec, proxy=False), self.run_id, client=self._client, labels=owner)
+        return {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
 
     def grading_sandbox(self) -> DockerSandbox:
         """A new sandbox for a separate grader (``spec.grading``: the task's grading image, started like ``fresh``
@@ -137,12 +141,7 @@ class DockerSandbox:
         no grading image."""
         if self.spec.grading is None:
             raise SandboxError("this sandbox's task has no grading image (Task.grading_image)")
-        try:
-            labels = self._client.api.inspect_container(self.id)["Config"]["Labels"] or {}
-        except (docker.errors.DockerException, requests.RequestException) as e:
-            raise self.broken(e) from e
-        owner = {k: v for k, v in labels.items() if k in DRIVER_LABELS or k == LABEL_RUN}
-        return type(self).create(self.spec.grading, self.run_id, client=self._client, labels=owner)
+        return type(self).create(self.spec.grading, self.run_id, client=self._client, labels=self._owner())
 
     def get_tree(self, path: str, exclude: tuple[str, ...] = (), max_bytes: int = 64 << 20,
                  timeout: float = file_transfer.FILE_TIMEOUT) -> bytes | None:
