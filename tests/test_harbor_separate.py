@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -42,6 +43,7 @@ from containers import list_run_containers
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ROOT / "tests" / "data" / "harbor" / "shapes"
 SEPARATE, SAME_IMAGE = SHAPES / "separate-verifier", SHAPES / "separate-same-image"
+PYTEST = SHAPES / "separate-pytest"  # test.sh runs `pytest` in the WORKDIR, where pytest collects any conftest.py
 CHAT = ChatFormat(ByteTokenizer())
 
 
@@ -148,25 +150,28 @@ def test_confine_keeps_only_what_stays_inside_the_artifact():
 @pytest.mark.parametrize("mode", ["root", "hardened"])
 def test_harbor_check_oracle_1_noop_0_for_both_kinds_of_separate_verifier(mode):
     """`sandforge harbor check`: separate-verifier's oracle scores 1 only with the answer and the collect hook's
-    listing in the verifier's own image; separate-same-image's only if /app arrived without its *.log file."""
+    listing in the verifier's own image; separate-same-image's only if /app arrived without its *.log file;
+    separate-pytest's (a python base with pytest, mapped here) with its greeting."""
     from sandforge.job.harbor_check import check
 
-    rows = check([SEPARATE, SAME_IMAGE], mode=mode)
+    rows = check([SEPARATE, SAME_IMAGE, PYTEST], mode=mode)
     assert [(r.task, r.oracle, r.noop) for r in rows] == [("harbor/separate-verifier", 1.0, 0.0),
-                                                         ("harbor/separate-same-image", 1.0, 0.0)], rows
+                                                         ("harbor/separate-same-image", 1.0, 0.0),
+                                                         ("harbor/separate-pytest", 1.0, 0.0)], rows
 
 
 @pytest.fixture(scope="module")
 def images(docker_client) -> dict[str, str]:
     contexts = {}
-    for mode in ("root", "hardened"):
-        contexts |= {f"{name}-{mode}": ctx for name, ctx in load_tasks(SEPARATE, mode)[1].items()}
+    for folder in (SEPARATE, PYTEST):
+        for mode in ("root", "hardened"):
+            contexts |= {f"{name}-{mode}": ctx for name, ctx in load_tasks(folder, mode)[1].items()}
     return build_images([], client=docker_client, show_progress=False, contexts=contexts)
 
 
-def _episode(mode: str, calls: list[ToolCall], images, run_id, client):
-    """One episode of separate-verifier with a scripted policy, through the real agent loop and grading."""
-    task = load_task(SEPARATE, mode)
+def _episode(mode: str, calls: list[ToolCall], images, run_id, client, folder: Path = SEPARATE):
+    """One episode of the task at ``folder`` with a scripted policy, through the real agent loop and grading."""
+    task = load_task(folder, mode)
     spec = sandbox_spec(SandboxConfig(), images[f"{task.image}-{mode}"], HarborEnv, task.sandbox, client)
     spec = replace(spec, grading=grading_spec(SandboxConfig(), images[f"{task.grading_image}-{mode}"], HarborEnv,
                                               task.sandbox, client))
@@ -210,6 +215,45 @@ def test_what_the_policy_leaves_outside_the_artifacts_never_reaches_the_grader(i
     reward = _episode("root", [plants], images, run_id, docker_client)
     assert reward.value == 0.0, reward.reason
     assert _episode("root", [plants, HONEST], images, run_id, docker_client).value == 1.0
+
+
+# A conftest.py that turns every test's report into a pass: pytest collects it from the folder it runs in.
+PASS_ALL = """import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
+"""
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("mode", ["root", "hardened"])
+def test_a_planted_conftest_never_reaches_a_separate_verifier(mode, images, run_id, docker_client, tmp_path):
+    """separate-pytest's test.sh runs `pytest` from /app, so pytest collects /app/conftest.py. The policy plants one
+    that passes every test and writes no greeting. Graded in the agent's own sandbox (the same task with its
+    [verifier] table made shared: SECURITY.md lists this as not covered there) it scores 1; graded by the separate
+    verifier, which receives only /app/greeting.txt, 0. The honest greeting scores 1 either way."""
+    plant = ToolCall("write_file", {"path": "/app/conftest.py", "content": PASS_ALL})
+    honest = bash("echo 'Hello, Harbor!' > /app/greeting.txt")
+    assert _episode(mode, [honest], images, run_id, docker_client, PYTEST).value == 1.0
+    reward = _episode(mode, [plant], images, run_id, docker_client, PYTEST)
+    assert reward.value == 0.0, reward.reason
+    if mode == "root":  # the attack is real: the same plant, graded where it was planted, passes
+        shared = tmp_path / "shared-pytest"
+        shutil.copytree(PYTEST, shared)
+        toml = shared / "task.toml"
+        toml.write_text(toml.read_text().replace('environment_mode = "separate"', 'environment_mode = "shared"')
+                        .replace('artifacts = ["/app/greeting.txt"]', ""))
+        [task], built = load_tasks(shared, mode)
+        tags = build_images([], client=docker_client, show_progress=False, contexts=built)
+        spec = sandbox_spec(SandboxConfig(), tags[task.image], HarborEnv, task.sandbox, docker_client)
+        env = HarborEnv(task, spec, run_id, exec_timeout=30, client=docker_client)
+        scripted = replace(task, solution=[plant, ToolCall("submit")])
+        limits = EpisodeLimits(max_turns=2, max_context=16384, max_new_tokens=4096, stop_ids=CHAT.stop_ids)
+        traj = asyncio.run(run_episode(task, env, scripted_policy(scripted, CHAT), CHAT, limits, group="g"))
+        assert task.grading_image is None and traj.reward.value == 1.0, traj.reward.reason
 
 
 @pytest.mark.docker
