@@ -130,33 +130,22 @@ def put_tree(sandbox, archive: bytes, timeout: float = FILE_TIMEOUT) -> None:
     owners and modes. An existing file or link at a member's path is replaced, never written through, and a link
     where the archive has a folder becomes that folder (GNU tar's defaults: no ``--overwrite``, no
     ``--keep-directory-symlink``)."""
-    if not archive:
-        return
-    deadline = time.monotonic() + timeout + CLIENT_GRACE
-    script = 'tar -x -f - -C / -p --numeric-owner; printf \'\\0SFRC %d\\n\' "$?"'
-    stream = sandbox.start_exec(_bounded(timeout) + ["bash", "-c", script], "root", "/", None, stdin=True)
-    try:
-        try:
-            stream.send(archive, deadline)
-            stream.close_stdin()
-        except OSError:
-            pass  # tar stopped reading: its message says why
-        finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
-    except OSError as e:
-        raise sandbox.broken(e) from e
-    finally:
-        stream.close()
-    if _exit_code(stream.out) != 0 or not finished:
-        raise OSError(f"tar into /: {stream.err.decode(errors='replace').strip()[-300:] or 'timed out'}")
+    _untar(sandbox, archive, "/", ["--numeric-owner"], timeout, broken=True)
 
 
 def unpack(sandbox, archive: bytes, parent: str) -> None:
     """Unpack a tar ``archive`` into ``parent`` as root, keeping its owners and modes (workspace.py)."""
+    _untar(sandbox, archive, parent, [], FILE_TIMEOUT, broken=False)
+
+
+def _untar(sandbox, archive: bytes, parent: str, options: list[str], timeout: float, broken: bool) -> None:
+    """``archive`` into ``parent`` by ``tar -x -p`` as root; OSError with tar's message. ``broken``: a stream that
+    fails is the sandbox's fault (``sandbox.broken``), as for a grader's transfer."""
     if not archive:
         return
-    deadline = time.monotonic() + FILE_TIMEOUT + CLIENT_GRACE
-    argv = _bounded(FILE_TIMEOUT) + ["bash", "-c", 'tar -x -f - -C "$1" -p; printf \'\\0SFRC %d\\n\' "$?"',
-                                     "sandforge-unpack", parent]
+    deadline = time.monotonic() + timeout + CLIENT_GRACE
+    script = 'tar -x -f - -C "$1" -p "${@:2}"; printf \'\\0SFRC %d\\n\' "$?"'
+    argv = _bounded(timeout) + ["bash", "-c", script, "sandforge-unpack", parent, *options]
     stream = sandbox.start_exec(argv, "root", "/", None, stdin=True)
     try:
         try:
@@ -165,6 +154,10 @@ def unpack(sandbox, archive: bytes, parent: str) -> None:
         except OSError:
             pass  # tar stopped reading: its message says why
         finished = stream.read_to_eof(deadline, max_bytes=1 << 16)
+    except OSError as e:
+        if broken:
+            raise sandbox.broken(e) from e
+        raise
     finally:
         stream.close()
     if _exit_code(stream.out) != 0 or not finished:
