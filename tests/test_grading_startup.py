@@ -89,6 +89,24 @@ def test_a_root_module_wins_over_the_working_directorys(folders, user_site):
     assert "shadow imported" in bare(work, "import json").stderr
 
 
+def test_an_emptied_environment_reads_the_policys_ids_from_the_spool(folders):
+    """#56: a test.sh's `env -i python3 ...` dropped SANDFORGE_POLICY_IDS, so the start-up the image's .pth ran judged
+    nothing the policy's and the working directory's json.py shadowed the standard one, as root. The ids (and the
+    answer modules) are also in the `context` file prepare writes beside the start-up on root's spool."""
+    site, work = folders
+    plant(work / "json.py", "raise SystemExit('shadow imported')\n")
+    env = {"PYTHONUSERBASE": str(site / "base"), "PATH": os.environ["PATH"], "HOME": "/root"}  # no ids, no answers
+    code = "import json; print(json.__file__)"
+
+    def run():
+        return subprocess.run([BASE, "-c", code], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+
+    assert "shadow imported" in run().stderr  # prepare's context names no policy here: nothing is set aside
+    (site / "py" / "context").write_text(f"{NOBODY} {NOBODY}\n\n")
+    shown = run()
+    assert shown.returncode == 0 and not shown.stdout.startswith(str(work)), shown.stderr
+
+
 def test_a_library_import_statement_never_reaches_the_policys_folders(folders, tmp_path):
     """Red team F5: an optional import a library tries (copy's `org.python.core`, requests' `simplejson`) missed on
     root's folders and fell through to the policy's, as root. The tests' own imports still reach them."""

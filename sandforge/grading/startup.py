@@ -34,8 +34,10 @@ the shell lines a root check runs first:
 
 Isolating the check's Python outright (``-I``, ``PYTHONSAFEPATH``) would also drop the working directory that the
 tests import the answer from. The shadow set-aside (sandforge/grading/shadows.py) still runs first, as a second line.
-Not covered: a check running as another user than root (the spool is root's); a command that empties the
-environment (``env -i``: the start-up reads the policy's ids from it) or skips ``site`` (``python3 -S``); a venv the
+A command that empties the environment (``env -i``) keeps the start-up: the ``.pth`` in the image's site-packages
+reads the policy's ids from a ``context`` file on the spool when the environment has none.
+Not covered: a check running as another user than root (the spool is root's); a Python that skips ``site``
+(``python3 -S``); a venv the
 policy made itself (its site-packages are the policy's); ``uv`` or ``git`` started by another program than bash (the functions are bash's: a
 Python test's ``subprocess.run(["git", ...])`` gets the image's git, which refuses the policy's repository).
 """
@@ -98,10 +100,12 @@ def site_folders_script(pth: str, policy_ids: tuple[int, ...]) -> str:
             "|| true; done")
 
 
-def install_script(folder: str = DIR, policy_ids: tuple[int, ...] = ()) -> str:
-    """The bash that writes the start-up's files under ``folder``, a user site per Python version, and (for a
-    non-root policy of ``policy_ids``) the ``.pth`` in the image's own site-packages folders."""
-    lines = ["set -e", f"mkdir -p {folder}/py"]
+def install_script(folder: str = DIR, policy_ids: tuple[int, ...] = (), answers: tuple[str, ...] = ()) -> str:
+    """The bash that writes the start-up's files under ``folder``, a user site per Python version, the ``context``
+    (``policy_ids`` and the ``answers``' modules, what ``exports`` sets, for a Python started with an emptied
+    environment) and (for a non-root policy) the ``.pth`` in the image's own site-packages folders."""
+    context = f"{' '.join(map(str, policy_ids))}\n{' '.join(answer_modules(answers))}\n"
+    lines = ["set -e", f"mkdir -p {folder}/py", f"printf '%s' {shlex.quote(context)} > {folder}/py/context"]
     files = [(f"py/{name}", FILES / name) for name in PYTHON] + [(name, FILES / name) for name in SCRIPTS]
     for rel, source in files:
         lines.append(f"base64 -d > {folder}/{rel} <<'SANDFORGE_EOF'\n"
@@ -152,7 +156,8 @@ def prepare(sandbox: Sandbox, user: str, answers: list[str] | tuple[str, ...] = 
     if user not in ("root", "0", "0:0"):
         return ""
     ids = policy_ids(sandbox)
-    made = sandbox.exec(install_script(policy_ids=ids), timeout=30, user="root", session=False, workdir="/")
+    made = sandbox.exec(install_script(policy_ids=ids, answers=tuple(answers)), timeout=30, user="root",
+                        session=False, workdir="/")
     if made.exit_code != 0:
         raise OSError(f"cannot write the grader start-up into the sandbox: {made.output.strip()[-200:]}")
     return exports(answers, ids)

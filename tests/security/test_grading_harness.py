@@ -249,7 +249,10 @@ def venv_image(repo_spec, docker_client):
     ("PYTHONPATH=/workspace/src", "/opt/venv/bin/python"),
     # the system's Python, its user site turned off and test.sh's own PYTHONPATH
     ("PYTHONNOUSERSITE=1 PYTHONPATH=/workspace/src", "python3"),
-], ids=["image-venv", "no-user-site"])
+    # an emptied environment: sandforge's exports gone, the policy's folder on test.sh's own PYTHONPATH
+    ("env -i PYTHONPATH=/workspace/src", "/usr/bin/python3"),
+    ("env -i PYTHONPATH=/workspace/src", "/opt/venv/bin/python"),
+], ids=["image-venv", "no-user-site", "env-i", "env-i-image-venv"])
 def test_every_python_of_the_image_starts_the_harness_whatever_test_sh_does_to_the_environment(
         env, python, venv_image, run_id, docker_client, tmp_path):
     """#56: the harness reached a check's Python only through PYTHONUSERBASE's user site or the sitecustomize on
