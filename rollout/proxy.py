@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import aiohttp
 from aiohttp import web
 
 from sandforge.models.hf_chat import TemplateDeltaError
@@ -130,17 +131,17 @@ class EpisodeProxy:
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         if self.socket_path is None:
-            site = web.TCPSite(self._runner, "127.0.0.1", 0, shutdown_timeout=1.0)
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
             await site.start()
             port = site._server.sockets[0].getsockname()[1]  # aiohttp names no public way to the bound port
             self.url = f"http://127.0.0.1:{port}/v1"
             return
         if os.path.lexists(self.socket_path):
             os.unlink(self.socket_path)
-        await web.UnixSite(self._runner, self.socket_path, shutdown_timeout=1.0).start()
+        await web.UnixSite(self._runner, self.socket_path).start()
         os.chmod(self.socket_path, 0o666)  # the sandbox's user connects; only this sandbox has the folder mounted
 
     async def close(self) -> None:
@@ -232,6 +233,8 @@ class EpisodeProxy:
         except web.HTTPRequestEntityTooLarge:
             return self._refuse(f"the body is over {max_body(self.limits.max_context)} bytes, more than a "
                                 f"conversation of max_context {self.limits.max_context} tokens takes", 413)
+        except (ConnectionError, aiohttp.ClientPayloadError) as e:  # the harness went before its body arrived
+            return self._refuse(f"the body never arrived whole: {e}")
         try:  # off the event loop: the rollout worker's other episodes are served meanwhile
             body = await asyncio.to_thread(json.loads, raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -37,6 +37,7 @@ class Faulty:
 
     def __init__(self, real, at: int, fault: BaseException | None, garbage: str = ""):
         self.real, self.at, self.fault, self.garbage, self.reads = real, at, fault, garbage, 0
+        self.hit = ""  # the method whose read took the fault
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -44,6 +45,7 @@ class Faulty:
     def _read(self, method, *args, **kwargs):
         self.reads += 1
         if self.reads == self.at:
+            self.hit = method
             if self.fault is not None:
                 raise self.fault
             if method == "exec":

@@ -230,18 +230,21 @@ CHAT_KEYS = ("messages", "role", "content", "type", "text", "tool_calls", "funct
              "stream_options", "include_usage", "n", "stop", "logprobs", "model", "user", "assistant", "tool")
 
 
+# an honest request of each surface: every kind of message, a tool call and its result, tools with nested schemas
+HONEST_CHAT = {"model": "m", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
+               "messages": [{"role": "system", "content": "Be brief."}, USER, ASSISTANT_CALLS,
+                            {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.txt"}]},
+                            {"role": "user", "content": "and?"}],
+               "tools": tool(description="run", parameters={"type": "object", "required": ["command"], "properties": {
+                   "command": {"type": "string"}, "env": {"type": "array", "items": {"type": "string"}}}})}
+
+
 def test_no_body_of_any_shape_raises_anything_but_a_bad_request():
     """A few thousand bodies: random JSON values, and honest requests (messages of every role, tool calls, tools with
     nested schemas, settings) with one field corrupted. Each is read or refused with a BadRequest in the proxy's own
     words; pydantic's errors, a TypeError or a RecursionError never reach the proxy."""
     rng = random.Random(57)
-    honest = {"model": "m", "max_tokens": 50, "stream": True, "stream_options": {"include_usage": True},
-              "messages": [{"role": "system", "content": "Be brief."}, USER, ASSISTANT_CALLS,
-                           {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "a.txt"}]},
-                           {"role": "user", "content": "and?"}],
-              "tools": tool(description="run", parameters={"type": "object", "required": ["command"], "properties": {
-                  "command": {"type": "string"}, "env": {"type": "array", "items": {"type": "string"}}}})}
-    read, refused = fuzzed(read_request, CHAT_KEYS, honest, rng)
+    read, refused = fuzzed(read_request, CHAT_KEYS, HONEST_CHAT, rng)
     assert read > 300 and refused > 1000, (read, refused)  # both sides of the boundary were exercised
 
 
@@ -269,24 +272,28 @@ MESSAGES_KEYS = ("messages", "system", "role", "content", "type", "text", "think
                  "stream", "stop_sequences", "tool_choice", "auto", "model", "user", "assistant")
 
 
+HONEST_RESPONSES = {
+    "model": "m", "instructions": "Be brief.", "max_output_tokens": 50, "stream": True, "tool_choice": "auto",
+    "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
+              {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": "{\"command\": \"ls\"}"},
+              {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}],
+    "tools": [{"type": "function", "name": "bash", "parameters": {"type": "object", "properties": {
+        "command": {"type": "string"}, "env": {"type": "array", "items": {"type": "string"}}}}}]}
+HONEST_MESSAGES = {
+    "model": "m", "system": [{"type": "text", "text": "Be brief."}], "max_tokens": 50, "stream": True,
+    "messages": [{"role": "user", "content": "hi"},
+                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": ""},
+                                                   {"type": "tool_use", "id": "c1", "name": "bash",
+                                                    "input": {"command": "ls"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "a.txt"}]}],
+    "tools": [{"name": "bash", "input_schema": {"type": "object", "required": ["command"], "properties": {
+        "command": {"type": "string"}}}}]}
+
+
 @pytest.mark.parametrize("read, keys, honest", [
-    (read_responses, RESPONSES_KEYS, {
-        "model": "m", "instructions": "Be brief.", "max_output_tokens": 50, "stream": True, "tool_choice": "auto",
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-                  {"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]},
-                  {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": "{\"command\": \"ls\"}"},
-                  {"type": "function_call_output", "call_id": "c1", "output": "a.txt"}],
-        "tools": [{"type": "function", "name": "bash", "parameters": {"type": "object", "properties": {
-            "command": {"type": "string"}, "env": {"type": "array", "items": {"type": "string"}}}}}]}),
-    (read_messages, MESSAGES_KEYS, {
-        "model": "m", "system": [{"type": "text", "text": "Be brief."}], "max_tokens": 50, "stream": True,
-        "messages": [{"role": "user", "content": "hi"},
-                     {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": ""},
-                                                       {"type": "tool_use", "id": "c1", "name": "bash",
-                                                        "input": {"command": "ls"}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "a.txt"}]}],
-        "tools": [{"name": "bash", "input_schema": {"type": "object", "required": ["command"], "properties": {
-            "command": {"type": "string"}}}}]}),
+    (read_responses, RESPONSES_KEYS, HONEST_RESPONSES),
+    (read_messages, MESSAGES_KEYS, HONEST_MESSAGES),
 ])
 def test_no_body_of_any_shape_raises_anything_but_a_bad_request_on_the_other_surfaces(read, keys, honest):
     """The Responses and Anthropic Messages surfaces hold the chat surface's boundary: random JSON values and honest
