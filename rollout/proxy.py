@@ -235,12 +235,8 @@ class EpisodeProxy:
                                 f"conversation of max_context {self.limits.max_context} tokens takes", 413)
         except (ConnectionError, aiohttp.ClientPayloadError) as e:  # the harness went before its body arrived
             return self._refuse(f"the body never arrived whole: {e}")
-        try:  # off the event loop: the rollout worker's other episodes are served meanwhile
-            body = await asyncio.to_thread(json.loads, raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            return self._refuse(f"the body is not JSON: {e}")
-        try:
-            asked = read(body)
+        try:  # parsed and read off the event loop: the rollout worker's other episodes are served meanwhile
+            asked = await asyncio.to_thread(_parsed, raw, read, self.limits.max_context)
         except BadRequest as e:
             return self._refuse(str(e))
         return await self._complete(asked)
@@ -267,8 +263,8 @@ class EpisodeProxy:
         if self.generated >= budget.max_tokens:
             self._end("max_turns")
             return Refused(400, f"the episode's {budget.max_tokens} generated tokens are spent")
-        try:
-            pending = self.recorder.prompt(asked)
+        try:  # rendered off the loop too: a body of many tiny messages takes seconds of the template's time
+            pending = await asyncio.to_thread(self.recorder.prompt, asked)
         except BadRequest as e:
             return self._refuse(str(e))
         except (TemplateDeltaError, ValueError) as e:  # a template that cannot render what the harness sent
@@ -303,6 +299,27 @@ class EpisodeProxy:
         self.generated += len(sample.token_ids)
         return Completed(asked, reply, finish, list(pending.prompt_ids), [int(i) for i in sample.token_ids],
                          [float(lp) for lp in sample.logprobs])
+
+
+def _parsed(raw: bytes, read: Callable[[Any], ChatRequest], max_context: int) -> ChatRequest:
+    """``raw`` as the surface's request (``read``); BadRequest for a body that is not JSON, holds more JSON objects and
+    arrays than ``max_context`` (every message, part, tool and schema renders to a token or more, so no conversation
+    that fits the context has more: reading and rendering each costs the rollout worker's shared interpreter time
+    and garbage collection, seconds for a few hundred thousand), or is not such a request."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
+    containers, stack = 0, [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (dict, list)):
+            containers += 1
+            if containers > max_context:
+                raise BadRequest(f"the body holds more than {max_context} JSON objects and arrays, more than a "
+                                 f"conversation of max_context {max_context} tokens can")
+            stack.extend(value.values() if isinstance(value, dict) else value)
+    return read(body)
 
 
 def reply_message(chat, token_ids: list[int], tools: bool, index: int, cut: bool) -> tuple[Message, str]:

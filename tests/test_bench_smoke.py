@@ -50,6 +50,12 @@ def test_generation():
     assert out["batched_vs_naive"] > 0
 
 
+def test_proxy_flood():
+    result = last_json(bench("proxy_flood.py", "--seconds", "0.5", "--max-context", "2048", "--model", "bpe",
+                             "--flooders", "1"), "baseline", "flooded", "worst_added_s", "cpu")
+    assert result["baseline"]["requests"] > 0 and result["flooded"]["requests"] > 0
+
+
 def test_model():
     out = last_json(bench("model.py", "--T", "128", "--chunk", "32", "--repeats", "1", "--threads", "1",
                           "--model-len", "64"),

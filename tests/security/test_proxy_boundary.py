@@ -82,6 +82,41 @@ def test_a_body_past_what_the_context_can_hold_is_refused_unparsed(served, monke
     assert _post(s, {"model": "m", "messages": HI}).status_code == 200
 
 
+def test_reading_and_rendering_run_off_the_loop_and_a_body_of_more_objects_than_tokens_is_refused(served,
+                                                                                                    monkeypatch):
+    """#56, measured by bench/proxy_flood.py: a body of a quarter of a million tiny messages (2 MiB, under
+    ``max_body``) took 3 s to read into typed messages and 5 s to render, on the rollout worker's loop: another
+    episode's request waited 4 s. The body is read and rendered off the loop, and a body with more JSON objects and
+    arrays than the context has tokens (no conversation that fits has more) is refused before it is read."""
+    from sandforge.rollout import proxy as proxy_module
+    from sandforge.rollout.rows import RowRecorder
+
+    import asyncio
+    import threading
+
+    s = served(ScriptedEngine([]), ctx=4096)
+
+    async def ident():
+        return threading.get_ident()
+
+    loop_thread = asyncio.run_coroutine_threadsafe(ident(), s.loop).result(10)
+    on_loop = []
+    for owner, name in ((proxy_module, "read_request"), (RowRecorder, "prompt")):  # both looked up per request
+        real = getattr(owner, name)
+
+        def spy(*args, _real=real, **kwargs):
+            on_loop.append(threading.get_ident() == loop_thread)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+    many = {"model": "m", "messages": [{"role": "user", "content": "x"}] * 4096}
+    r = _post(s, many)
+    assert r.status_code == 400 and "JSON objects and arrays" in r.json()["error"]["message"], r.text
+    assert on_loop == []  # refused before it was read
+    assert _post(s, {"model": "m", "messages": [{"role": "user", "content": "x"}] * 300}).status_code == 200
+    assert len(on_loop) == 2 and not any(on_loop), on_loop  # read and rendered, neither on the loop
+
+
 def test_refused_requests_count_against_the_episodes_budget(served):
     """#56: refused requests cost the episode nothing, so a sandbox could send them without end. Each refusal counts
     as a request: past ``max_requests`` of them the episode ends."""
