@@ -162,6 +162,7 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client, run_id:
         row.reason = lines[0] + (f" | {lines[-1][-200:]}" if len(lines) > 1 else "")  # a build's last output line
     except Exception as e:  # noqa: BLE001 - one task's trouble is its row, not the command's end
         row.reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    row.reason = row.reason.replace(f"{task_dir.resolve()}/", "").replace(str(task_dir.resolve()), task_dir.name)
     row.seconds = time.monotonic() - start
     return row
 
@@ -187,6 +188,20 @@ def task_dirs(paths: list[Path]) -> list[Path]:
     out = []
     for p in paths:
         out += [p] if is_task_dir(p) else sorted(d for d in p.iterdir() if d.is_dir() and is_task_dir(d))
+    return list({d.resolve(): d for d in out}.values())  # a folder named twice is checked once
+
+
+def labels(dirs: list[Path]) -> list[str]:
+    """What each task folder is called in the check's rows: its name, or where two folders share a name, its path
+    from the nearest folder above them that tells them apart."""
+    resolved = [d.resolve() for d in dirs]
+    out = []
+    for d in resolved:
+        alike = [o for o in resolved if o.name == d.name]
+        depth = 1
+        while len({o.parts[-depth:] for o in alike}) < len(alike) and depth < len(d.parts):
+            depth += 1
+        out.append("/".join(d.parts[-depth:]) if len(alike) > 1 else d.name)
     return out
 
 
@@ -213,10 +228,14 @@ def check(paths: list[Path], mode: str = "root", sandbox_cfg=None) -> list[Check
     rows = []
     run_id = f"{RUN_PREFIX}-{uuid.uuid4().hex[:12]}"  # two checks at once on one host leave each other's sandboxes be
     try:
-        for d in task_dirs(paths):
-            console.print(f"checking {d.name} ...", highlight=False, markup=False)
-            with phase(f"checking {d.name}: image, oracle, no-op"):
-                rows.append(check_task(d, mode, sandbox_cfg.base_map, sandbox_cfg, client, run_id))
+        dirs = task_dirs(paths)
+        for d, label in zip(dirs, labels(dirs)):
+            console.print(f"checking {label} ...", highlight=False, markup=False)
+            with phase(f"checking {label}: image, oracle, no-op"):
+                row = check_task(d, mode, sandbox_cfg.base_map, sandbox_cfg, client, run_id)
+                if label != d.name:  # two task sets with a folder of one name: their rows must differ
+                    row.task = f"{row.task} ({label})"
+                rows.append(row)
     finally:
         remove_run_containers(run_id)
     return rows

@@ -35,6 +35,7 @@ class TaskSampler:
                 raise ValueError(f"environments[{i}].families: unknown {unknown} for {env.name!r}; known: {known}")
             self.families.append(env.families or known)
             self.sources.append(source)
+        distinct(self.sources)
 
     def sample(self, n: int, split: str = "train", phase: DrawPhase = "rl") -> list[Task]:
         """``n`` tasks of ``split``, environments drawn by ``weight`` (``phase`` "warmup") or by ``rl_weight`` where
@@ -74,6 +75,27 @@ class TaskSampler:
             found |= {name: entry.job_image_context(ctx, base_map) for name, ctx in source.images.items()
                       if name in drawn}
         return found
+
+
+def distinct(sources: list) -> None:
+    """ValueError where two configured environments' task files or folders bring different tasks under one id, or
+    different images under one name (two Harbor folders named alike in two task sets): one would silently run in the
+    other's image, and held-out splits, logs and evaluations could not tell them apart. The same task listed twice is
+    fine."""
+    tasks: dict[str, tuple[int, Task]] = {}
+    images: dict[str, tuple[int, Any]] = {}
+    for i, source in enumerate(sources):
+        for task in getattr(source, "tasks", None) or []:
+            j, other = tasks.setdefault(task.id, (i, task))
+            if other != task:
+                raise ValueError(f"environments[{i}].tasks: task id {task.id!r} is also a different task of "
+                                 f"environments[{j}] ({getattr(sources[j], 'origin', '?')}): rename one (a Harbor "
+                                 "task's id is its folder's name)")
+        for name, context in (getattr(source, "images", None) or {}).items():
+            j, other = images.setdefault(name, (i, context))
+            if other != context:
+                raise ValueError(f"environments[{i}].tasks: image {name!r} is also built, from another folder, for "
+                                 f"environments[{j}]: rename one of the task folders")
 
 
 def env_source(env: EnvironmentConfig):

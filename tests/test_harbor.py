@@ -418,6 +418,7 @@ SHAPES = TASKS / "shapes"  # outside the set configs/harbor.yaml trains on: two-
 TWO_STEP_REFUSAL = (f"{SHAPES / 'two-step'}: multi-step Harbor tasks are not supported yet (task.toml's [[steps]]: "
                     "write-notes, sort-notes); sandforge runs single-step tasks, with instruction.md and tests/ at the "
                     "root")
+TWO_STEP_ROW = TWO_STEP_REFUSAL.replace(str(SHAPES / "two-step"), "two-step")  # a check's row: no host path
 
 
 def test_a_multi_step_task_is_refused_in_one_line_naming_it_and_the_steps_key():
@@ -435,10 +436,46 @@ def test_a_multi_step_task_is_refused_in_one_line_naming_it_and_the_steps_key():
     with pytest.raises(HarborTaskError, match=r"two-step: multi-step Harbor tasks are not supported yet"):
         load_folder(SHAPES)
     row = check_task(SHAPES / "two-step", "root", None, SandboxConfig(), client=None, run_id="t")  # refused first
-    assert (row.reason, row.image, row.oracle, row.noop, row.ok) == (TWO_STEP_REFUSAL, "-", None, None, False)
+    assert (row.reason, row.image, row.oracle, row.noop, row.ok) == (TWO_STEP_ROW, "-", None, None, False)
     compile_and_run = load_task(SHAPES / "compile-and-run")  # its neighbour, single-step, loads
     assert compile_and_run.sandbox.overrides() == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "512m",
                                                             "workspace_size": "64m"}
+
+
+def test_two_task_folders_of_one_name_are_told_apart(tmp_path):
+    """#58: two task sets each with a folder `hello` gave `harbor check` two identical rows, and a job that trained on
+    both gave them one task id and one image name: one task silently ran in the other's image. The check's rows say
+    which is which; a job refuses the pair in one line naming both."""
+    import shutil
+
+    from sandforge.config import EnvironmentConfig
+    from sandforge.job.harbor_check import labels, task_dirs
+    from sandforge.job.task_sampler import TaskSampler
+
+    for name in ("set1", "set2"):
+        shutil.copytree(SHAPES / "compile-and-run", tmp_path / name / "hello")
+    (tmp_path / "set2" / "hello" / "instruction.md").write_text("Something else entirely.\n")
+    dirs = task_dirs([tmp_path / "set1", tmp_path / "set2", tmp_path / "set1" / "hello"])  # named twice: once
+    assert labels(dirs) == ["set1/hello", "set2/hello"]
+    envs = [EnvironmentConfig(name="harbor", tasks=str(tmp_path / s)) for s in ("set1", "set2")]
+    with pytest.raises(ValueError, match=r"environments\[1\]\.tasks: task id 'harbor/hello' is also a different task "
+                                         r"of environments\[0\]"):
+        TaskSampler(envs, seed=0)
+    same = [EnvironmentConfig(name="harbor", tasks=str(tmp_path / "set1")) for _ in range(2)]
+    assert len(TaskSampler(same, seed=0).sample(2)) == 2  # the same folder twice is the same tasks
+
+
+def test_a_download_piped_into_a_shell_at_build_time_is_said():
+    """#58: `RUN curl -LsSf https://astral.sh/uv/install.sh | sh` "succeeds" offline (the pipeline's status is the
+    shell's, which read nothing), and the image built without uv, unsaid. The build's notes say it."""
+    from sandforge.environments.harbor.dockerfile import piped_fetches
+
+    text = ("FROM ubuntu:24.04\nRUN apt-get update && \\\n    curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n"
+            "RUN curl -fsSL https://deb.example/setup | sudo -E bash -\nRUN wget -qO- https://y | /bin/sh -s -- -y\n"
+            "RUN set -o pipefail && curl -fsSL https://x | bash\nRUN curl -o f https://z && sh f\n")
+    notes = piped_fetches(text, "harbor/t")
+    assert len(notes) == 3 and all(n.startswith("harbor/t: RUN pipes a download into a shell") for n in notes), notes
+    assert "astral.sh" in notes[0] and "no network" in notes[0]
 
 
 @pytest.mark.docker
@@ -451,7 +488,8 @@ def test_harbor_check_prints_the_multi_step_refusal():
     text = out.stdout + out.stderr
     assert out.returncode == 1, text
     reason = "".join(line.split("│")[-2] for line in text.splitlines() if line.count("│") > 6)  # its folded cell
-    assert "".join(TWO_STEP_REFUSAL.split()) in "".join(reason.split()), text
+    assert "".join(TWO_STEP_ROW.split()) in "".join(reason.split()), text
+    assert str(SHAPES) not in "".join(text.split()), text  # the row names the folder, not where it is on the host
     assert "not a Harbor task" not in text and "Harbor tasks: 0/1 fine" in text, text
 
 

@@ -208,6 +208,7 @@ class HarborBuild:
             wheels = download_wheels("\n".join(pins) + "\n", f"{self.task}'s RUN pip install lines")
             done.notes.append(f"{self.task}: {len(pins)} pinned pip package(s) of its Dockerfile downloaded here as "
                               f"wheels for the build ({', '.join(pins[:4])}{', ...' if len(pins) > 4 else ''})")
+        done.notes += piped_fetches(text, self.task)
         self.notes = done.notes
         return done.dockerfile, done.notes, wheels
 
@@ -237,9 +238,8 @@ def requirement_files(folder: Path | None) -> list[str]:
     return lines
 
 
-def pip_requirements(text: str) -> list[str]:
-    """The requirement specs (``pytest==8.4.1``, ``pandas>=2``) that the Dockerfile's ``RUN`` lines pip-install, in
-    order, once each; requirement files, paths and URLs are left to the build."""
+def run_commands(text: str) -> list[str]:
+    """The Dockerfile's ``RUN`` commands, each with its continuation lines joined, in order."""
     runs, current = [], None
     for line in text.splitlines():
         if current is None:
@@ -254,8 +254,32 @@ def pip_requirements(text: str) -> list[str]:
             continue
         runs.append(current)
         current = None
+    return runs
+
+
+_PIPED_FETCH = re.compile(r"\b(curl|wget)\b[^|;&]*\|\s*(?:sudo\s+(?:-\S+\s+)*)?(?:env\s+\S+=\S*\s+)*"
+                          r"(?:/usr)?(?:/bin/)?(sh|bash|dash|zsh)\b")
+
+
+def piped_fetches(text: str, task: str) -> list[str]:
+    """A note per ``RUN`` that pipes a download into a shell (``curl -fsSL URL | sh``): builds here have no network,
+    and a pipeline's status is its last command's, so such a line "succeeds" with nothing fetched and the image lacks
+    what it meant to install."""
+    notes = []
+    for run in run_commands(text):
+        m = _PIPED_FETCH.search(run)
+        if m and "pipefail" not in run[: m.start()]:
+            shown = run[m.start(): m.end()]
+            notes.append(f"{task}: RUN pipes a download into a shell ({shown[:60]}{'...' if len(shown) > 60 else ''}"
+                         f"): builds here have no network, so it installs nothing and the build goes on without it")
+    return notes
+
+
+def pip_requirements(text: str) -> list[str]:
+    """The requirement specs (``pytest==8.4.1``, ``pandas>=2``) that the Dockerfile's ``RUN`` lines pip-install, in
+    order, once each; requirement files, paths and URLs are left to the build."""
     found: list[str] = []
-    for run in runs:
+    for run in run_commands(text):
         for command in re.split(r"&&|\|\||;", run):
             m = _PIP.search(command)
             if not m:
