@@ -161,6 +161,12 @@ class ToolEnv(gymnasium.Env):
         self._steps = 0
         return "", {}
 
+    def begin_step(self) -> None:
+        """A multi-step task's next step (rollout/steps.py): tools run again, in the sandbox as the steps before left
+        it (no reset)."""
+        self._done = False
+        self._steps = 0
+
     def end_episode(self) -> None:
         """Called by a tool (e.g. ``submit``) to terminate the episode after it returns."""
         self._done = True

@@ -15,13 +15,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sandforge.registry import environments
-from sandforge.types import Task
+from sandforge.types import STEP_REWARDS, Task
 from sandforge.environments.seeding import SPLITS
 
 _NUMBER_OR_NULL = (int, float, type(None))
 _TASK_FIELDS = {"id": str, "env": str, "family": str, "seed": int, "instruction": str, "setup": dict, "checks": list,
                 "solution": list, "split": str, "success_at": _NUMBER_OR_NULL, "image": (str, type(None)),
-                "sandbox": dict, "agent_timeout": _NUMBER_OR_NULL, "grading_image": (str, type(None))}
+                "sandbox": dict, "agent_timeout": _NUMBER_OR_NULL, "grading_image": (str, type(None)), "steps": list,
+                "step_reward": str}
+_STEP_FIELDS = {"name": str, "instruction": str, "checks": list, "prepare": str, "min_reward": _NUMBER_OR_NULL,
+                "agent_timeout": _NUMBER_OR_NULL}
 _REQUIRED = ("id", "env", "family", "instruction", "checks")
 
 
@@ -110,6 +113,21 @@ def task_from_dict(d: Any, where: str) -> Task:
                 not isinstance(call.get("arguments", {}), dict) or set(call) - {"name", "arguments", "id"}:
             raise TaskSourceError(f"{where}: solution[{i}] must be {{\"name\": str, \"arguments\": {{...}}}}, "
                                   f"got {call!r}")
+    if d.get("step_reward", "mean") not in STEP_REWARDS:
+        raise TaskSourceError(f"{where}: 'step_reward' must be one of {', '.join(STEP_REWARDS)}, got "
+                              f"{d['step_reward']!r}")
+    for i, step in enumerate(d.get("steps", [])):
+        at = f"{where}: steps[{i}]"
+        if not isinstance(step, dict) or set(step) - set(_STEP_FIELDS) or not {"name", "instruction", "checks"} <= \
+                set(step):
+            raise TaskSourceError(f"{at} must be an object with name, instruction and checks (and optionally "
+                                  f"prepare, min_reward, agent_timeout), got {json.dumps(step)[:80]}")
+        for key, kind in _STEP_FIELDS.items():
+            if key in step and (not isinstance(step[key], kind) or isinstance(step[key], bool)):
+                raise TaskSourceError(f"{at}: '{key}' has the wrong type, got {json.dumps(step[key])[:60]}")
+        if not step["checks"] or not all(isinstance(c, dict) and isinstance(c.get("verifier"), str)
+                                         for c in step["checks"]):
+            raise TaskSourceError(f"{at}: 'checks' must be a non-empty list of objects with a 'verifier' name")
     try:
         return Task.from_dict({"seed": 0, **d})
     except ValueError as e:  # the sandbox's settings: TaskSandbox names what it does not know

@@ -84,11 +84,38 @@ def oracle_command(env: dict[str, str]) -> str:
             f"tail -c 4000 {ORACLE_LOG}; exit $rc")
 
 
-def run_oracle(sandbox, task, task_dir: Path, timeout: float) -> str:
-    """solve.sh as Harbor runs it: ``/solution`` uploaded, ``/logs/agent`` in place (the agent's user may write it),
-    the file executed by the agent's user in the WORKDIR with DEBIAN_FRONTEND=noninteractive and ``[solution] env``;
-    returns a one-line account of a failure ("" when it exited 0)."""
-    solution = task_dir / "solution"
+def graded(sandbox, task, task_dir: Path, timeout: float, oracle: bool):
+    """The oracle's run (``oracle``) or a no-op's, graded: (a one-line account of solve.sh's failure or "", the
+    reward). A multi-step task runs step by step as an episode does (rollout/steps.py): each step's set-up, its
+    solve.sh, its checks, a ``min_reward`` that stops it; the reward made from the steps'."""
+    from sandforge.rollout import steps
+    from sandforge.verifiers.checks import score_task
+
+    if not task.steps:
+        failure = run_oracle(sandbox, task, task_dir / "solution", timeout) if oracle else ""
+        return failure, score_task(sandbox, task)
+    steps.first_prepare(sandbox, task)
+    results, failures, note = [], [], ""
+    for i, step in enumerate(task.steps):
+        if i > 0 and (why := steps.prepare(sandbox, step)):
+            note = why
+            break
+        if oracle and (failure := run_oracle(sandbox, task, task_dir / "steps" / step.name / "solution",
+                                             step.agent_timeout or timeout)):
+            failures.append(f"{step.name}: {failure}")
+        reward = score_task(sandbox, steps.step_task(task, i))
+        results.append(steps.StepResult(step.name, reward))
+        if steps.stops_after(step, reward) and i + 1 < len(task.steps):
+            note = f"step {step.name} scored {reward.value:g}, below its min_reward {step.min_reward:g}"
+            break
+    return "; ".join(failures), steps.combine(task, results, note)
+
+
+def run_oracle(sandbox, task, solution: Path, timeout: float) -> str:
+    """solve.sh as Harbor runs it: ``solution`` (a task's solution/, or a step's) uploaded to ``/solution``,
+    ``/logs/agent`` in place (the agent's user may write it), the file executed by the agent's user in the WORKDIR
+    with DEBIAN_FRONTEND=noninteractive and ``[solution] env``; returns a one-line account of a failure ("" when it
+    exited 0)."""
     if not (solution / "solve.sh").is_file():
         return "no solution/solve.sh"
     upload_solution(sandbox, solution)
@@ -114,7 +141,7 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client, run_id:
     from sandforge.sandbox.images import ImageError, build_images
     from sandforge.sandbox.job_spec import grading_spec, sandbox_spec
     from sandforge.types import SandboxError
-    from sandforge.verifiers.checks import SERVICE_STOPPED, score_task
+    from sandforge.verifiers.checks import SERVICE_STOPPED
 
     row = CheckRow(task=task_dir.name)
     start = time.monotonic()
@@ -133,16 +160,16 @@ def check_task(task_dir: Path, mode: str, base_map, sandbox_cfg, client, run_id:
             spec = replace(spec, grading=grading_spec(sandbox_cfg, tags[task.grading_image], HarborEnv,
                                                       task.sandbox, client))
         timeout = float(task.agent_timeout or 1800.0)
-        has_oracle = (task_dir / "solution" / "solve.sh").is_file()
+        has_oracle = bool(task.solution) or (task_dir / "solution" / "solve.sh").is_file()
         if not has_oracle:
-            row.reason = "no solution/solve.sh: the oracle cannot be checked"
+            row.reason = ("no solve.sh in every step's solution/" if task.steps else "no solution/solve.sh") + \
+                ": the oracle cannot be checked"
         for which in ("oracle", "noop") if has_oracle else ("noop",):
             sandbox = DockerSandbox.create(spec, run_id, client=client)
             try:
                 if (health := task.setup.get("healthcheck")) is not None:  # as HarborEnv, before the agent
                     wait_healthy(sandbox, Healthcheck.from_dict(health))
-                failure = run_oracle(sandbox, task, task_dir, timeout) if which == "oracle" else ""
-                reward = score_task(sandbox, task)
+                failure, reward = graded(sandbox, task, task_dir, timeout, which == "oracle")
             finally:
                 sandbox.close()
             setattr(row, which, reward.value)

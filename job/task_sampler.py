@@ -109,8 +109,13 @@ def with_reward_rule(task: Task, rule: str) -> Task:
     verifiers' default, changes nothing; a check that sets ``reward`` itself keeps its choice)."""
     if rule == "auto":
         return task
-    return replace(task, checks=[{"reward": rule, **c} if takes_reward_rule(c.get("verifier")) else c
-                                 for c in task.checks])
+    return with_checks(task, lambda c: {"reward": rule, **c} if takes_reward_rule(c.get("verifier")) else c)
+
+
+def with_checks(task: Task, change) -> Task:
+    """``task`` with ``change`` applied to each of its checks, a multi-step task's steps' too."""
+    steps = [replace(step, checks=[change(c) for c in step.checks]) for step in task.steps]
+    return replace(task, checks=[change(c) for c in task.checks], steps=steps)
 
 
 def with_success_at(task: Task, success_at: float | None) -> Task:
@@ -122,5 +127,4 @@ def with_success_at(task: Task, success_at: float | None) -> Task:
 def with_partial_credit(task: Task) -> Task:
     """``task`` with ``"partial": true`` on every check whose verifier can give a near miss credit (a check that sets
     ``partial`` itself keeps its choice)."""
-    checks = [{"partial": True, **c} if gives_partial_credit(c.get("verifier")) else c for c in task.checks]
-    return replace(task, checks=checks)
+    return with_checks(task, lambda c: {"partial": True, **c} if gives_partial_credit(c.get("verifier")) else c)

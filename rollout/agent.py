@@ -21,10 +21,12 @@ import time
 import uuid
 from typing import Any, Callable
 
+from sandforge.rollout import steps
 from sandforge.rollout.episode import EpisodeLimits, ended, fail, turn_seed
 from sandforge.rollout.policy_client import Policy, check_sample
 from sandforge.rollout.tool_calls import ToolOutcome, run_tool_calls
-from sandforge.types import GenerateRequest, Message, Reward, Sample, Task, Trajectory, Turn
+from sandforge.types import (GenerateRequest, Message, Reward, Sample, SandboxError, Task, TokenRow, Trajectory,
+                             Turn)
 from sandforge.verifiers.checks import score_task
 
 NO_TOOL_CALL = "no tool call found. Call one of the tools, or call submit() when the task is done."
@@ -47,12 +49,16 @@ async def run_episode(task: Task, env, policy: Policy, chat, limits: EpisodeLimi
         observation, info = await env.areset()
         traj.metadata["sandbox"] = info.get("sandbox", "") if isinstance(info, dict) else ""
         traj.metadata["seconds_reset"] = time.monotonic() - start
-        user = Message(role="user", content=observation)
-        traj.messages.append(user)
-        _extend(traj, chat.render_prompt(env.tools, [user]))
-        deadline = None if limits.episode_timeout is None else time.monotonic() + limits.episode_timeout
-        traj.finish_reason = await _turns(traj, env, policy, chat, limits, session, deadline, seed)
-        traj.reward = await asyncio.to_thread(score, env.sandbox, task)
+        if task.steps:  # a multi-step task: each step in a fresh context, graded as it ends (rollout/steps.py)
+            traj.finish_reason, traj.reward, session = await _steps(traj, env, policy, chat, limits, session, seed,
+                                                                    score)
+        else:
+            user = Message(role="user", content=observation)
+            traj.messages.append(user)
+            _extend(traj, chat.render_prompt(env.tools, [user]))
+            deadline = None if limits.episode_timeout is None else time.monotonic() + limits.episode_timeout
+            traj.finish_reason = await _turns(traj, env, policy, chat, limits, session, deadline, seed)
+            traj.reward = await asyncio.to_thread(score, env.sandbox, task)
     except Exception as e:  # one episode fails, never the run (a bug's traceback is kept)
         fail(traj, e)
     finally:
@@ -123,6 +129,53 @@ async def _keep_screenshots(traj: Trajectory, env) -> None:
         return
     if images:
         traj.metadata["screenshots_png"] = [base64.b64encode(png).decode() for png in images]
+
+
+async def _steps(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLimits, session: str, seed: int | None,
+                 score: Callable[[Any, Task], Reward]) -> tuple[str, Reward, str]:
+    """A multi-step task's steps, in order, in ``env``'s one sandbox: each step's set-up as root, its instruction in a
+    fresh context (the step before's tokens become an earlier row: each trains as its own sequence) with an engine
+    session of its own, its turns, then its checks; a step below its ``min_reward`` ends the episode. The last step's
+    finish reason, the episode's reward (``steps.combine``) and the session still open."""
+    task = traj.task
+    begin = getattr(env, "begin_step", None)
+    if begin is None:
+        raise SandboxError(f"task {task.id} has steps, and its environment {type(env).__name__} cannot run a next "
+                           "step in the same sandbox (it has no begin_step)")
+    await asyncio.to_thread(steps.first_prepare, env.sandbox, task)
+    results: list[steps.StepResult] = []
+    finish, note, first = "", "", session
+    for i, step in enumerate(task.steps):
+        if i > 0:
+            if why := await asyncio.to_thread(steps.prepare, env.sandbox, step):  # the policy's leavings may be why
+                note = f"{why}: the steps after {task.steps[i - 1].name} did not run"
+                break
+            traj.earlier_rows.append(TokenRow(traj.token_ids, traj.loss_mask, traj.logprobs, traj.token_versions,
+                                              traj.routed_experts))
+            traj.token_ids, traj.loss_mask, traj.logprobs, traj.token_versions = [], [], [], []
+            traj.routed_experts = None
+            try:
+                await policy.close_session(session)
+            except Exception:  # noqa: BLE001 - the engine evicts the session by itself eventually
+                pass
+            session = f"{first}/{step.name}"
+            await asyncio.to_thread(begin)
+        user = Message(role="user", content=step.instruction)
+        traj.messages.append(user)
+        _extend(traj, chat.render_prompt(env.tools, [user]))
+        timeout = min(t for t in (step.agent_timeout, limits.episode_timeout) if t) if \
+            (step.agent_timeout or limits.episode_timeout) else None  # the step's own, within the episode's
+        deadline = None if timeout is None else time.monotonic() + timeout
+        finish = await _turns(traj, env, policy, chat, limits, session, deadline,
+                              None if seed is None else turn_seed(seed, 1_000_000 + i))
+        reward = await asyncio.to_thread(score, env.sandbox, steps.step_task(task, i))
+        results.append(steps.StepResult(step.name, reward))
+        if steps.stops_after(step, reward) and i + 1 < len(task.steps):
+            note = f"step {step.name} scored {reward.value:g}, below its min_reward {step.min_reward:g}: the steps " \
+                   "after it did not run"
+            break
+    traj.metadata["steps"] = [r.to_json() for r in results]
+    return finish, steps.combine(task, results, note), session
 
 
 async def _turns(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLimits, session: str,

@@ -77,6 +77,9 @@ async def run_harness_episode(task: Task, env, policy: Policy, chat, limits: Epi
     start = time.monotonic()
     proxy: EpisodeProxy | None = None
     try:
+        if task.steps:
+            raise SandboxError(f"task {task.id} has {len(task.steps)} steps; a harness episode runs one instruction "
+                               "(multi-step tasks run with sandforge's own agent loop: no agent.harness)")
         observation, info = await env.areset()
         sandbox = env.sandbox
         traj.metadata["sandbox"] = info.get("sandbox", "") if isinstance(info, dict) else ""

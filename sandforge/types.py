@@ -184,6 +184,28 @@ class TaskSandbox:
         return cls(**{**d, **({"scratch": tuple(d["scratch"])} if d.get("scratch") is not None else {})})
 
 
+STEP_REWARDS = ("mean", "final")  # how a multi-step task's steps make its reward (Harbor's multi_step_reward_strategy)
+
+
+@dataclass
+class TaskStep:
+    """One step of a multi-step task (Harbor's ``[[steps]]``): the policy acts on ``instruction`` in a fresh context, in
+    the sandbox the steps before left; then ``checks`` grade the step, as a task's checks grade it. ``prepare`` is a
+    bash command run as root in the sandbox before the step starts (files the step adds, its set-up script), or "".
+    ``min_reward``: a step scoring below it ends the episode there (the steps after it do not run)."""
+
+    name: str
+    instruction: str
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    prepare: str = ""
+    min_reward: float | None = None
+    agent_timeout: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TaskStep:
+        return d if isinstance(d, TaskStep) else cls(**d)
+
+
 @dataclass
 class Task:
     """One task instance, as plain data: what the policy is told, how the sandbox is prepared, how it is graded.
@@ -213,6 +235,10 @@ class Task:
     # the image a separate grader's sandbox starts from (a name the job builds, like ``image``): the task's checks get
     # a sandbox of it from ``Sandbox.grading_sandbox`` (a Harbor task's ``[verifier] environment_mode = "separate"``)
     grading_image: str | None = None
+    # a multi-step task's steps, in order (``instruction`` is the first's, ``checks`` the last's, ``solution`` every
+    # step's calls, each ending in submit); ``step_reward``: the episode's reward is their "mean" or the "final" one's
+    steps: list[TaskStep] = field(default_factory=list)
+    step_reward: str = "mean"
 
     @classmethod
     def from_dict(cls, d: dict) -> Task:
@@ -226,6 +252,7 @@ class Task:
         d["setup"] = setup
         d["sandbox"] = TaskSandbox.from_dict(d.get("sandbox") or {}) if not isinstance(d.get("sandbox"), TaskSandbox) \
             else d["sandbox"]
+        d["steps"] = [TaskStep.from_dict(step) for step in d.get("steps") or []]
         return cls(**{**d, "solution": [ToolCall(**c) if isinstance(c, dict) else c for c in d.get("solution", [])]})
 
 

@@ -414,32 +414,76 @@ def test_a_loaded_task_carries_its_env_to_the_agent():
 
 # --- task shapes Harbor runs: a compile-and-run grader, a multi-step task (tests/data/harbor/shapes) -----------------
 
-SHAPES = TASKS / "shapes"  # outside the set configs/harbor.yaml trains on: two-step is refused
-TWO_STEP_REFUSAL = (f"{SHAPES / 'two-step'}: multi-step Harbor tasks are not supported yet (task.toml's [[steps]]: "
-                    "write-notes, sort-notes); sandforge runs single-step tasks, with instruction.md and tests/ at the "
-                    "root")
-TWO_STEP_ROW = TWO_STEP_REFUSAL.replace(str(SHAPES / "two-step"), "two-step")  # a check's row: no host path
+SHAPES = TASKS / "shapes"  # outside the set configs/harbor.yaml trains on
 
 
-def test_a_multi_step_task_is_refused_in_one_line_naming_it_and_the_steps_key():
-    """Harbor's `[[steps]]` layout (steps/<name>/instruction.md, tests/, solution/; nothing at the root) was refused as
-    "not a Harbor task, missing instruction.md, tests/test.sh". It says what it is, through the loader, a job's folder
-    and `sandforge harbor check`'s row."""
-    from sandforge.config import SandboxConfig
-    from sandforge.environments.harbor.tasks import load_folder
-    from sandforge.job.harbor_check import check_task
+def test_a_multi_step_task_loads_as_its_steps():
+    """Harbor's `[[steps]]` layout (steps/<name>/instruction.md, tests/, solution/; nothing at the root) was refused
+    in one line. It loads as a Task with steps: each its instruction, its tests layered over the task's, its reward
+    gate; the warm start's reference is every step's solve.sh, each ending in submit."""
+    from sandforge.types import TaskStep
 
     for mode in ("root", "hardened"):
-        with pytest.raises(HarborTaskError) as refused:
-            load_task(SHAPES / "two-step", mode)
-        assert str(refused.value) == TWO_STEP_REFUSAL
-    with pytest.raises(HarborTaskError, match=r"two-step: multi-step Harbor tasks are not supported yet"):
-        load_folder(SHAPES)
-    row = check_task(SHAPES / "two-step", "root", None, SandboxConfig(), client=None, run_id="t")  # refused first
-    assert (row.reason, row.image, row.oracle, row.noop, row.ok) == (TWO_STEP_ROW, "-", None, None, False)
-    compile_and_run = load_task(SHAPES / "compile-and-run")  # its neighbour, single-step, loads
+        task = load_task(SHAPES / "two-step", mode)
+        assert [(s.name, s.min_reward, bool(s.prepare)) for s in task.steps] == [("write-notes", None, False),
+                                                                                 ("sort-notes", 1.0, True)]
+        assert "echo banana >> /app/notes.txt" in task.steps[1].prepare  # its workdir/setup.sh
+        assert task.step_reward == "final" and task.instruction == task.steps[0].instruction
+        assert task.steps[1].instruction == "Sort /app/notes.txt alphabetically, in place."
+        assert [c.name for c in task.solution] == ["bash", "submit", "bash", "submit"]
+        assert "sort -o /app/notes.txt" in task.solution[2].arguments["command"]
+        assert all(s.checks[0]["verifier"] == "harbor_tests" and "sort" not in s.checks[0]["files"]["test.sh"]
+                   or s.name == "sort-notes" for s in task.steps)
+        assert task.checks == task.steps[-1].checks and isinstance(task.steps[0], TaskStep)
+    compile_and_run = load_task(SHAPES / "compile-and-run")  # its neighbour, single-step, loads as before
+    assert not compile_and_run.steps
     assert compile_and_run.sandbox.overrides() == {"user": "root", "workdir": "/app", "cpus": 1.0, "memory": "512m",
-                                                            "workspace_size": "64m"}
+                                                   "workspace_size": "64m"}
+
+
+def test_a_steps_table_that_is_wrong_names_the_file_and_the_key(tmp_path):
+    import shutil
+
+    task = tmp_path / "t"
+    shutil.copytree(SHAPES / "two-step", task)
+    toml = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(toml.replace('name = "sort-notes"', 'name = "../up"'))
+    with pytest.raises(HarborTaskError, match=r"task.toml: \[steps\] 1 name must be a folder name"):
+        load_task(task)
+    (task / "task.toml").write_text(toml.replace('name = "sort-notes"', 'name = "write-notes"'))
+    with pytest.raises(HarborTaskError, match=r"a second step named 'write-notes'"):
+        load_task(task)
+    (task / "task.toml").write_text(toml.replace('"final"', '"median"'))
+    with pytest.raises(HarborTaskError, match=r"\[multi_step_reward_strategy\] must be one of 'mean' or 'final'"):
+        load_task(task)
+    (task / "task.toml").write_text(toml)
+    (task / "steps" / "sort-notes" / "instruction.md").unlink()
+    with pytest.raises(HarborTaskError, match=r"missing steps/sort-notes/instruction.md"):
+        load_task(task)
+
+
+def test_a_steps_workdir_and_setup_script_become_its_prepare_command(tmp_path):
+    """A step's `workdir/` is merged into the working directory (given to the agent's user) and its `setup.sh` runs
+    there as root before the step's agent, as Harbor's docs describe."""
+    import shutil
+    import subprocess
+
+    task = tmp_path / "t"
+    shutil.copytree(SHAPES / "two-step", task)
+    extra = task / "steps" / "sort-notes" / "workdir"
+    (extra / "data").mkdir(parents=True)
+    (extra / "data" / "more.txt").write_text("kiwi\n")
+    (extra / "setup.sh").write_text("echo set-up ran > ran.txt\n")
+    loaded = load_task(task, "hardened")
+    prepare = loaded.steps[1].prepare
+    assert "chown -R sandbox: ABOUT.txt data" in prepare and loaded.steps[0].prepare == ""
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run(["bash", "-c", prepare.replace("chown -R sandbox: ABOUT.txt data", "true")], cwd=work,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (work / "data" / "more.txt").read_text() == "kiwi\n" and (work / "ran.txt").read_text() == "set-up ran\n"
+    assert (work / "ABOUT.txt").is_file() and not (work / "setup.sh").exists()
 
 
 def test_two_task_folders_of_one_name_are_told_apart(tmp_path):
@@ -476,21 +520,6 @@ def test_a_download_piped_into_a_shell_at_build_time_is_said():
     notes = piped_fetches(text, "harbor/t")
     assert len(notes) == 3 and all(n.startswith("harbor/t: RUN pipes a download into a shell") for n in notes), notes
     assert "astral.sh" in notes[0] and "no network" in notes[0]
-
-
-@pytest.mark.docker
-def test_harbor_check_prints_the_multi_step_refusal():
-    import os
-
-    sandforge = Path(sys.executable).parent / "sandforge"
-    out = subprocess.run([str(sandforge), "harbor", "check", str(SHAPES / "two-step")], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "COLUMNS": "250"})
-    text = out.stdout + out.stderr
-    assert out.returncode == 1, text
-    reason = "".join(line.split("│")[-2] for line in text.splitlines() if line.count("│") > 6)  # its folded cell
-    assert "".join(TWO_STEP_ROW.split()) in "".join(reason.split()), text
-    assert str(SHAPES) not in "".join(text.split()), text  # the row names the folder, not where it is on the host
-    assert "not a Harbor task" not in text and "Harbor tasks: 0/1 fine" in text, text
 
 
 @pytest.mark.docker

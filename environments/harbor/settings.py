@@ -35,6 +35,7 @@ AGENT_TIMEOUT = None  # none: the job's rollout limits apply
 
 KNOWN = {  # section -> its keys sandforge reads (None: any; these only describe the task)
     "version": None, "schema_version": None, "source": None, "task": None, "metadata": None, "artifacts": None,
+    "steps": None, "multi_step_reward_strategy": None,  # a multi-step task's: read by ``read_steps``
     "agent": {"timeout_sec", "user", "network_mode", "allowed_hosts"},
     "verifier": {"timeout_sec", "user", "env", "network_mode", "allowed_hosts", "environment_mode", "environment",
                  "collect"},
@@ -100,6 +101,18 @@ class HarborSettingsError(ValueError):
 
 
 @dataclass
+class StepSettings:
+    """One step of a multi-step task as it runs: the task's settings under the step's own."""
+
+    name: str
+    min_reward: float | None
+    agent_timeout: float | None
+    verifier_timeout: float
+    verifier_user: str
+    verifier_env: dict[str, str]
+
+
+@dataclass
 class HarborSettings:
     agent_timeout: float | None = AGENT_TIMEOUT
     agent_user: str = "root"
@@ -115,6 +128,8 @@ class HarborSettings:
     docker_image: str | None = None
     not_honoured: list[str] = field(default_factory=list)  # "[environment] allow_internet = true (...)", unknown keys
     separate: SeparateVerifier | None = None  # [verifier] environment_mode = "separate": test.sh in its own sandbox
+    steps: list[StepSettings] = field(default_factory=list)  # [[steps]]: a multi-step task's, in order
+    step_reward: str = "mean"  # multi_step_reward_strategy
     healthcheck: Healthcheck | None = None  # [environment] healthcheck: run before the agent starts
 
     def sandbox(self) -> dict:
@@ -280,6 +295,33 @@ class VerifierPhase(_Phase):
     collect: list[CollectPhase] = Field(default_factory=list)
 
 
+class StepAgentPhase(_Phase):
+    timeout_sec: float | None = None  # None: the task's [agent]
+    user: str | None = None
+
+
+class StepVerifierPhase(_Phase):
+    timeout_sec: float | None = None  # None: the task's [verifier]
+    user: str | None = None
+    env: Any = None
+
+
+class StepPhase(_Phase):
+    """One ``[[steps]]`` entry: its folder's name, its reward gate and its agent's and verifier's overrides."""
+
+    name: str
+    min_reward: float | dict[str, float] | None = None
+    agent: StepAgentPhase = Field(default_factory=StepAgentPhase)
+    verifier: StepVerifierPhase = Field(default_factory=StepVerifierPhase)
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _folder_name(cls, value):
+        if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+            raise ValueError(f"must be a folder name (letters, digits, '.', '_' and '-'), got {value!r}")
+        return value
+
+
 class TaskToml(BaseModel):
     """task.toml by phase: the agent's, the verifier's, the solution's and the environment's tables; the rest (``[task]``,
     ``[metadata]``, ``schema_version``, ...) describes the task."""
@@ -290,6 +332,8 @@ class TaskToml(BaseModel):
     solution: SolutionPhase = Field(default_factory=SolutionPhase)
     environment: EnvironmentPhase = Field(default_factory=EnvironmentPhase)
     artifacts: list[str | ArtifactEntry] = Field(default_factory=list)
+    steps: list[StepPhase] = Field(default_factory=list)
+    multi_step_reward_strategy: Literal["mean", "final"] | None = None
 
 
 def _toml(meta: dict, where: Path | str) -> TaskToml:
@@ -331,12 +375,40 @@ def read_settings(meta: dict, where: Path | str) -> HarborSettings:
     if env.storage_mb is not None:
         s.storage_mb = int(env.storage_mb)
     s.separate = _separate(toml, where, s)
+    s.steps, s.step_reward = _steps(toml, where, s), toml.multi_step_reward_strategy or "mean"
     if (check := env.healthcheck) is not None:
         s.healthcheck = Healthcheck(check.command, float(check.interval_sec), float(check.timeout_sec),
                                     float(check.start_period_sec), float(check.start_interval_sec),
                                     max(1, int(check.retries)))
     _not_honoured(meta, s)
     return s
+
+
+def _steps(toml: TaskToml, where: Path | str, s: HarborSettings) -> list[StepSettings]:
+    """The task's ``[[steps]]``, each over the task's own agent and verifier settings (Harbor's fallback). A step's
+    own agent user, a per-key ``min_reward`` and a separate verifier are not run here: said in ``not_honoured``."""
+    out, names = [], set()
+    for i, step in enumerate(toml.steps):
+        if step.name in names:
+            raise HarborSettingsError(f"{where}: [[steps]] {i}: a second step named {step.name!r}")
+        names.add(step.name)
+        gate = step.min_reward
+        if isinstance(gate, dict):
+            s.not_honoured.append(f"[[steps]] {step.name}: min_reward per reward key (the step's one reward is gated "
+                                  "by the smallest of them)")
+            gate = min(gate.values()) if gate else None
+        if step.agent.user is not None and step.agent.user != s.agent_user:
+            s.not_honoured.append(f"[[steps]] {step.name}: agent user {step.agent.user!r} (every step acts as the "
+                                  "task's agent user)")
+        env = {**s.verifier_env, **_env({} if step.verifier.env is None else step.verifier.env, where,
+                                        f"[[steps]] {step.name} verifier env", s)}
+        out.append(StepSettings(step.name, None if gate is None else float(gate), step.agent.timeout_sec or
+                                s.agent_timeout, step.verifier.timeout_sec or s.verifier_timeout,
+                                step.verifier.user or s.verifier_user, env))
+    if out and s.separate is not None:
+        raise HarborSettingsError(f"{where}: a multi-step task with a separate verifier is not supported yet (each "
+                                  "step is graded in the agent's sandbox)")
+    return out
 
 
 GRADER_OWN = ("/tests", "/logs/verifier")  # made afresh in the grader's sandbox: no artifact is, holds or is in one

@@ -15,8 +15,9 @@ files' hashes (``compact_checks``). Splits: ``[metadata] split = "heldout"`` (a 
 hash of the task's folder name puts the ``heldout`` fraction of tasks the job asks for in the held-out split. The warm
 start replays the reference through the bash tool as one command (what a policy can learn to type): solve.sh's text,
 or, where solve.sh runs files beside it or has a [solution] env, the folder written into /solution and solve.sh run
-there as Harbor runs it (``replay_solution``). A multi-step task (``[[steps]]`` in
-task.toml, ``steps/<name>/`` folders) is refused in one line: not supported yet.
+there as Harbor runs it (``replay_solution``). A multi-step task (``[[steps]]`` in task.toml, ``steps/<name>/``
+folders with their instruction.md, tests/ over the task's, solution/ and workdir/) becomes a Task with ``steps``
+(rollout/steps.py runs them).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from sandforge.environments.harbor.separate import CONVENTION as ARTIFACTS_DIR, 
 from sandforge.environments.harbor.settings import VERIFIER_TIMEOUT, HarborSettingsError, read_settings, shell_exports
 from sandforge.environments.task_sources import TaskSourceError, heldout_by_hash
 from sandforge.grading import shadows
-from sandforge.types import Task, TaskSandbox, ToolCall
+from sandforge.types import Task, TaskSandbox, TaskStep, ToolCall
 from sandforge.environments.seeding import SPLITS
 
 FAMILIES: dict = {}  # no seeded generator: tasks come from directories (`environments[i].tasks` in the job)
@@ -131,24 +132,52 @@ def replay_solution(folder: Path, env: dict[str, str]) -> str:
     solve = folder / "solve.sh"
     if not replays_as_oracle(folder, env):
         return replay_command(solve.read_text())
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    lines = written(folder, SOLUTION_DIR)
+    lines.append(f"({shell_exports({**ORACLE_ENV, **env})}{SOLUTION_DIR}/solve.sh)")
+    return "\n".join(lines)
+
+
+def written(folder: Path, dest: str, leave: tuple[str, ...] = ()) -> list[str]:
+    """The bash lines that write every file of ``folder`` (but the top-level ones named in ``leave``) under ``dest``,
+    folders made first: text through a here-document, other bytes as base64, the executable bit kept."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.relative_to(folder).as_posix() not in leave)
     inner = {p.parent.relative_to(folder).as_posix() for p in files} - {"."}
-    folders = [SOLUTION_DIR, *(f"{SOLUTION_DIR}/{d}" for d in sorted(inner))]
+    folders = [dest, *(f"{dest}/{d}" for d in sorted(inner))]
     lines = [f"mkdir -p {' '.join(map(shlex.quote, folders))}"]
     for f in files:
-        dest = shlex.quote(f"{SOLUTION_DIR}/{f.relative_to(folder).as_posix()}")
+        target = shlex.quote(f"{dest}/{f.relative_to(folder).as_posix()}")
         data = f.read_bytes()
         try:
             text = data.decode()
         except UnicodeDecodeError:
             text = None
         if text is not None and text.endswith("\n") and FILE_END not in text and "\0" not in text:
-            lines.append(f"cat > {dest} <<'{FILE_END}'\n{text}{FILE_END}")
+            lines.append(f"cat > {target} <<'{FILE_END}'\n{text}{FILE_END}")
         else:
-            lines.append(f"base64 -d > {dest} <<'{FILE_END}'\n{base64.encodebytes(data).decode()}{FILE_END}")
+            lines.append(f"base64 -d > {target} <<'{FILE_END}'\n{base64.encodebytes(data).decode()}{FILE_END}")
         if solution_mode(f) & 0o111:
-            lines.append(f"chmod +x {dest}")
-    lines.append(f"({shell_exports({**ORACLE_ENV, **env})}{SOLUTION_DIR}/solve.sh)")
+            lines.append(f"chmod +x {target}")
+    return lines
+
+
+STEP_SETUP = "setup.sh"  # in a step's workdir/: run as root from the working directory before the step's agent
+
+
+def step_prepare(folder: Path, user: str) -> str:
+    """What runs as root before a step starts (``TaskStep.prepare``): the files of the step's ``workdir/`` merged into
+    the working directory and given to the agent's ``user``, then its ``setup.sh`` run there; "" without either."""
+    workdir = folder / "workdir"
+    if not workdir.is_dir():
+        return ""
+    lines = written(workdir, ".", leave=(STEP_SETUP,))
+    names = sorted({p.relative_to(workdir).parts[0] for p in workdir.iterdir()} - {STEP_SETUP})
+    if names and user not in ("root", "0"):
+        lines.append(f"chown -R {shlex.quote(user.split(':')[0])}: {' '.join(map(shlex.quote, names))}")
+    setup = workdir / STEP_SETUP
+    if setup.is_file():
+        text = setup.read_text()
+        lines.append(f"bash <<'{FILE_END}'\n{text if text.endswith(chr(10)) else text + chr(10)}{FILE_END}")
+    lines.insert(0, "set -e")
     return "\n".join(lines)
 
 
@@ -164,16 +193,17 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
             meta = tomllib.loads(toml.read_text())
         except tomllib.TOMLDecodeError as e:
             raise HarborTaskError(f"{toml}: not valid TOML: {e}") from None
-    if meta.get("steps"):  # Harbor's multi-step layout: no instruction.md or tests/ at the root, steps/<name>/ instead
-        steps = meta["steps"] if isinstance(meta["steps"], list) else []
-        names = ", ".join(str(step.get("name")) for step in steps if isinstance(step, dict))
-        raise HarborTaskError(f"{task_dir}: multi-step Harbor tasks are not supported yet (task.toml's [[steps]]: "
-                              f"{names}); sandforge runs single-step tasks, with instruction.md and tests/ at the root")
     try:
         settings = read_settings(meta, toml)
     except HarborSettingsError as e:
         raise HarborTaskError(str(e)) from None
     required = [n for n in REQUIRED if not (settings.docker_image and n == "environment/Dockerfile")]
+    if settings.steps:  # Harbor's multi-step layout: steps/<name>/ with its instruction and tests, not the root's
+        required = [n for n in required if n not in ("instruction.md", "tests/test.sh")]
+        for step in settings.steps:
+            required.append(f"steps/{step.name}/instruction.md")
+            if not (task_dir / "tests" / "test.sh").is_file():
+                required.append(f"steps/{step.name}/tests/test.sh")
     missing = [name for name in required if not (task_dir / name).is_file()]
     kind = meta.get("environment", {}).get("type") if isinstance(meta.get("environment"), dict) else None
     if missing and kind not in (None, "docker"):
@@ -189,12 +219,14 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         raise HarborTaskError(f"{toml}: [metadata] split = {split!r}; use one of {', '.join(SPLITS)}")
     if mode not in MODES:
         raise HarborTaskError(f"harbor mode {mode!r}: expected one of {', '.join(MODES)}")
-    folder = task_dir / "solution"
-    has_solution = (folder / "solve.sh").is_file()
+    # the folders that hold the instructions, tests and solutions: the task's, or each step's
+    parts = [task_dir / "steps" / step.name for step in settings.steps] or [task_dir]
     # what of solve.sh's env the agent's commands lack: HarborEnv exports [environment] env before each of them
     own_env = {k: v for k, v in settings.solution_env.items() if settings.env.get(k) != v}
-    solution = [ToolCall("bash", {"command": replay_solution(folder, own_env)}), ToolCall("submit")] \
-        if has_solution else []
+    solved = [(part / "solution" / "solve.sh").is_file() for part in parts]
+    has_solution = all(solved)  # the warm start replays every step's, or none
+    solution = [call for part in parts for call in (ToolCall("bash", {"command": replay_solution(
+        part / "solution", own_env)}), ToolCall("submit"))] if has_solution else []
     sandbox = settings.sandbox() | ({"user": AGENT_USER} if mode == "hardened" else {})
     # Harbor's /logs/artifacts, where the agent and the collect hooks leave files for a separate verifier: a capped
     # folder every user may write (shared grading makes /logs afresh, so it is there only for a separate verifier)
@@ -204,19 +236,22 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
     if sandbox["user"] not in ("root", "0"):  # where else a non-root agent can write on the root filesystem: capped
         home = f"/home/{sandbox['user'].split(':')[0]}"
         # /solution: where a non-root agent's replay of an oracle that runs its sibling files puts them
-        oracle = (SOLUTION_DIR,) if has_solution and replays_as_oracle(folder, own_env) else ()
+        oracle = (SOLUTION_DIR,) if any(ok and replays_as_oracle(part / "solution", own_env)
+                                        for part, ok in zip(parts, solved)) else ()
         sandbox["scratch"] = ("/var/tmp", "/run/lock", home, *oracle, *logs)
         sandbox["home"] = home  # as in Harbor, where HOME is the user's own: ~/.ssh is not the WORKDIR's
-    check = {"verifier": "harbor_tests", "files": _test_files(task_dir / "tests"),
-             "timeout": settings.verifier_timeout, "user": settings.verifier_user}
-    instruction = (task_dir / "instruction.md").read_text().strip()
-    answers = shadows.answer_paths(instruction)
-    if answers:  # Python files the instruction asks for: the code under test, never set aside (sandforge/grading/shadows.py)
-        check["answers"] = list(answers)
-    if settings.verifier_env:
-        check["env"] = settings.verifier_env
-    if settings.workdir:
-        check["workdir"] = settings.workdir
+    instruction = (parts[0] / "instruction.md").read_text().strip()
+    check = grading_check(_test_files(task_dir / "tests"), instruction, settings.verifier_timeout,
+                          settings.verifier_user, settings.verifier_env, settings.workdir)
+    steps = []
+    for step, part in zip(settings.steps, parts):
+        said = (part / "instruction.md").read_text().strip()
+        files = {**_test_files(task_dir / "tests"), **_test_files(part / "tests")}  # the step's own files win
+        steps.append(TaskStep(step.name, said, [grading_check(files, said, step.verifier_timeout, step.verifier_user,
+                                                              step.verifier_env, settings.workdir)],
+                              step_prepare(part, sandbox["user"]), step.min_reward, step.agent_timeout))
+    if steps:
+        check = steps[-1].checks[0]  # what generic code reads of the task's checks: its last step's
     grading_image = None
     if settings.separate is not None:  # test.sh in a fresh sandbox of its own that receives only the artifacts
         check["separate"] = separate_check(settings.separate, sandbox["user"], mode, settings.verifier_timeout)
@@ -253,7 +288,24 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         sandbox=TaskSandbox.from_dict(sandbox),
         agent_timeout=settings.agent_timeout or None,
         grading_image=grading_image,
+        steps=steps,
+        step_reward=settings.step_reward,
     )
+
+
+def grading_check(files: dict, instruction: str, timeout: float, user: str, env: dict[str, str],
+                  workdir: str | None) -> dict:
+    """The ``harbor_tests`` check that runs ``files`` (tests/, as plain data) after the agent acted on
+    ``instruction``."""
+    check = {"verifier": "harbor_tests", "files": files, "timeout": timeout, "user": user}
+    answers = shadows.answer_paths(instruction)
+    if answers:  # Python files the instruction asks for: the code under test, never set aside (sandforge/grading/shadows.py)
+        check["answers"] = list(answers)
+    if env:
+        check["env"] = env
+    if workdir:
+        check["workdir"] = workdir
+    return check
 
 
 def verifier_image_name(task_dir: Path) -> str:
@@ -319,17 +371,21 @@ def load_folder(path: Path, mode: str = "root", heldout: float = 0.0) -> tuple[l
 
 def compact_checks(task: dict) -> dict:
     """A task as a trajectory row keeps it: the Harbor tests' files by hash and size, not their contents (a
-    terminal-bench task's tests/ runs to hundreds of KB, every row)."""
-    checks = []
-    for check in task.get("checks") or []:
-        if check.get("verifier") == "harbor_tests" and isinstance(check.get("files"), dict):
-            files = {}
-            for rel, content in check["files"].items():
-                data = base64.b64decode(content["base64"]) if isinstance(content, dict) else str(content).encode()
-                files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-            check = {**check, "files": files}
-        checks.append(check)
-    return {**task, "checks": checks}
+    terminal-bench task's tests/ runs to hundreds of KB, every row), each step's too."""
+    def compact(checks: list) -> list:
+        out = []
+        for check in checks or []:
+            if check.get("verifier") == "harbor_tests" and isinstance(check.get("files"), dict):
+                files = {}
+                for rel, content in check["files"].items():
+                    data = base64.b64decode(content["base64"]) if isinstance(content, dict) else str(content).encode()
+                    files[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                check = {**check, "files": files}
+            out.append(check)
+        return out
+
+    steps = [{**step, "checks": compact(step.get("checks"))} for step in task.get("steps") or []]
+    return {**task, "checks": compact(task.get("checks")), **({"steps": steps} if steps else {})}
 
 
 def with_base_map(ctx, base_map: dict[str, str] | None):

@@ -1,0 +1,1 @@
+echo banana >> /app/notes.txt
