@@ -23,8 +23,8 @@ _TASK_FIELDS = {"id": str, "env": str, "family": str, "seed": int, "instruction"
                 "solution": list, "split": str, "success_at": _NUMBER_OR_NULL, "image": (str, type(None)),
                 "sandbox": dict, "agent_timeout": _NUMBER_OR_NULL, "grading_image": (str, type(None)), "steps": list,
                 "step_reward": str}
-_STEP_FIELDS = {"name": str, "instruction": str, "checks": list, "prepare": str, "min_reward": _NUMBER_OR_NULL,
-                "agent_timeout": _NUMBER_OR_NULL}
+_STEP_FIELDS = {"name": str, "instruction": str, "checks": list, "place": str, "setup": str,
+                "min_reward": _NUMBER_OR_NULL, "agent_timeout": _NUMBER_OR_NULL}
 _REQUIRED = ("id", "env", "family", "instruction", "checks")
 
 
@@ -121,7 +121,7 @@ def task_from_dict(d: Any, where: str) -> Task:
         if not isinstance(step, dict) or set(step) - set(_STEP_FIELDS) or not {"name", "instruction", "checks"} <= \
                 set(step):
             raise TaskSourceError(f"{at} must be an object with name, instruction and checks (and optionally "
-                                  f"prepare, min_reward, agent_timeout), got {json.dumps(step)[:80]}")
+                                  f"place, setup, min_reward, agent_timeout), got {json.dumps(step)[:80]}")
         for key, kind in _STEP_FIELDS.items():
             if key in step and (not isinstance(step[key], kind) or isinstance(step[key], bool)):
                 raise TaskSourceError(f"{at}: '{key}' has the wrong type, got {json.dumps(step[key])[:60]}")

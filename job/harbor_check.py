@@ -98,7 +98,8 @@ def graded(sandbox, task, task_dir: Path, timeout: float, oracle: bool):
     results, failures, note = [], [], ""
     for i, step in enumerate(task.steps):
         if i > 0 and (why := steps.prepare(sandbox, step)):
-            note = why
+            results.append(steps.StepResult(step.name, steps.unprepared(why)))
+            note = f"the steps after {step.name} did not run"
             break
         if oracle and (failure := run_oracle(sandbox, task, task_dir / "steps" / step.name / "solution",
                                              step.agent_timeout or timeout)):

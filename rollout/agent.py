@@ -147,8 +147,9 @@ async def _steps(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
     finish, note, first = "", "", session
     for i, step in enumerate(task.steps):
         if i > 0:
-            if why := await asyncio.to_thread(steps.prepare, env.sandbox, step):  # the policy's leavings may be why
-                note = f"{why}: the steps after {task.steps[i - 1].name} did not run"
+            if why := await asyncio.to_thread(steps.prepare, env.sandbox, step):  # on what the policy left: its 0
+                results.append(steps.StepResult(step.name, steps.unprepared(why)))
+                note = f"the steps after {step.name} did not run"
                 break
             traj.earlier_rows.append(TokenRow(traj.token_ids, traj.loss_mask, traj.logprobs, traj.token_versions,
                                               traj.routed_experts))

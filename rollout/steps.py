@@ -2,8 +2,8 @@
 reward made from theirs.
 
 A multi-step task runs its steps in order in one sandbox. Each step starts in a fresh context (the policy sees only
-that step's instruction, as Harbor starts its agent afresh for each step) after the step's ``prepare`` command has run
-as root; when the step ends, its checks grade the sandbox as a task's checks do (the policy's processes stopped
+that step's instruction, as Harbor starts its agent afresh for each step) after the step's files were placed (as the
+policy's user) and its set-up ran (as root); when the step ends, its checks grade the sandbox as a task's checks do (the policy's processes stopped
 first), and a step scoring below its ``min_reward`` ends the episode there. The episode's reward is the steps' mean
 (over the steps that ran, as Harbor's ``mean``) or the last step's (``final``).
 """
@@ -39,15 +39,28 @@ def stops_after(step: TaskStep, reward: Reward) -> bool:
 
 
 def prepare(sandbox, step: TaskStep, timeout: float = 300.0) -> str:
-    """Run ``step.prepare`` as root in ``sandbox``; "" when it succeeded (or there is none), else what went wrong."""
-    if not step.prepare:
-        return ""
-    result = sandbox.exec(step.prepare, timeout=timeout, user="root", session=False)
-    if result.timed_out:
-        return f"step {step.name}'s set-up timed out after {timeout:g}s"
-    if result.exit_code != 0:
-        return f"step {step.name}'s set-up exited {result.exit_code}: {result.output.strip()[-200:]}"
+    """``step.place`` as the policy's own user, then ``step.setup`` as root behind the graders' start-up
+    (sandforge/grading/startup.py: it runs among the files the policy left, as a check does); "" when both succeeded
+    (or there are none), else what went wrong."""
+    from sandforge.verifiers.command import run_as_grader
+
+    for command, as_root in ((step.place, False), (step.setup, True)):
+        if not command:
+            continue
+        result = run_as_grader(sandbox, command, timeout) if as_root else \
+            sandbox.exec(command, timeout=timeout, session=False)
+        if result.timed_out:
+            return f"step {step.name}'s set-up timed out after {timeout:g}s"
+        if result.exit_code != 0:
+            return f"step {step.name}'s set-up exited {result.exit_code}: {result.output.strip()[-200:]}"
     return ""
+
+
+def unprepared(why: str) -> Reward:
+    """The reward of a step whose set-up failed once the policy had acted: among what it left (its links, its files,
+    a full disk), so the step scores 0 with a cause, never a failed episode, and never a skipped step (under
+    ``final`` a skipped last step would hand the episode the step before's reward)."""
+    return Reward(0.0, False, {}, reason=f"{why} (on what the steps before left)", zero_causes=["state"])
 
 
 def first_prepare(sandbox, task: Task) -> None:

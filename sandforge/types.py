@@ -190,14 +190,17 @@ STEP_REWARDS = ("mean", "final")  # how a multi-step task's steps make its rewar
 @dataclass
 class TaskStep:
     """One step of a multi-step task (Harbor's ``[[steps]]``): the policy acts on ``instruction`` in a fresh context, in
-    the sandbox the steps before left; then ``checks`` grade the step, as a task's checks grade it. ``prepare`` is a
-    bash command run as root in the sandbox before the step starts (files the step adds, its set-up script), or "".
-    ``min_reward``: a step scoring below it ends the episode there (the steps after it do not run)."""
+    the sandbox the steps before left; then ``checks`` grade the step, as a task's checks grade it. Before the step
+    starts, ``place`` (bash, or "") runs as the policy's own user (the files the step adds to its working directory:
+    a link the policy left there leads only where it could write anyway), then ``setup`` (bash, or "") as root, with
+    the graders' start-up (the step's set-up script). ``min_reward``: a step scoring below it ends the episode there
+    (the steps after it do not run)."""
 
     name: str
     instruction: str
     checks: list[dict[str, Any]] = field(default_factory=list)
-    prepare: str = ""
+    place: str = ""
+    setup: str = ""
     min_reward: float | None = None
     agent_timeout: float | None = None
 

@@ -425,9 +425,10 @@ def test_a_multi_step_task_loads_as_its_steps():
 
     for mode in ("root", "hardened"):
         task = load_task(SHAPES / "two-step", mode)
-        assert [(s.name, s.min_reward, bool(s.prepare)) for s in task.steps] == [("write-notes", None, False),
-                                                                                 ("sort-notes", 1.0, True)]
-        assert "echo banana >> /app/notes.txt" in task.steps[1].prepare  # its workdir/setup.sh
+        assert [(s.name, s.min_reward, bool(s.place), bool(s.setup)) for s in task.steps] == [
+            ("write-notes", None, False, False), ("sort-notes", 1.0, True, True)]
+        assert "echo banana >> /app/notes.txt" in task.steps[1].setup  # its workdir/setup.sh
+        assert "ABOUT.txt" in task.steps[1].place and "setup.sh" not in task.steps[1].place
         assert task.step_reward == "final" and task.instruction == task.steps[0].instruction
         assert task.steps[1].instruction == "Sort /app/notes.txt alphabetically, in place."
         assert [c.name for c in task.solution] == ["bash", "submit", "bash", "submit"]
@@ -462,9 +463,9 @@ def test_a_steps_table_that_is_wrong_names_the_file_and_the_key(tmp_path):
         load_task(task)
 
 
-def test_a_steps_workdir_and_setup_script_become_its_prepare_command(tmp_path):
-    """A step's `workdir/` is merged into the working directory (given to the agent's user) and its `setup.sh` runs
-    there as root before the step's agent, as Harbor's docs describe."""
+def test_a_steps_workdir_and_setup_script_become_what_runs_before_it(tmp_path):
+    """A step's `workdir/` is merged into the working directory (as the agent's user: `place`) and its `setup.sh` runs
+    there as root (`setup`) before the step's agent, as Harbor's docs describe."""
     import shutil
     import subprocess
 
@@ -475,13 +476,13 @@ def test_a_steps_workdir_and_setup_script_become_its_prepare_command(tmp_path):
     (extra / "data" / "more.txt").write_text("kiwi\n")
     (extra / "setup.sh").write_text("echo set-up ran > ran.txt\n")
     loaded = load_task(task, "hardened")
-    prepare = loaded.steps[1].prepare
-    assert "chown -R sandbox: ABOUT.txt data" in prepare and loaded.steps[0].prepare == ""
+    step = loaded.steps[1]
+    assert (loaded.steps[0].place, loaded.steps[0].setup) == ("", "") and "chown" not in step.place
     work = tmp_path / "work"
     work.mkdir()
-    done = subprocess.run(["bash", "-c", prepare.replace("chown -R sandbox: ABOUT.txt data", "true")], cwd=work,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    for command in (step.place, step.setup):
+        done = subprocess.run(["bash", "-c", command], cwd=work, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
     assert (work / "data" / "more.txt").read_text() == "kiwi\n" and (work / "ran.txt").read_text() == "set-up ran\n"
     assert (work / "ABOUT.txt").is_file() and not (work / "setup.sh").exists()
 

@@ -76,3 +76,42 @@ def test_a_multi_step_task_warm_starts_and_trains_for_one_step(tmp_path):
     assert all("files" in r["task"]["steps"][0]["checks"][0] for r in rows)
     assert all(isinstance(f, dict) and "sha256" in f for r in rows
                for f in r["task"]["steps"][0]["checks"][0]["files"].values())  # kept by hash, not contents
+
+
+@pytest.mark.parametrize("plant", ["ln -s /etc/passwd /app/ABOUT.txt", "ln -s /etc /app/ABOUT.txt"],
+                         ids=["file-link", "folder-link"])
+def test_a_link_the_policy_plants_where_a_step_puts_its_files_leads_root_nowhere(plant, run_id, docker_client):
+    """A step's workdir/ files land in the policy's working directory. Written and handed over by root, a link the
+    policy left in step 1 where step 2's ABOUT.txt goes made root write the step's text into /etc/passwd (the user
+    database gone: the set-up's own `chown` then failed on it). The files are now written as the agent (a link leads
+    only where it could write already; only the step's setup.sh runs as root), and a step whose set-up fails on what
+    the policy left scores 0, never a skipped step (under "final" the step before's 1 would have been the reward)."""
+    from dataclasses import replace
+
+    from sandforge.types import ToolCall
+
+    task = load_task(TWO_STEP, "hardened")
+    [(name, context)] = load_tasks(TWO_STEP, "hardened")[1].items()
+    image = build_images([], client=docker_client, show_progress=False, contexts={name: context})[name]
+    seen = []
+
+    class Watched(HarborEnv):
+        def close(self):
+            if self._sandbox is not None:
+                seen.append(self._sandbox.exec("stat -c '%U %s' /etc/passwd /etc; head -c 100 /etc/passwd",
+                                               timeout=30, user="root", session=False).output)
+            super().close()
+
+    env = Watched(task, sandbox_spec(SandboxConfig(), image, HarborEnv, task.sandbox, docker_client), run_id,
+                  exec_timeout=30, client=docker_client)
+    plan = [ToolCall("bash", {"command": f"{plant}; printf 'pear\\napple\\nfig\\n' > /app/notes.txt"}),
+            ToolCall("submit"), *task.solution[2:]]
+    limits = EpisodeLimits(max_turns=3, max_context=16384, max_new_tokens=4096, stop_ids=CHAT.stop_ids)
+    traj = asyncio.run(run_episode(task, env, scripted_policy(replace(task, solution=plan), CHAT), CHAT, limits,
+                                   group="g"))
+    assert not traj.failed, traj.failure
+    [after] = seen
+    owners = after.split("\n")[:2]
+    assert [o.split()[0] for o in owners] == ["root", "root"] and "root:x:0:0" in after and "fruit" not in after, after
+    assert traj.reward.value == 0.0 and traj.reward.zero_causes == ["state"], traj.reward
+    assert [s["name"] for s in traj.metadata["steps"]] == ["write-notes", "sort-notes"]

@@ -49,6 +49,12 @@ def run_command_check(sandbox: Sandbox, command: str, exit_code: int | None = 0,
     return score, reason + shadows.note(moved)
 
 
+def run_as_grader(sandbox: Sandbox, command: str, timeout: float):
+    """``command`` run as root among the files the policy left, as a check's command runs: behind the graders'
+    start-up (sandforge/grading/startup.py). A multi-step task's set-up script between steps (rollout/steps.py)."""
+    return sandbox.exec(startup.prepare(sandbox, "root") + command, timeout=timeout, user="root", session=False)
+
+
 def _judge(sandbox: Sandbox, command: str, start: str, exit_code: int | None, pattern: str | None, absent: bool,
            user: str, workdir: str | None) -> tuple[float, str]:
     result = sandbox.exec(start + command, timeout=time_left(), user=user, workdir=workdir, session=False)

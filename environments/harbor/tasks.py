@@ -163,22 +163,23 @@ def written(folder: Path, dest: str, leave: tuple[str, ...] = ()) -> list[str]:
 STEP_SETUP = "setup.sh"  # in a step's workdir/: run as root from the working directory before the step's agent
 
 
-def step_prepare(folder: Path, user: str) -> str:
-    """What runs as root before a step starts (``TaskStep.prepare``): the files of the step's ``workdir/`` merged into
-    the working directory and given to the agent's ``user``, then its ``setup.sh`` run there; "" without either."""
+def step_place(folder: Path) -> str:
+    """The bash that merges a step's ``workdir/`` (but its ``setup.sh``) into the working directory, run as the agent's
+    own user (``TaskStep.place``); "" without one."""
     workdir = folder / "workdir"
-    if not workdir.is_dir():
+    if not workdir.is_dir() or not [p for p in workdir.rglob("*") if p.is_file() and p != workdir / STEP_SETUP]:
         return ""
-    lines = written(workdir, ".", leave=(STEP_SETUP,))
-    names = sorted({p.relative_to(workdir).parts[0] for p in workdir.iterdir()} - {STEP_SETUP})
-    if names and user not in ("root", "0"):
-        lines.append(f"chown -R {shlex.quote(user.split(':')[0])}: {' '.join(map(shlex.quote, names))}")
-    setup = workdir / STEP_SETUP
-    if setup.is_file():
-        text = setup.read_text()
-        lines.append(f"bash <<'{FILE_END}'\n{text if text.endswith(chr(10)) else text + chr(10)}{FILE_END}")
-    lines.insert(0, "set -e")
-    return "\n".join(lines)
+    return "\n".join(["set -e", *written(workdir, ".", leave=(STEP_SETUP,))])
+
+
+def step_setup(folder: Path) -> str:
+    """A step's ``workdir/setup.sh``, as bash reads it from a here-document, run as root from the working directory
+    before the step's agent (``TaskStep.setup``); "" without one."""
+    setup = folder / "workdir" / STEP_SETUP
+    if not setup.is_file():
+        return ""
+    text = setup.read_text()
+    return f"bash <<'{FILE_END}'\n{text if text.endswith(chr(10)) else text + chr(10)}{FILE_END}"
 
 
 def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
@@ -249,7 +250,7 @@ def load_task(task_dir: Path, mode: str = "root", heldout: float = 0.0) -> Task:
         files = {**_test_files(task_dir / "tests"), **_test_files(part / "tests")}  # the step's own files win
         steps.append(TaskStep(step.name, said, [grading_check(files, said, step.verifier_timeout, step.verifier_user,
                                                               step.verifier_env, settings.workdir)],
-                              step_prepare(part, sandbox["user"]), step.min_reward, step.agent_timeout))
+                              step_place(part), step_setup(part), step.min_reward, step.agent_timeout))
     if steps:
         check = steps[-1].checks[0]  # what generic code reads of the task's checks: its last step's
     grading_image = None
