@@ -75,7 +75,7 @@ def test_each_environments_reference_scores_one_through_its_own_grader(reads):
     assert all(n >= 1 for n in reads.values()), reads  # and each scored 1 (the fixture)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(sorted(GRADED)), fault=FAULTS, garbage=st.text(max_size=200), data=st.data())
 def test_a_fault_in_any_read_of_an_environments_sandbox_scores_zero_with_a_cause_never_fails(solved, reads, name,
                                                                                            fault, garbage, data):

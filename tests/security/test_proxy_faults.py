@@ -65,7 +65,7 @@ def send(s: Served, kind: str, path: str, rng: random.Random) -> int | None:
                      ).status_code
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(faults=st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from(sorted(SURFACES))), min_size=1, max_size=5),
        seed=st.integers(0, 2**32 - 1))
 def test_no_request_of_any_shape_fails_the_episode(tmp_path_factory, faults, seed):
