@@ -133,8 +133,8 @@ async def _keep_screenshots(traj: Trajectory, env) -> None:
 
 async def _steps(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLimits, session: str, seed: int | None,
                  score: Callable[[Any, Task], Reward]) -> tuple[str, Reward, str]:
-    """A multi-step task's steps, in order, in ``env``'s one sandbox: each step's set-up as root, its instruction in a
-    fresh context (the step before's tokens become an earlier row: each trains as its own sequence) with an engine
+    """A multi-step task's steps, in order, in ``env``'s one sandbox: each step's set-up (``steps.prepare``), its
+    instruction in a fresh context (the step before's tokens become an earlier row: each trains as its own sequence) with an engine
     session of its own, its turns, then its checks; a step below its ``min_reward`` ends the episode. The last step's
     finish reason, the episode's reward (``steps.combine``) and the session still open."""
     task = traj.task
@@ -164,9 +164,8 @@ async def _steps(traj: Trajectory, env, policy: Policy, chat, limits: EpisodeLim
         user = Message(role="user", content=step.instruction)
         traj.messages.append(user)
         _extend(traj, chat.render_prompt(env.tools, [user]))
-        timeout = min(t for t in (step.agent_timeout, limits.episode_timeout) if t) if \
-            (step.agent_timeout or limits.episode_timeout) else None  # the step's own, within the episode's
-        deadline = None if timeout is None else time.monotonic() + timeout
+        timeouts = [t for t in (step.agent_timeout, limits.episode_timeout) if t]  # the step's own, within the job's
+        deadline = time.monotonic() + min(timeouts) if timeouts else None
         finish = await _turns(traj, env, policy, chat, limits, session, deadline,
                               None if seed is None else turn_seed(seed, 1_000_000 + i))
         reward = await asyncio.to_thread(score, env.sandbox, steps.step_task(task, i))
