@@ -6,28 +6,42 @@
 # and a config of the repository's settings that run nothing (its format, extensions, file modes, line endings,
 # identity). The .gitattributes of the work tree may still name a driver: with no config defining it, git runs none.
 # What a grader's git writes on purpose (a commit, a stash) goes into the repository's own objects and refs.
-#   bash git.sh ARGS...   (as `git`; a repository root owns, and every explicit --git-dir or GIT_DIR, is git's own)
+#   bash git.sh ARGS...   (as `git`; a repository root owns is git's own. One named by GIT_DIR or --git-dir is read on
+#   the view too: git runs no ownership check on an explicit one, so it would read the policy's config as root.)
 set -u
 real=$(type -P git) || { echo "git: not installed" >&2; exit 127; }
-[[ $(id -u) == 0 && -z ${GIT_DIR:-} ]] || exec "$real" "$@"
+[[ $(id -u) == 0 ]] || exec "$real" "$@"
 
-# where git would look: its -C folders, in order; an explicit --git-dir is git's own business
-dir=$PWD i=1
+# where git would look: its -C folders, in order, and an explicit repository and work tree (taken out of the
+# arguments: the view stands in for them)
+dir=$PWD i=1 explicit=${GIT_DIR:-} tree=${GIT_WORK_TREE:-} args=()
 while ((i <= $#)); do
   a=${!i}
   case $a in
-    -C) ((i++)); c=${!i:-}; [[ $c == /* ]] && dir=$c || dir=$dir/$c ;;
-    -c|--exec-path|--namespace|--super-prefix|--config-env) ((i++)) ;;
-    --git-dir|--git-dir=*|--work-tree|--work-tree=*) exec "$real" "$@" ;;
-    -*) ;;
+    -C) ((i++)); c=${!i:-}; args+=(-C "$c"); [[ $c == /* ]] && dir=$c || dir=$dir/$c ;;
+    -c|--exec-path|--namespace|--super-prefix|--config-env) ((i++)); args+=("$a" "${!i:-}") ;;
+    --git-dir) ((i++)); explicit=${!i:-} ;;
+    --git-dir=*) explicit=${a#--git-dir=} ;;
+    --work-tree) ((i++)); tree=${!i:-} ;;
+    --work-tree=*) tree=${a#--work-tree=} ;;
+    -*) args+=("$a") ;;
     *) break ;;
   esac
   ((i++))
 done
-probe() { "$real" -C "$dir" -c safe.directory='*' rev-parse "$1" 2>/dev/null; }  # reads no index, runs no child
-gitdir=$(probe --absolute-git-dir) || exec "$real" "$@"
-top=$(probe --show-toplevel) || top=${gitdir%/.git}  # run from inside .git: its work tree is the folder above
-[[ $top != "$gitdir" && -d $top ]] || exec "$real" "$@"  # a bare repository: git's own rules
+args+=("${@:i}")
+if [[ -n $explicit ]]; then
+  [[ $explicit == /* ]] || explicit=$dir/$explicit
+  gitdir=$(cd -- "$explicit" 2>/dev/null && pwd -P) || exec "$real" "$@"  # no such folder: git's own error
+  top=${tree:-$dir}
+  [[ $top == /* ]] || top=$dir/$top
+  [[ -d $top ]] || exec "$real" "$@"
+else
+  probe() { "$real" -C "$dir" -c safe.directory='*' rev-parse "$1" 2>/dev/null; }  # reads no index, runs no child
+  gitdir=$(probe --absolute-git-dir) || exec "$real" "$@"
+  top=$(probe --show-toplevel) || top=${gitdir%/.git}  # run from inside .git: its work tree is the folder above
+  [[ $top != "$gitdir" && -d $top ]] || exec "$real" "$@"  # a bare repository: git's own rules
+fi
 if [[ $(stat -c %u "$gitdir") == 0 && $(stat -c %u "$top") == 0 ]]; then exec "$real" "$@"; fi
 
 common=$gitdir
@@ -60,4 +74,4 @@ fi
 # No trust is passed down: the view is root's, so git needs no safe.directory for it, and a child git (a submodule's
 # status) on a folder the policy owns meets git's own ownership refusal instead of reading its config as root.
 # Submodules are not entered (their changes are not what a grader reads in the top repository's status and diff).
-GIT_DIR=$view GIT_WORK_TREE=$top GIT_OPTIONAL_LOCKS=0 "$real" -c diff.ignoreSubmodules=all "$@"
+GIT_DIR=$view GIT_WORK_TREE=$top GIT_OPTIONAL_LOCKS=0 "$real" -c diff.ignoreSubmodules=all "${args[@]}"
