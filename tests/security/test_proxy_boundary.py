@@ -117,6 +117,38 @@ def test_reading_and_rendering_run_off_the_loop_and_a_body_of_more_objects_than_
     assert len(on_loop) == 2 and not any(on_loop), on_loop  # read and rendered, neither on the loop
 
 
+def test_an_episodes_requests_are_answered_one_at_a_time(served):
+    """#56: one connection at a time per episode. Requests a sandbox sends at once queue behind each other, from
+    reading the body to the reply: the engine never holds two generations of one episode."""
+    import threading
+
+    class Counting(ScriptedEngine):
+        def __init__(self):
+            super().__init__([])
+            self.running, self.most = 0, 0
+
+        async def generate(self, request):
+            import asyncio
+
+            self.running += 1
+            self.most = max(self.most, self.running)
+            await asyncio.sleep(0.05)
+            self.running -= 1
+            return await super().generate(request)
+
+    engine = Counting()
+    s = served(engine, max_requests=20)
+    codes = []
+    threads = [threading.Thread(target=lambda: codes.append(_post(s, {"model": "m", "messages": HI}).status_code))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert codes == [200] * 6 and len(engine.requests) == 6
+    assert engine.most == 1, engine.most
+
+
 def test_refused_requests_count_against_the_episodes_budget(served):
     """#56: refused requests cost the episode nothing, so a sandbox could send them without end. Each refusal counts
     as a request: past ``max_requests`` of them the episode ends."""
