@@ -99,6 +99,10 @@ def _task(entry: EnvironmentEntry, task: Any, family: str | None, seed: int,
     if task.env != entry.name:
         raise ValueError(f"task {task.id} is a {task.env!r} task: make {gym_id(task.env)} for it, not "
                          f"{gym_id(entry.name)}")
+    if task.steps:  # one reset, one instruction, one grading: a gymnasium episode cannot hold its steps
+        raise ValueError(f"task {task.id} has {len(task.steps)} steps ({', '.join(s.name for s in task.steps)}): "
+                         "a gymnasium env runs one instruction; run multi-step tasks with sandforge's agent loop "
+                         "(sandforge train, sandforge harbor check)")
     return task, contexts
 
 

@@ -177,6 +177,9 @@ def test_make_says_which_id_a_task_belongs_to():
         gymnasium.make("sandforge/Harbor-v0", image="unused")
     with pytest.raises(ValueError, match="only sandforge/Harbor-v0 takes"):
         gymnasium.make("sandforge/Terminal-v0", task=str(HARBOR_TASK), image="unused")
+    two_step = Path(__file__).parent / "data" / "harbor" / "shapes" / "two-step"  # one instruction per gym episode
+    with pytest.raises(ValueError, match=r"has 2 steps \(write-notes, sort-notes\): a gymnasium env runs one"):
+        gymnasium.make("sandforge/Harbor-v0", task=str(two_step), image="unused")
     env = gymnasium.make("sandforge/Terminal-v0", task=dataclasses.asdict(terminal), image="unused").unwrapped
     assert env.task == terminal and env.score is score_task  # the agent loop's grader, not a copy of it
     assert isinstance(env.observation_space, ObservationText)
