@@ -101,18 +101,28 @@ def test_a_fork_bomb_left_running_scores_zero(kind, terminal_spec, run_id, docke
     assert "missing" in zero(traj, "missing")
 
 
-def test_a_filled_output_spool_neither_fails_the_episode_nor_hides_an_honest_answer(terminal_spec, run_id,
+@pytest.mark.parametrize("check", [
+    {"verifier": "command", "command": f"grep -qx 42 {ANSWER}"},
+    {"verifier": "harbor_tests", "timeout": 60, "files": {"test.sh": (
+        f"grep -qx 42 {ANSWER} && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt")}},
+], ids=["command", "harbor_tests"])
+def test_a_filled_output_spool_neither_fails_the_episode_nor_hides_an_honest_answer(check, terminal_image, run_id,
                                                                                      docker_client):
     """#56: the policy filled its own output spool (/run/sandforge/<uid>, 64 MiB); the grader then asked the policy's
     user for its ids through that spool, the OSError became a VerifierError, and the episode failed, an honest answer
-    included. The ids are asked as root now: the answer scores 1, the fill alone 0."""
-    check = {"verifier": "command", "command": f"grep -qx 42 {ANSWER}"}
+    included. The ids are asked as root now: the answer scores 1, the fill alone 0, doing nothing 0; through a command
+    check and a Harbor test.sh alike (its root is writable, as a Harbor task's is: /tests goes there)."""
+    from sandforge.sandbox.docker_sandbox import SandboxSpec
+
+    spec = SandboxSpec(image=terminal_image, read_only=False)
     fill = "cat /dev/zero > /run/sandforge/$(id -u)/fill; df -h /run/sandforge | tail -1"
-    right = episode([f"echo 42 > {ANSWER}", fill], [check], terminal_spec, run_id, docker_client)
+    right = episode([f"echo 42 > {ANSWER}", fill], [check], spec, run_id, docker_client)
     assert not right.failed, right.failure
     assert right.reward.value == 1.0, right.reward.reason
-    alone = episode([fill], [check], terminal_spec, run_id, docker_client)
+    alone = episode([fill], [check], spec, run_id, docker_client)
     assert not alone.failed and alone.reward.value == 0.0, alone.failure
+    nothing = episode([], [check], spec, run_id, docker_client)
+    assert not nothing.failed and nothing.reward.value == 0.0, nothing.failure
 
 
 def test_zero_causes_are_counted_apart_from_failures(terminal_spec, run_id, docker_client):
