@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from sandforge.types import STEP_REWARDS, Reward, SandboxError, Task, TaskStep
+from sandforge.verifiers.command import run_as_grader
 
 
 @dataclasses.dataclass
@@ -41,14 +42,15 @@ def stops_after(step: TaskStep, reward: Reward) -> bool:
 def prepare(sandbox, step: TaskStep, timeout: float = 300.0) -> str:
     """``step.place`` as the policy's own user, then ``step.setup`` as root behind the graders' start-up
     (sandforge/grading/startup.py: it runs among the files the policy left, as a check does); "" when both succeeded
-    (or there are none), else what went wrong."""
-    from sandforge.verifiers.command import run_as_grader
-
+    (or there are none), else what went wrong. A sandbox that is gone raises (SandboxError): a host-side fact."""
     for command, as_root in ((step.place, False), (step.setup, True)):
         if not command:
             continue
-        result = run_as_grader(sandbox, command, timeout) if as_root else \
-            sandbox.exec(command, timeout=timeout, session=False)
+        try:
+            result = run_as_grader(sandbox, command, timeout) if as_root else \
+                sandbox.exec(command, timeout=timeout, session=False)
+        except OSError as e:  # the start-up could not be written: a root policy can break its sandbox that far
+            return f"step {step.name}'s set-up could not start: {e}"
         if result.timed_out:
             return f"step {step.name}'s set-up timed out after {timeout:g}s"
         if result.exit_code != 0:
